@@ -1,0 +1,74 @@
+"""The looped-LM protocol: prelude (embed) -> recurrent (one traversal of the shared stack) ->
+coda (lm_head). Models never see requests or caches, only rows and an attention backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
+from rlt_engine.models.configs import LoopedLMConfig
+from rlt_engine.models.layers import RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class RecurrentOutput:
+    hidden: torch.Tensor  # [rows, hidden]: input of the row's next loop and of the coda
+    hazard: torch.Tensor | None  # [rows] fp32 exit hazard of this loop; None without a gate
+
+
+class LoopedModel(nn.Module):
+    """`model.*` parameters: embeddings, the shared layer stack, the final norm, optional gate."""
+
+    def __init__(self, cfg: LoopedLMConfig, make_layer: Callable[[LoopedLMConfig, int], nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(make_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        if cfg.has_exit_gate:
+            self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
+
+
+class LoopedCausalLM(nn.Module):
+    layer_class: Callable[[LoopedLMConfig, int], nn.Module]
+
+    def __init__(self, config: LoopedLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LoopedModel(config, type(self).layer_class)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_loops(self) -> int:
+        return self.config.num_loops
+
+    def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def recurrent(
+        self, hidden: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
+    ) -> RecurrentOutput:
+        """One traversal of the shared stack for rows that may sit at different loops."""
+        rope = self.model.rotary_emb(meta.positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, rope, meta, backend)
+        if self.config.norm_every_loop:
+            hidden = self.model.norm(hidden)
+        return RecurrentOutput(hidden, self.exit_hazard(hidden))
+
+    def exit_hazard(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if not self.config.has_exit_gate:
+            return None
+        gate = self.model.early_exit_gate
+        logit = F.linear(hidden.float(), gate.weight.float(), gate.bias.float())
+        return torch.sigmoid(logit).squeeze(-1)
+
+    def coda(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.config.norm_every_loop:
+            hidden = self.model.norm(hidden)
+        return self.lm_head(hidden)
