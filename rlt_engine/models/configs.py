@@ -107,9 +107,8 @@ def parse_config(raw: dict[str, Any]) -> LoopedLMConfig:
         return _parse_ouro(raw)
     if model_type == "nanbeige":
         return _parse_nanbeige(raw)
-    raise ConfigError(
-        f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    )
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    raise ConfigError(f"model_type {model_type!r} is not supported (supported: {supported})")
 
 
 def _require(raw: dict[str, Any], key: str) -> Any:

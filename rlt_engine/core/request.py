@@ -1,0 +1,56 @@
+"""A request's host-side state machine: PREFILL -> CODA -> PRELUDE -> RECURRENT x k -> CODA ..."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rlt_engine.core.exit_rule import ExitTracker, LoopControls
+from rlt_engine.core.plan import KVCopy, Sample, Stage
+from rlt_engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    controls: LoopControls
+    stop_token_ids: frozenset[int]
+    seed: int
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    stage: Stage = Stage.WAITING
+    slot: int | None = None
+    block_tables: list[list[int]] | None = None
+    num_prefilled: int = 0  # prompt tokens that finished every loop
+    chunk: tuple[int, int] | None = None  # prompt positions [start, end) in flight
+    loop: int = 0  # next loop to run for the unit in flight
+    tracker: ExitTracker | None = None
+    pending_copies: list[KVCopy] = field(default_factory=list)
+    written: list[int] = field(default_factory=list)  # per plane: positions [0, n) hold K/V
+
+    output_token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_positions(self) -> int:
+        """KV positions this request can ever write (the last sampled token is never run)."""
+        return self.prompt_len + self.params.max_tokens - 1
+
+    @property
+    def decode_position(self) -> int:
+        """Position of the newest sampled token, the one travelling through the loops."""
+        return self.prompt_len + len(self.output_token_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.stage is Stage.FINISHED

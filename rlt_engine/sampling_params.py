@@ -1,0 +1,53 @@
+"""Per-request generation controls (pure Python; validated at construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS + chat end token
+    logprobs: int | None = None  # None = off; n = chosen token + top-n
+    # Loop controls; None = model defaults (1, depth, config's early_exit_threshold).
+    min_loops: int | None = None
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must lie in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.min_loops is not None and self.min_loops < 1:
+            raise ValueError(f"min_loops must be >= 1, got {self.min_loops}")
+        if self.max_loops is not None and self.max_loops < 1:
+            raise ValueError(f"max_loops must be >= 1, got {self.max_loops}")
+        if self.exit_threshold is not None and not 0.0 <= self.exit_threshold <= 1.0:
+            raise ValueError(f"exit_threshold must lie in [0, 1], got {self.exit_threshold}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,126 @@
+import json
+
+import pytest
+
+from rlt_engine.models.configs import ConfigError, load_config, parse_config
+from rlt_engine.models.registry import ALIASES, resolve_model_name
+
+REAL_OURO = "rlt_engine/models/known_configs/ouro-1.4b.json"
+
+
+def _ouro_raw() -> dict:
+    with open(REAL_OURO) as f:
+        return json.load(f)
+
+
+def _nanbeige_raw() -> dict:
+    return {
+        "model_type": "nanbeige",
+        "vocab_size": 166144,
+        "hidden_size": 3072,
+        "intermediate_size": 10752,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 48,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_loops": 2,
+        "rope_theta": 70000000.0,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 166100,
+        "eos_token_id": 166101,
+        "tie_word_embeddings": False,
+        "skip_loop_final_norm": False,
+        "rope_scaling": None,
+    }
+
+
+def test_real_ouro_config_parses_to_design_facts():
+    cfg = parse_config(_ouro_raw())
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_loops) == (2048, 24, 4)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (16, 16, 128)
+    assert cfg.has_exit_gate and cfg.sandwich_norm and cfg.early_exit_threshold == 1.0
+    assert cfg.eos_token_ids == (0,) and cfg.rope_theta == 1e6
+    # DESIGN §4: 3 MiB per 16-token block and 192 KiB per token per plane in bf16.
+    assert cfg.kv_bytes_per_token(2) == 192 * 1024
+    assert cfg.kv_slots == 96
+
+
+def test_nanbeige_head_dim_comes_from_config_not_hidden_over_heads():
+    cfg = parse_config(_nanbeige_raw())
+    assert cfg.head_dim == 128 and cfg.hidden_size // cfg.num_heads == 64
+    assert cfg.num_loops == 2 and not cfg.has_exit_gate and cfg.kv_slots == 44
+    assert cfg.norm_every_loop
+    assert not parse_config({**_nanbeige_raw(), "skip_loop_final_norm": True}).norm_every_loop
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rope_scaling", {"type": "yarn", "factor": 4.0}),
+        ("use_sliding_window", True),
+        ("tie_word_embeddings", True),
+        ("hidden_act", "gelu"),
+        ("attention_bias", True),
+        ("layer_types", ["sliding_attention"] * 24),
+    ],
+)
+def test_ouro_unsupported_features_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        parse_config({**_ouro_raw(), field: value})
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "enable_hyper_connection",
+        "enable_mhc",
+        "insert_ngram_layer_idx",
+        "emb_neighbor_num",
+        "loop_share_kv",
+        "enable_depth_attention",
+        "qk_layernorm",
+        "mlp_bias",
+    ],
+)
+def test_nanbeige_unsupported_options_name_the_field(field):
+    with pytest.raises(ConfigError, match=field):
+        parse_config({**_nanbeige_raw(), field: True if field != "emb_neighbor_num" else 4})
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"model_type": "llama"}, "not supported"),
+        ({"num_attention_heads": 5}, "multiple"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"total_ut_steps": None}, "total_ut_steps"),
+        ({"eos_token_id": None}, "eos_token_id"),
+        ({"early_exit_threshold": 1.5}, "early_exit_threshold"),
+        ({"bos_token_id": 10**6}, "outside the vocabulary"),
+    ],
+)
+def test_invalid_values_are_rejected(patch, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({**_ouro_raw(), **patch})
+
+
+def test_load_config_errors_are_readable(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path)
+
+
+def test_aliases_are_pinned():
+    assert resolve_model_name("ouro") == (
+        "ByteDance/Ouro-1.4B",
+        "574fa66cb8bf5abdc979642d01cf2b79b16bfab1",
+    )
+    assert resolve_model_name("nanbeige")[1] == "b82e54bd609793562a75cbf9337970a93369eab5"
+    assert set(ALIASES) >= {"ouro", "ouro-2.6b", "ouro-thinking", "ouro-2.6b-thinking", "nanbeige"}
+    # the pin also applies to the plain repo id; unknown repos get no pin
+    assert resolve_model_name("ByteDance/Ouro-2.6B")[1] == ALIASES["ouro-2.6b"].revision
+    assert resolve_model_name("someone/other") == ("someone/other", None)
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve_model_name("not-a-model")
