@@ -22,8 +22,8 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     return 1.0 / (theta**exponents)
 
 
@@ -36,9 +36,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
-        # `.to(torch.bfloat16)` would round inv_freq and shift every angle: recompute in fp32.
+        # `.to(torch.bfloat16)` would round inv_freq and shift every angle: recompute in fp32
+        # (on the CPU, as the reference implementations do, then move it).
         super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.inv_freq.device)
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta).to(self.inv_freq.device)
         return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,46 @@
+"""Incremental detokenization and stop strings.
+
+Text is only emitted once it is complete: a token that ends inside a multi-byte character
+decodes to U+FFFD and is held back until the following tokens complete it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: Any
+    stop: tuple[str, ...] = ()
+    text: str = ""
+    _ids: list[int] = field(default_factory=list)
+    _prefix: int = 0  # tokens before this index are already final text
+    _prefix_text: str = ""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add one token; returns (newly completed text, hit a stop string)."""
+        self._ids.append(token_id)
+        window = self.tokenizer.decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if window.endswith("\ufffd"):
+            return "", False  # incomplete UTF-8 sequence: wait for the next token
+        new = window[len(self._prefix_text) :] if window.startswith(self._prefix_text) else window
+        # Re-anchor on the last few tokens so decode cost stays bounded on long outputs.
+        self._prefix = max(0, len(self._ids) - 4)
+        self._prefix_text = self.tokenizer.decode(
+            self._ids[self._prefix :], skip_special_tokens=True
+        )
+        return self._append(new)
+
+    def _append(self, new: str) -> tuple[str, bool]:
+        before = len(self.text)
+        self.text += new
+        if self.stop:
+            # a stop string may straddle the previous text and the new piece
+            search_from = max(0, before - max(len(s) for s in self.stop) + 1)
+            hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return self.text[before:], True
+        return new, False

@@ -1,0 +1,190 @@
+"""LLMEngine: one scheduler, one model runner, stepped by every front door (CLI, Python, HTTP)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import torch
+
+from rlt_engine.config import EngineConfig
+from rlt_engine.core.block_manager import BlockManager
+from rlt_engine.core.exit_rule import LoopControls
+from rlt_engine.core.request import Request
+from rlt_engine.core.scheduler import Scheduler
+from rlt_engine.detokenizer import IncrementalDetokenizer
+from rlt_engine.models.loader import load_model
+from rlt_engine.models.resolve import default_model, resolve_model_dir
+from rlt_engine.models.tokenizer import TokenizerError, load_tokenizer, stop_token_ids
+from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.worker.model_runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU: a small fixed pool
+CUDA_KV_FRACTION = 0.5  # CUDA: this share of the memory left after loading the model
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if mc.device == "auto" else mc.device
+        )
+        dtype = mc.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = _DTYPES[dtype]
+        self.model_name, self.notice = (mc.model, None) if mc.model else default_model()
+        self.model_dir: Path = resolve_model_dir(self.model_name, mc.revision, mc.load_format)
+        self.model = load_model(
+            self.model_dir, dtype=self.dtype, device=self.device, load_format=mc.load_format
+        )
+        self.model_config = self.model.config
+        try:
+            self.tokenizer = load_tokenizer(self.model_dir)
+            self.default_stop_ids = stop_token_ids(self.tokenizer, self.model_config)
+        except TokenizerError:
+            self.tokenizer = None  # dummy weights from a bare config: token-id prompts only
+            self.default_stop_ids = self.model_config.eos_token_ids
+        depth = self.model_config.num_loops
+        block_size = config.cache.block_size
+        self.num_blocks = config.cache.num_blocks or self._auto_num_blocks(block_size)
+        self.blocks = BlockManager(self.num_blocks, block_size, num_planes=depth)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, depth)
+        self.runner = ModelRunner(self.model, self.num_blocks, block_size)
+        self._requests: dict[str, tuple[Request, IncrementalDetokenizer | None]] = {}
+        self._ids = itertools.count()
+
+    def _auto_num_blocks(self, block_size: int) -> int:
+        per_block = self.model_config.kv_bytes_per_token(self.dtype.itemsize) * block_size
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * CUDA_KV_FRACTION)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        return max(1, budget // per_block)
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._encode(prompt)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            controls=self._controls(params),
+            stop_token_ids=self._stop_ids(params),
+            seed=params.seed if params.seed is not None else random.getrandbits(63),
+        )
+        max_len = self.model_config.max_position_embeddings
+        if req.max_positions > max_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context of {max_len} positions"
+            )
+        self.scheduler.add(req)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        elif params.stop:
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
+        self._requests[request_id] = (req, detok)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        return ids
+
+    def _controls(self, p: SamplingParams) -> LoopControls:
+        depth = self.model_config.num_loops
+        controls = LoopControls(
+            min_loops=p.min_loops if p.min_loops is not None else 1,
+            max_loops=p.max_loops if p.max_loops is not None else depth,
+            exit_threshold=(
+                p.exit_threshold
+                if p.exit_threshold is not None
+                else self.model_config.early_exit_threshold
+            ),
+        )
+        controls.validate(depth)
+        return controls
+
+    def _stop_ids(self, p: SamplingParams) -> frozenset[int]:
+        defaults = () if p.ignore_eos else self.default_stop_ids
+        return frozenset((*defaults, *(p.stop_token_ids or ())))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._output(*entry, new_text="")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one stage batch; outputs for requests that got a token or finished."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        result = self.runner.execute(plan)
+        outputs = []
+        for req in self.scheduler.update(plan, result):
+            req_entry = self._requests.get(req.request_id)
+            if req_entry is None or req_entry[0] is not req:
+                continue
+            detok = req_entry[1]
+            new_text = ""
+            if detok is not None:
+                new_text, hit_stop = detok.push(req.output_token_ids[-1])
+                if hit_stop:
+                    self.scheduler.finish(req, "stop")
+            outputs.append(self._output(req, detok, new_text))
+            if req.finished:
+                del self._requests[req.request_id]
+        return outputs
+
+    def _output(
+        self, req: Request, detok: IncrementalDetokenizer | None, new_text: str
+    ) -> RequestOutput:
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = [
+                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs or ())
+                for s in req.samples
+            ]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=detok.text if detok is not None else "",
+            exit_depths=list(req.exit_depths),
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            new_text=new_text,
+            logprobs=logprobs,
+            metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time),
+        )

@@ -1,0 +1,76 @@
+"""The offline Python API: `LLM(model, **engine options).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rlt_engine.config import EngineConfig
+from rlt_engine.engine import LLMEngine
+from rlt_engine.outputs import RequestOutput
+from rlt_engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model=None)` runs the bundled demo model; any `EngineConfig` field is a keyword."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **options))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts as one batch; outputs come back in input order.
+
+        `on_output` sees every incremental output (for streaming front ends).
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, rendered with the chat template."""
+        from rlt_engine.models.tokenizer import render_chat
+
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [render_chat(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, **kwargs)

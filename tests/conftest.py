@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny checkpoints on disk (written once per session) and the shared data dir.
+
+`tests/` and the repository root go on sys.path, so any test module can `import tiny_checkpoints`
+and the package imports even without an editable install.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+for _path in (TESTS_DIR, TESTS_DIR.parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import tiny_checkpoints  # noqa: E402  (needs the sys.path entries above)
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """../shared beside the repository (or $RLT_SHARED_DIR); skips the test when absent."""
+    if not tiny_checkpoints.SHARED_DIR.is_dir():
+        pytest.skip(f"shared data directory {tiny_checkpoints.SHARED_DIR} is absent")
+    return tiny_checkpoints.SHARED_DIR
+
+
+@pytest.fixture(scope="session")
+def ouro_real_dir(shared_dir: Path) -> Path:
+    """The real Ouro-1.4B config and tokenizer (no weights)."""
+    path = shared_dir / "models" / "ouro-1.4b"
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"real Ouro tokenizer files are absent from {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_ouro_dir(tmp_path_factory: pytest.TempPathFactory, ouro_real_dir: Path) -> Path:
+    """Tiny random Ouro checkpoint with the real Ouro tokenizer. Treat as read-only."""
+    out = tmp_path_factory.mktemp("tiny-ouro")
+    return tiny_checkpoints.write_tiny_ouro(out, tokenizer_from=ouro_real_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_nanbeige_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Nanbeige checkpoint with its synthetic tokenizer. Treat as read-only."""
+    return tiny_checkpoints.write_tiny_nanbeige(tmp_path_factory.mktemp("tiny-nanbeige"))
