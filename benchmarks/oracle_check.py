@@ -75,7 +75,9 @@ def main() -> None:
             "depth": d + 1,
             "max_rel_err_logits": float(err.max() / ref.logits[d].abs().max()),
             "mean_abs_err_logits": float(err.mean()),
-            "top1_agreement": float((logits[d].argmax(-1) == ref.logits[d].argmax(-1)).float().mean()),
+            "top1_agreement": float(
+                (logits[d].argmax(-1) == ref.logits[d].argmax(-1)).float().mean()
+            ),
         }
         if hazards is not None:
             row["max_abs_err_hazard"] = float((hazards[d] - ref.hazards[d]).abs().max())
@@ -86,7 +88,8 @@ def main() -> None:
     ours, _ = greedy_decode(model, prompt, args.decode_tokens)
     model_fp32 = {k: v.float() for k, v in model.state_dict().items()}
     theirs, _ = reference_greedy(model_fp32, cfg, prompt, args.decode_tokens)
-    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+    pairs = enumerate(zip(ours, theirs, strict=True))
+    agree = next((i for i, (a, b) in pairs if a != b), len(ours))
 
     result = {
         "model_config": Path(args.config).name,

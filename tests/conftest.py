@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS_DIR = Path(__file__).resolve().parent
 for _path in (TESTS_DIR, TESTS_DIR.parent):
@@ -17,6 +18,10 @@ for _path in (TESTS_DIR, TESTS_DIR.parent):
         sys.path.insert(0, str(_path))
 
 import tiny_checkpoints  # noqa: E402  (needs the sys.path entries above)
+
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning OpenMP
+# threads make small kernels a hundred times slower.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

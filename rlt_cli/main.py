@@ -1,0 +1,69 @@
+"""The `rlt` command line: one engine, many front doors (see DESIGN.md §1 and §8).
+
+Thin by design: commands parse flags, call an rlt_engine driver and render the result.
+torch is imported only inside commands, never when this module loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated
+
+import typer
+
+from rlt_cli.download import download
+from rlt_cli.output import fail
+from rlt_engine import __version__
+
+app = typer.Typer(
+    name="rlt",
+    help="Inference and serving for looped (recurrent-depth) language models: Ouro, Nanbeige.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals may hold a --token
+)
+
+# Subcommands that exist in the plan but not yet in code: (one-line help, what they will do).
+PLANNED: dict[str, tuple[str, str]] = {
+    "generate": ("Generate text for prompts with a looped model.", "offline LLM.generate driver"),
+    "serve": ("Serve an OpenAI-compatible HTTP API.", "FastAPI server over the async engine"),
+    "bench": ("Benchmark throughput and latency (tok/s, TTFT, TPOT).", "benchmark driver"),
+    "profile": ("Profile one engine step per stage and kernel.", "profiler driver"),
+    "eval": ("Evaluate accuracy on a task such as gsm8k.", "evaluation driver"),
+    "pd-launch": ("Launch disaggregated prefill/decode workers.", "prefill/decode launcher"),
+}
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"rlt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Inference and serving for looped (recurrent-depth) language models: Ouro, Nanbeige."""
+
+
+app.command("download")(download)
+
+
+def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:
+    def command(ctx: typer.Context) -> None:
+        fail(f"rlt {name} is not implemented yet (planned: {plan})", code=2)
+
+    return command
+
+
+for _name, (_help, _plan) in PLANNED.items():
+    app.command(_name, help=_help, context_settings=_PASS_THROUGH)(_planned(_name, _plan))
+
+
+if __name__ == "__main__":
+    app(prog_name="rlt")

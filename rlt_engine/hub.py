@@ -1,0 +1,498 @@
+"""Fetch and verify checkpoints from the Hugging Face Hub.
+
+`download_model` resolves an alias to a pinned revision, returns an existing complete copy
+without touching the network, and otherwise downloads only what the engine needs (config,
+safetensors weights, tokenizer files; never the repository's `.py` code) and verifies it.
+`verify_model_dir` checks a checkpoint directory by reading files and safetensors headers only.
+Importable without typer or rich; huggingface_hub's errors become one-line `HubError`s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub import errors as hf_errors
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from rlt_engine.models.registry import resolve_model_name
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+ALLOW_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    *TOKENIZER_FILES,
+)
+# Never remote code; only top-level files (subfolders hold other formats we do not load).
+IGNORE_PATTERNS = ("*.py", "*/*")
+
+# Sizes published for pinned revisions, checked whenever the (repo_id, revision) matches.
+KNOWN_SIZES: dict[tuple[str, str], dict[str, int]] = {
+    ("ByteDance/Ouro-1.4B", "574fa66cb8bf5abdc979642d01cf2b79b16bfab1"): {
+        "model.safetensors": 2_869_336_434,
+    },
+}
+
+# Seconds to wait for the Hub before calling it unreachable (connect and read of one request).
+PROBE_TIMEOUT_S = 4.0
+ETAG_TIMEOUT_S = 10.0
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+
+class HubError(RuntimeError):
+    """A download that cannot proceed; the message is one readable line."""
+
+
+class HubUnreachableError(HubError):
+    """The Hub cannot be reached (offline mode, no network, timeout, server error)."""
+
+
+class HubAccessError(HubError):
+    """The Hub answered, but the repository or revision is missing, gated or private."""
+
+
+class ModelVerificationError(HubError):
+    """The files on disk do not form a complete, readable checkpoint."""
+
+
+@dataclass(frozen=True)
+class DownloadResult:
+    path: Path
+    repo_id: str
+    revision: str | None
+    already_present: bool
+    files: tuple[str, ...]
+    total_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "already_present": self.already_present,
+            "files": list(self.files),
+            "total_bytes": self.total_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class _RemoteInfo:
+    commit: str | None
+    sizes: dict[str, int]
+
+
+def download_model(
+    name: str,
+    *,
+    revision: str | None = None,
+    local_dir: str | Path | None = None,
+    token: str | None = None,
+    progress: type | None = None,
+    cache_dir: str | Path | None = None,
+) -> DownloadResult:
+    """Make a verified copy of `name` (alias or `org/name`) available locally.
+
+    `revision` overrides the alias's pinned revision. Files go to `local_dir` if given, else
+    the Hugging Face cache. `progress` is a tqdm-compatible class for huggingface_hub's bars.
+    Raises `ValueError` for an unknown alias and `HubError` subclasses for everything else.
+    """
+    repo_id, pinned = resolve_model_name(name)
+    revision = revision or pinned
+    local, problems = _find_local_copy(repo_id, revision, local_dir, cache_dir)
+    if local is not None:
+        return _result(local, repo_id, _local_revision(local, revision), already_present=True)
+    if _offline():
+        detail = f" ({problems[0]})" if problems else ""
+        raise HubUnreachableError(
+            f"HF_HUB_OFFLINE is set and no complete local copy of {_where(repo_id, revision)} "
+            f"exists{detail}; unset HF_HUB_OFFLINE or pass --local-dir with a complete copy"
+        )
+    remote = _probe_hub(repo_id, revision, token)
+    path = _fetch(repo_id, revision, local_dir, cache_dir, token, progress)
+    commit = remote.commit or revision
+    problems = verify_model_dir(path, repo_id=repo_id, revision=commit, expected=remote.sizes)
+    if problems:
+        raise ModelVerificationError(
+            f"{path} failed verification: {'; '.join(problems)} "
+            "(delete the damaged files and run the download again)"
+        )
+    return _result(path, repo_id, commit, already_present=False)
+
+
+# ---------------------------------------------------------------------------- local copies
+
+
+def find_local_copy(repo_id: str, revision: str | None) -> Path | None:
+    """A complete, verified copy in the Hugging Face cache, found without network."""
+    return _find_local_copy(repo_id, revision, None, None)[0]
+
+
+def _find_local_copy(
+    repo_id: str, revision: str | None, local_dir: str | Path | None, cache_dir: str | Path | None
+) -> tuple[Path | None, list[str]]:
+    """A complete, verified local copy (no network), or None and what is wrong with it."""
+    if local_dir is not None:
+        candidate: Path | None = Path(local_dir).expanduser()
+        if not candidate.is_dir():
+            return None, []
+        recorded = _local_dir_commit(candidate)
+        if recorded and revision and _COMMIT_RE.match(revision) and recorded != revision:
+            return None, [f"{candidate} holds revision {recorded[:12]}, not {revision[:12]}"]
+    else:
+        candidate = _cached_snapshot(repo_id, revision, cache_dir)
+        if candidate is None:
+            return None, []
+    problems = verify_model_dir(
+        candidate, repo_id=repo_id, revision=_local_revision(candidate, revision)
+    )
+    return (candidate, []) if not problems else (None, problems)
+
+
+def _cached_snapshot(
+    repo_id: str, revision: str | None, cache_dir: str | Path | None
+) -> Path | None:
+    try:
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=True,
+            allow_patterns=list(ALLOW_PATTERNS),
+            ignore_patterns=list(IGNORE_PATTERNS),
+        )
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    return Path(path)
+
+
+def _local_dir_commit(local_dir: Path) -> str | None:
+    """The commit huggingface_hub recorded when it downloaded into `local_dir`, if any."""
+    meta = local_dir / ".cache" / "huggingface" / "download" / "config.json.metadata"
+    try:
+        first = meta.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        return None
+    return first if _COMMIT_RE.match(first) else None
+
+
+def _local_revision(path: Path, requested: str | None) -> str | None:
+    if _COMMIT_RE.match(path.name) and path.parent.name == "snapshots":
+        return path.name
+    return _local_dir_commit(path) or requested
+
+
+def _result(
+    path: Path, repo_id: str, revision: str | None, *, already_present: bool
+) -> DownloadResult:
+    files = tuple(sorted(_checkpoint_files(path)))
+    total = sum((path / f).stat().st_size for f in files)
+    return DownloadResult(path.resolve(), repo_id, revision, already_present, files, total)
+
+
+def _checkpoint_files(path: Path) -> Iterable[str]:
+    for entry in path.iterdir():
+        if entry.is_file() and _wanted(entry.name):
+            yield entry.name
+
+
+def _wanted(filename: str) -> bool:
+    return any(fnmatch(filename, p) for p in ALLOW_PATTERNS) and not any(
+        fnmatch(filename, p) for p in IGNORE_PATTERNS
+    )
+
+
+# ---------------------------------------------------------------------------- network
+
+
+def _offline() -> bool:
+    is_offline = getattr(constants, "is_offline_mode", None)
+    return bool(is_offline() if callable(is_offline) else constants.HF_HUB_OFFLINE)
+
+
+def _probe_hub(repo_id: str, revision: str | None, token: str | None) -> _RemoteInfo:
+    """One quick request (no retries) that tells reachability, access and file sizes."""
+    try:
+        info = HfApi().model_info(
+            repo_id, revision=revision, timeout=PROBE_TIMEOUT_S, files_metadata=True, token=token
+        )
+    except Exception as exc:
+        mapped = _hub_error(exc, repo_id, revision)
+        if mapped is None:
+            raise
+        raise mapped from exc
+    sizes = {
+        s.rfilename: int(s.size)
+        for s in info.siblings or ()
+        if s.size is not None and _wanted(s.rfilename)
+    }
+    return _RemoteInfo(commit=info.sha, sizes=sizes)
+
+
+def _fetch(
+    repo_id: str,
+    revision: str | None,
+    local_dir: str | Path | None,
+    cache_dir: str | Path | None,
+    token: str | None,
+    progress: type | None,
+) -> Path:
+    try:
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            local_dir=local_dir,
+            cache_dir=cache_dir,
+            token=token,
+            allow_patterns=list(ALLOW_PATTERNS),
+            ignore_patterns=list(IGNORE_PATTERNS),
+            etag_timeout=ETAG_TIMEOUT_S,
+            tqdm_class=progress,
+        )
+    except Exception as exc:
+        mapped = _hub_error(exc, repo_id, revision)
+        if mapped is None:
+            raise
+        raise mapped from exc
+    return Path(path)
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level exception types of whichever HTTP client huggingface_hub uses."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError, OfflineModeIsEnabled]
+    for module in ("httpx2", "httpx", "requests"):
+        try:
+            mod = __import__(module)
+        except ImportError:
+            continue
+        for attr in ("TransportError", "ConnectionError", "Timeout"):
+            cls = getattr(mod, attr, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                types.append(cls)
+    return tuple(types)
+
+
+def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubError | None:
+    """Translate huggingface_hub / HTTP client errors into one-line `HubError`s."""
+    where, endpoint = _where(repo_id, revision), constants.ENDPOINT
+    if isinstance(exc, GatedRepoError):
+        return HubAccessError(f"{repo_id} is gated: accept its terms on the Hub and pass --token")
+    if isinstance(exc, RepositoryNotFoundError):
+        return HubAccessError(f"{repo_id} not found on {endpoint} or gated/private; pass --token")
+    if isinstance(exc, RevisionNotFoundError):
+        return HubAccessError(f"revision {revision!r} not found in {repo_id} on {endpoint}")
+    if isinstance(exc, HfHubHTTPError):
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (401, 403):
+            return HubAccessError(f"access to {repo_id} denied (HTTP {status}); pass --token")
+        answer = f"HTTP {status}" if status else _one_line(exc)
+        return HubUnreachableError(f"the Hub at {endpoint} failed for {where} ({answer})")
+    if isinstance(exc, (LocalEntryNotFoundError, *_transport_errors())):
+        cause = exc.__cause__ or exc
+        return HubUnreachableError(
+            f"cannot reach the Hub at {endpoint} ({type(cause).__name__}: {_one_line(cause)}) "
+            f"and no complete local copy of {where}"
+        )
+    xet_error = getattr(hf_errors, "XetDownloadError", None)
+    if xet_error is not None and isinstance(exc, xet_error):
+        return HubUnreachableError(f"download of {where} failed: {_one_line(exc)}")
+    return None
+
+
+def _where(repo_id: str, revision: str | None) -> str:
+    return f"{repo_id}@{revision[:12] if revision else 'main'}"
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------- verification
+
+
+def verify_model_dir(
+    path: str | Path,
+    *,
+    repo_id: str | None = None,
+    revision: str | None = None,
+    expected: Mapping[str, int] | None = None,
+) -> list[str]:
+    """Problems that keep `path` from being a complete checkpoint (empty list: it verifies).
+
+    Reads JSON files and safetensors headers, never tensor data. `expected` maps file names to
+    sizes (e.g. from the Hub); the `KNOWN_SIZES` entry for (repo_id, revision) is added to it.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        return [f"{root} is not a directory"]
+    problems = _check_json(root, "config.json", required=True)
+    problems += _check_json(root, "generation_config.json", required=False)
+    problems += _check_tokenizer(root)
+    problems += _check_weights(root)
+    sizes = dict(known_sizes(repo_id, revision))
+    sizes.update(expected or {})
+    problems += _check_sizes(root, sizes)
+    return problems
+
+
+def known_sizes(repo_id: str | None, revision: str | None) -> dict[str, int]:
+    """Published file sizes for (repo_id, revision) from `KNOWN_SIZES` (repo id case-blind)."""
+    for (known_repo, known_rev), sizes in KNOWN_SIZES.items():
+        if repo_id and known_repo.lower() == repo_id.lower() and known_rev == revision:
+            return sizes
+    return {}
+
+
+def _check_json(root: Path, name: str, *, required: bool) -> list[str]:
+    file = root / name
+    if not file.is_file():
+        return [f"{name} is missing"] if required else []
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [f"{name} does not parse: {_one_line(exc, 80)}"]
+    return []
+
+
+def _check_tokenizer(root: Path) -> list[str]:
+    problems = _check_json(root, "tokenizer_config.json", required=True)
+    has_model = (
+        (root / "tokenizer.json").is_file()
+        or (root / "tokenizer.model").is_file()
+        or ((root / "vocab.json").is_file() and (root / "merges.txt").is_file())
+    )
+    if not has_model:
+        problems.append("no tokenizer (tokenizer.json, tokenizer.model or vocab.json + merges.txt)")
+    for name in ("tokenizer.json", "vocab.json", "special_tokens_map.json", "added_tokens.json"):
+        problems += _check_json(root, name, required=False)
+    return problems
+
+
+def _check_weights(root: Path) -> list[str]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return _check_index(root, index)
+    shards = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    if not shards:
+        return ["no *.safetensors weights"]
+    return [p for shard in shards for p in _check_safetensors(shard)[1]]
+
+
+def _check_index(root: Path, index: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        assert isinstance(weight_map, dict) and weight_map
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return [f"{index.name} does not parse or has no weight_map"]
+    problems: list[str] = []
+    for shard in sorted(set(weight_map.values())):
+        if not (root / shard).is_file():
+            problems.append(f"shard {shard} listed in {index.name} is missing")
+            continue
+        names, shard_problems = _check_safetensors(root / shard)
+        problems += shard_problems
+        absent = [t for t, s in weight_map.items() if s == shard and t not in names]
+        if names and absent:
+            problems.append(f"{shard} lacks {len(absent)} tensor(s) of the index, e.g. {absent[0]}")
+    return problems
+
+
+def _check_safetensors(file: Path) -> tuple[set[str], list[str]]:
+    """Tensor names and problems of one safetensors file, from its header alone."""
+    try:
+        length, header = _read_header(file)
+        end = _data_end(header)
+    except (OSError, ValueError) as exc:
+        return set(), [f"{file.name}: {exc}"]
+    data_bytes = file.stat().st_size - 8 - length
+    if end != data_bytes:
+        return set(), [f"{file.name}: data is {data_bytes:,} bytes, header describes {end:,}"]
+    return {n for n in header if n != "__metadata__"}, []
+
+
+def _data_end(header: Mapping[str, Any]) -> int:
+    """End of the data buffer described by a header, checking each tensor's extent."""
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in entry["data_offsets"])
+            numel = 1
+            for dim in entry["shape"]:
+                numel *= int(dim)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"tensor {name} has a malformed header entry") from exc
+        width = _DTYPE_BYTES.get(entry.get("dtype", ""))
+        if not 0 <= begin <= stop or (width is not None and stop - begin != numel * width):
+            raise ValueError(f"tensor {name} has inconsistent data offsets")
+        end = max(end, stop)
+    return end
+
+
+def read_safetensors_header(file: str | Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file, without reading tensor data."""
+    return _read_header(Path(file))[1]
+
+
+def _read_header(file: Path) -> tuple[int, dict[str, Any]]:
+    """(header length, header): 8-byte little-endian length, then that many bytes of JSON."""
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError("truncated safetensors file (no header length)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > _MAX_HEADER_BYTES:
+            raise ValueError(f"implausible safetensors header length {length:,}")
+        raw = f.read(length)
+    if len(raw) < length:
+        raise ValueError(f"truncated safetensors header ({len(raw):,} of {length:,} bytes)")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"safetensors header does not parse: {_one_line(exc, 80)}") from exc
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise ValueError("safetensors header is not a JSON object of tensor entries")
+    return length, header
+
+
+def _check_sizes(root: Path, sizes: Mapping[str, int]) -> list[str]:
+    problems = []
+    for name, size in sorted(sizes.items()):
+        file = root / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif (actual := file.stat().st_size) != size:
+            problems.append(f"{name} is {actual:,} bytes, expected {size:,}")
+    return problems
