@@ -12,6 +12,8 @@ from typing import Annotated
 import typer
 
 from rlt_cli.download import download
+from rlt_cli.generate import HELP as GENERATE_HELP
+from rlt_cli.generate import OneLineUsageErrors, generate_command
 from rlt_cli.output import fail
 from rlt_engine import __version__
 
@@ -25,7 +27,6 @@ app = typer.Typer(
 
 # Subcommands that exist in the plan but not yet in code: (one-line help, what they will do).
 PLANNED: dict[str, tuple[str, str]] = {
-    "generate": ("Generate text for prompts with a looped model.", "offline LLM.generate driver"),
     "serve": ("Serve an OpenAI-compatible HTTP API.", "FastAPI server over the async engine"),
     "bench": ("Benchmark throughput and latency (tok/s, TTFT, TPOT).", "benchmark driver"),
     "profile": ("Profile one engine step per stage and kernel.", "profiler driver"),
@@ -52,6 +53,7 @@ def main(
 
 
 app.command("download")(download)
+app.command("generate", help=GENERATE_HELP, cls=OneLineUsageErrors)(generate_command())
 
 
 def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:

@@ -1,7 +1,8 @@
 """Incremental detokenization and stop strings.
 
-Text is only emitted once it is complete: a token that ends inside a multi-byte character
-decodes to U+FFFD and is held back until the following tokens complete it.
+Text is only emitted once it is final: a token that ends inside a multi-byte character
+decodes to U+FFFD and is held back until the following tokens complete it, and the last
+characters that could still be the start of a stop string are held back until they cannot.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ class IncrementalDetokenizer:
     _ids: list[int] = field(default_factory=list)
     _prefix: int = 0  # tokens before this index are already final text
     _prefix_text: str = ""
+    _emitted: int = 0  # characters of `text` already handed out
 
-    def push(self, token_id: int) -> tuple[str, bool]:
-        """Add one token; returns (newly completed text, hit a stop string)."""
+    def push(self, token_id: int) -> bool:
+        """Add one token; True when the text now contains a stop string (it is cut there)."""
         self._ids.append(token_id)
         window = self.tokenizer.decode(self._ids[self._prefix :], skip_special_tokens=True)
         if window.endswith("\ufffd"):
-            return "", False  # incomplete UTF-8 sequence: wait for the next token
+            return False  # incomplete UTF-8 sequence: wait for the next token
         new = window[len(self._prefix_text) :] if window.startswith(self._prefix_text) else window
         # Re-anchor on the last few tokens so decode cost stays bounded on long outputs.
         self._prefix = max(0, len(self._ids) - 4)
@@ -33,14 +35,24 @@ class IncrementalDetokenizer:
         )
         return self._append(new)
 
-    def _append(self, new: str) -> tuple[str, bool]:
+    def _append(self, new: str) -> bool:
         before = len(self.text)
         self.text += new
-        if self.stop:
-            # a stop string may straddle the previous text and the new piece
-            search_from = max(0, before - max(len(s) for s in self.stop) + 1)
-            hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                return self.text[before:], True
-        return new, False
+        if not self.stop:
+            return False
+        # a stop string may straddle the previous text and the new piece
+        search_from = max(0, before - max(len(s) for s in self.stop) + 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def take_new(self, final: bool = False) -> str:
+        """Text that can no longer change; everything once the request is finished."""
+        end = len(self.text)
+        if not final and self.stop:
+            end = max(self._emitted, end - max(len(s) for s in self.stop) + 1)
+        piece = self.text[self._emitted : end]
+        self._emitted = end
+        return piece

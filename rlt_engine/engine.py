@@ -93,12 +93,12 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context of {max_len} positions"
             )
-        self.scheduler.add(req)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        elif params.stop:
-            raise ValueError("stop strings need a tokenizer; this model directory has none")
+        self.scheduler.add(req)
         self._requests[request_id] = (req, detok)
         return request_id
 
@@ -159,12 +159,16 @@ class LLMEngine:
             detok = req_entry[1]
             new_text = ""
             if detok is not None:
-                new_text, hit_stop = detok.push(req.output_token_ids[-1])
-                if hit_stop:
+                if detok.push(req.output_token_ids[-1]):
+                    if req.finished:  # the stop string landed on the last allowed token
+                        req.finish_reason = "stop"
                     self.scheduler.finish(req, "stop")
+                new_text = detok.take_new(final=req.finished)
             outputs.append(self._output(req, detok, new_text))
             if req.finished:
                 del self._requests[req.request_id]
+        if not self.scheduler.has_unfinished():
+            self.runner.free_slots(self.scheduler.take_slot_frees())
         return outputs
 
     def _output(

@@ -115,6 +115,9 @@ class TrainOptions:
     warmup: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    dropout: float = 0.1  # on embeddings and on each residual branch (training only)
+    gate_bias_init: float = -1.4  # λ ≈ 0.2: most exit mass starts on the deepest loop
+    keep_best: bool = True  # end stage 1 at the evaluation with the lowest val CE at full depth
     beta: float = 0.1  # entropy bonus at the start ...
     beta_final: float = 0.05  # ... annealed linearly to this
     # Stage 2 (gate only)
@@ -425,6 +428,21 @@ def loop_hiddens(
     return states
 
 
+def add_dropout(model: LoopedCausalLM, p: float) -> list[Any]:
+    """Dropout on the embeddings and on each residual branch (after its sandwich norm, just
+    before the residual add), as forward hooks: the model code stays the product's, and the
+    hooks are inert in eval mode. GSM8K train is ~1.3M tokens, so a 5M-parameter model
+    memorises it within a few epochs without this."""
+
+    def hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return F.dropout(output, p, module.training)
+
+    modules: list[torch.nn.Module] = [model.model.embed_tokens]
+    for layer in model.model.layers:
+        modules += [layer.input_layernorm_2, layer.post_attention_layernorm_2]
+    return [m.register_forward_hook(hook) for m in modules] if p > 0 else []
+
+
 def gate_logits(model: LoopedCausalLM, hidden: torch.Tensor) -> torch.Tensor:
     """The exit gate before its sigmoid, in fp32 outside autocast: the same arithmetic as
     `LoopedCausalLM.exit_hazard` (hazard = sigmoid of this), kept in logit space so that
@@ -564,6 +582,7 @@ class Trainer:
         self.amp = opts.amp and device.type == "cuda"
         self.log: dict[str, list[dict[str, Any]]] = {"train": [], "val": [], "gate": []}
         self.start = time.perf_counter()
+        self.best: tuple[float, int, dict[str, torch.Tensor]] | None = None
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
@@ -603,13 +622,28 @@ class Trainer:
             if step % opts.log_every == 0 or last:
                 self.record_train(step, lr, terms, float(grad_norm))
             if (step + 1) % opts.eval_every == 0 or last:
-                self.record_val("stage1", step + 1, val)
+                self.remember_best(step + 1, self.record_val("stage1", step + 1, val))
+        if opts.keep_best and self.best is not None:
+            ce, step, state = self.best
+            model.load_state_dict(state)
+            print(f"stage 1 ends with the weights of step {step} (val CE {ce:.4f})", flush=True)
+
+    def remember_best(self, step: int, val_ce: list[float]) -> None:
+        """Keep the weights with the lowest held-out CE at full depth (early stopping)."""
+        if self.opts.keep_best and (self.best is None or val_ce[-1] < self.best[0]):
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.best = (val_ce[-1], step, state)
+
+    @property
+    def best_step(self) -> int:
+        return self.opts.steps if self.best is None else self.best[1]
 
     def stage2(self, batches: Iterator[torch.Tensor], val: torch.Tensor) -> None:
         """Gate only: the body is frozen, so its forward runs without autograd."""
         opts, model = self.opts, self.model
         gate = model.model.early_exit_gate
         optim = torch.optim.AdamW(gate.parameters(), lr=opts.gate_lr, weight_decay=0.0)
+        model.eval()  # no dropout: the gate learns from the hiddens inference will see
         for step in range(opts.gate_steps):
             lr = opts.gate_lr * lr_factor(step, opts.gate_steps, 0, opts.min_lr_ratio)
             for group in optim.param_groups:
@@ -662,7 +696,9 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def record_val(self, stage: str, step: int, val: torch.Tensor) -> None:
+    def record_val(self, stage: str, step: int, val: torch.Tensor) -> list[float]:
+        """Held-out CE per loop and mean exit mass; returns the CE per loop."""
+        training = self.model.training
         self.model.eval()
         ce_sum = torch.zeros(self.model.num_loops, device=self.device)
         mass_sum = torch.zeros_like(ce_sum)
@@ -672,7 +708,7 @@ class Trainer:
             ce_sum += ce.sum(1)
             mass_sum += exit_log_probs(logits).exp().sum(1)
             rows += ce.shape[1]
-        self.model.train()
+        self.model.train(training)
         entry = {
             "stage": stage,
             "step": step,
@@ -683,7 +719,9 @@ class Trainer:
         }
         self.log["val"].append(entry)
         ce_text = " ".join(f"{x:.3f}" for x in entry["ce_per_loop"])
-        print(f"[val {stage} {step}] ce/loop {ce_text}  seconds {entry['seconds']}", flush=True)
+        mass = " ".join(f"{x:.2f}" for x in entry["exit_mass"])
+        print(f"[val {stage} {step}] ce/loop {ce_text}  exit mass {mass}", flush=True)
+        return entry["ce_per_loop"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -713,7 +751,9 @@ def prepare_tokenizer(opts: TrainOptions, docs: Sequence[str], reuse: bool) -> A
 def build_model(opts: TrainOptions, device: torch.device) -> LoopedCausalLM:
     cfg = parse_config(model_config(opts))
     model: LoopedCausalLM = model_class(cfg.model_type)(cfg)
-    init_dummy_weights(model, opts.seed)  # N(0, 0.02) matrices, unit norms, zero gate bias
+    init_dummy_weights(model, opts.seed)  # N(0, 0.02) matrices, unit norms, zero biases
+    with torch.no_grad():
+        model.model.early_exit_gate.bias.fill_(opts.gate_bias_init)
     return model.to(device).train()
 
 
@@ -738,7 +778,9 @@ def train(opts: TrainOptions, tokenizer_only: bool = False) -> dict[str, Any]:
 
     encoded = encode_documents(tok, docs)
     train_docs, val_docs = encoded[: -opts.val_docs], encoded[-opts.val_docs :]
-    val = epoch_windows(val_docs, opts.seq_len, opts.seed, epoch=0)[: opts.eval_batches * opts.batch_size]
+    val = epoch_windows(val_docs, opts.seq_len, opts.seed, epoch=0)[
+        : opts.eval_batches * opts.batch_size
+    ]
     model = build_model(opts, device)
     params = sum(p.numel() for p in model.parameters())
     tokens = sum(d.numel() for d in train_docs)
@@ -749,7 +791,10 @@ def train(opts: TrainOptions, tokenizer_only: bool = False) -> dict[str, Any]:
     )
     trainer = Trainer(opts, model, device)
     batches = training_batches(train_docs, opts.seq_len, opts.batch_size, opts.seed)
+    hooks = add_dropout(model, opts.dropout)
     trainer.stage1(batches, val)
+    for hook in hooks:
+        hook.remove()
     stage1_seconds = trainer.seconds()
     trainer.stage2(batches, val)
     size = save_bf16(model, opts.out)
@@ -761,6 +806,7 @@ def train(opts: TrainOptions, tokenizer_only: bool = False) -> dict[str, Any]:
         "parameters": params,
         "train_tokens_per_epoch": tokens,
         "epochs": opts.steps * opts.batch_size * opts.seq_len / tokens,
+        "stage1_best_step": trainer.best_step,
         "seconds_stage1": stage1_seconds,
         "seconds_total": trainer.seconds(),
         "checkpoint_bytes": size,

@@ -75,6 +75,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_slot_frees(self) -> list[int]:
+        """Slots freed since the last plan (for a worker that will see no further plan)."""
+        frees, self._slot_frees = self._slot_frees, []
+        return frees
+
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         self._admit()
@@ -109,8 +114,12 @@ class Scheduler:
         rows: list[RecurrentRow] = []
         owners: list[Request] = []
         budget = self.config.max_num_batched_tokens
+        # no-refill: a new token (PRELUDE) starts only when no cohort is between loops
+        cohort_busy = not self.config.refill and any(
+            r.stage is Stage.RECURRENT for r in self.running
+        )
         for req in self.running:
-            if req.stage in (Stage.PRELUDE, Stage.RECURRENT):
+            if req.stage is Stage.RECURRENT or (req.stage is Stage.PRELUDE and not cohort_busy):
                 rows.append(self._decode_row(req))
                 owners.append(req)
                 budget -= 1

@@ -33,12 +33,15 @@ class ModelRunner:
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        for slot in plan.slot_frees:
+    def free_slots(self, slots: tuple[int, ...] | list[int]) -> None:
+        for slot in slots:
             self.hidden.pop(slot, None)
             self.params.pop(slot, None)
             self.generators.pop(slot, None)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.free_slots(plan.slot_frees)
         for init in plan.slot_inits:
             self.params[init.slot] = init.params
             self.generators[init.slot] = torch.Generator(self.device).manual_seed(init.seed)

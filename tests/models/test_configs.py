@@ -105,7 +105,7 @@ def test_invalid_values_are_rejected(patch, message):
 
 
 def test_load_config_errors_are_readable(tmp_path):
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):

@@ -1,0 +1,334 @@
+"""`rlt generate`: run prompts as one batch, stream the text, then summarize speed and exit depths.
+
+The flags come from the engine's config dataclasses and `SamplingParams` (rlt_cli/options.py).
+Human output: generated text on stdout, notices and the summary table on stderr (so
+`rlt generate ... > out.txt` keeps only text). `--json`: one JSON object on stdout, nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+from typer.core import TyperCommand
+
+from rlt_cli.options import (
+    engine_fields,
+    engine_parameters,
+    sampling_fields,
+    sampling_parameters,
+    to_field_values,
+)
+from rlt_cli.output import fail, one_line, stderr, stdout
+from rlt_engine.config import EngineConfig
+from rlt_engine.sampling_params import SamplingParams
+
+try:  # recent typer vendors click as typer._click
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - older typer uses the click package
+    from click.exceptions import UsageError
+
+if TYPE_CHECKING:
+    from rlt_engine.llm import LLM
+    from rlt_engine.outputs import RequestOutput
+
+HELP = "Generate text for prompts with a looped model (several prompts run as one batch)."
+
+# Every model/config/checkpoint/tokenizer error of the engine derives from one of these
+# (ModelNotFoundError is a FileNotFoundError; ConfigError, CheckpointError and TokenizerError are
+# ValueErrors; tests/cli/test_generate.py checks it), so the torch-importing modules that define
+# them need not be imported just to print a flag error.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+class OneLineUsageErrors(TyperCommand):
+    """Bad flags are reported like every other error: one red line, exit code 2."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except UsageError as exc:
+            fail(f"{exc.format_message()} (see `rlt generate --help`)", code=exc.exit_code)
+
+
+@dataclass(frozen=True)
+class GenerateRun:
+    prompts: list[str]
+    engine_options: dict[str, Any]
+    params: SamplingParams
+    chat: bool
+    json_output: bool
+    verbose: bool
+
+
+def generate_command() -> Callable[..., None]:
+    """The Typer callback: its signature is built from the config dataclasses."""
+
+    def generate(**values: Any) -> None:
+        try:
+            _generate(_parse(values))
+        except USER_ERRORS as exc:
+            fail(str(exc) or type(exc).__name__)
+        except KeyboardInterrupt:
+            fail("interrupted", code=130)
+
+    parameters = [_PROMPTS, *engine_parameters(), *sampling_parameters(), *_FRONT_END]
+    generate.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    generate.__annotations__ = {p.name: p.annotation for p in parameters}
+    generate.__doc__ = HELP
+    return generate
+
+
+def _keyword(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> Any:
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Parameter(name, kind, default=default, annotation=annotation)
+
+
+_PROMPTS = _keyword(
+    "prompts",
+    Annotated[list[str], typer.Argument(metavar="PROMPT", help="Prompts, run as one batch.")],
+)
+_FRONT_END = [
+    _keyword(
+        "chat",
+        Annotated[bool, typer.Option("--chat", help="Send each prompt as a user chat message.")],
+        False,
+    ),
+    _keyword(
+        "json_output",
+        Annotated[bool, typer.Option("--json", help="Print one JSON object; no streaming.")],
+        False,
+    ),
+    _keyword(
+        "verbose",
+        Annotated[bool, typer.Option("--verbose", "-v", help="Print the resolved model setup.")],
+        False,
+    ),
+]
+
+
+# -- parsing and validation (no torch) ----------------------------------------------------
+def _parse(values: dict[str, Any]) -> GenerateRun:
+    engine_options = to_field_values(values, [f.name for f in engine_fields()])
+    EngineConfig.from_options(**engine_options)  # fail fast, before torch is imported
+    params = SamplingParams(**to_field_values(values, [f.name for f in sampling_fields()]))
+    lo, hi = params.min_loops, params.max_loops
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"min_loops ({lo}) must be <= max_loops ({hi})")
+    return GenerateRun(
+        prompts=list(values["prompts"]),
+        engine_options=engine_options,
+        params=params,
+        chat=values["chat"],
+        json_output=values["json_output"],
+        verbose=values["verbose"],
+    )
+
+
+# -- running ------------------------------------------------------------------------------
+def _generate(run: GenerateRun) -> None:
+    _check_device(run.engine_options.get("device", "auto"))
+    from rlt_engine.llm import LLM
+
+    with _status("loading model"):
+        llm = LLM(**run.engine_options)
+    if llm.engine.notice:
+        stderr.print(f"[dim]{escape(llm.engine.notice)}[/]")
+    if run.verbose:
+        _print_setup(llm)
+    _check_tokenizer(llm, run.params)
+
+    stream = _Stream(len(run.prompts), live_text=not run.json_output and len(run.prompts) == 1)
+    start = time.perf_counter()
+    with _status(stream.describe()) as status:
+        stream.status = status
+        outputs = _call(llm, run, stream.on_output)
+    wall = time.perf_counter() - start
+
+    if run.json_output:
+        typer.echo(json.dumps(_json_result(llm, run.prompts, outputs)))
+        return
+    if not stream.live_text:
+        _print_completions(run.prompts, outputs)
+    stderr.print()
+    stderr.print(_summary(outputs, llm.engine.model_config.num_loops, wall, run.params))
+
+
+def _call(
+    llm: LLM, run: GenerateRun, on_output: Callable[[RequestOutput], None]
+) -> list[RequestOutput]:
+    if run.chat:
+        conversations = [[{"role": "user", "content": p}] for p in run.prompts]
+        return llm.chat(conversations, run.params, on_output=on_output)
+    return llm.generate(run.prompts, run.params, on_output=on_output)
+
+
+def _check_device(device: str) -> None:
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r} (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available here (try --device cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_tokenizer(llm: LLM, params: SamplingParams) -> None:
+    if llm.tokenizer is not None:
+        return
+    what = "--stop strings" if params.stop else "text prompts"
+    raise ValueError(f"{llm.engine.model_dir} has no tokenizer, which {what} need")
+
+
+@contextmanager
+def _status(message: str) -> Iterator[Any]:
+    """A spinner on stderr when it is a terminal; yields the rich Status or None."""
+    if not stderr.is_terminal:
+        yield None
+        return
+    with stderr.status(message) as status:
+        yield status
+
+
+class _Stream:
+    """Streams one prompt's text to stdout; for a batch, counts progress on the spinner."""
+
+    def __init__(self, num_prompts: int, *, live_text: bool) -> None:
+        self.num_prompts = num_prompts
+        self.live_text = live_text
+        self.status: Any = None
+        self._tokens: dict[str, int] = {}
+        self._finished = 0
+
+    def describe(self) -> str:
+        if self.live_text:
+            return "prefill"
+        done, tokens = self._finished, sum(self._tokens.values())
+        return f"generating: {done}/{self.num_prompts} prompts done, {tokens} tokens"
+
+    def on_output(self, out: RequestOutput) -> None:
+        self._tokens[out.request_id] = len(out.token_ids)
+        self._finished += out.finished
+        if self.live_text:
+            if self.status is not None:
+                self.status.stop()  # the spinner and the text would share the terminal
+                self.status = None
+            stdout.out(out.new_text, end="\n" if out.finished else "")
+        elif self.status is not None:
+            self.status.update(self.describe())
+
+
+# -- rendering ----------------------------------------------------------------------------
+def _print_setup(llm: LLM) -> None:
+    engine = llm.engine
+    rows = {
+        "model": str(engine.model_dir),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "loops": str(engine.model_config.num_loops),
+        "kv cache": f"{engine.num_blocks} blocks of {engine.config.cache.block_size} tokens "
+        "per loop plane",
+    }
+    for key, value in rows.items():
+        stderr.print(f"[dim]{key:>9}:[/] {escape(value)}")
+
+
+def _print_completions(prompts: list[str], outputs: list[RequestOutput]) -> None:
+    for i, (prompt, out) in enumerate(zip(prompts, outputs, strict=True), start=1):
+        title = escape(f"[{i}/{len(prompts)}] {_shorten(prompt)}")
+        stdout.rule(f"[dim]{title}[/]", align="left")
+        stdout.out(out.text)
+
+
+def _shorten(text: str, width: int = 60) -> str:
+    text = one_line(text)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _summary(
+    outputs: list[RequestOutput], depth: int, wall: float, params: SamplingParams
+) -> Table:
+    table = Table(
+        caption=f"dK: output tokens by exit depth K (loops run), K = 1..{depth}",
+        caption_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    for name in ("#", "prompt", "output", "finish", "tok/s", "TTFT"):
+        table.add_column(name, justify="left" if name == "finish" else "right")
+    if params.logprobs is not None:
+        table.add_column("logprob", justify="right")
+    for d in range(1, depth + 1):
+        table.add_column(f"d{d}", justify="right")
+    for i, out in enumerate(outputs, start=1):
+        table.add_row(*_summary_row(str(i), out, params), *_histogram([out], depth))
+    if len(outputs) > 1:
+        total_out = sum(len(o.token_ids) for o in outputs)
+        cells = ["all", str(sum(len(o.prompt_token_ids) for o in outputs)), str(total_out)]
+        cells += ["", f"{total_out / wall:.1f}" if wall > 0 else "-", ""]
+        cells += [""] * (params.logprobs is not None)
+        table.add_row(*cells, *_histogram(outputs, depth), style="bold")
+    return table
+
+
+def _summary_row(label: str, out: RequestOutput, params: SamplingParams) -> list[str]:
+    m = out.metrics
+    elapsed = (m.finish_time - m.arrival_time) if m.finish_time is not None else 0.0
+    speed = f"{len(out.token_ids) / elapsed:.1f}" if elapsed > 0 else "-"
+    ttft = m.time_to_first_token
+    row = [label, str(len(out.prompt_token_ids)), str(len(out.token_ids))]
+    row += [out.finish_reason or "-", speed, _seconds(ttft) if ttft is not None else "-"]
+    if params.logprobs is not None:
+        chosen = [lp.logprob for lp in out.logprobs or ()]
+        row.append(f"{sum(chosen) / len(chosen):.3f}" if chosen else "-")
+    return row
+
+
+def _histogram(outputs: list[RequestOutput], depth: int) -> list[str]:
+    counts = Counter(d for out in outputs for d in out.exit_depths)
+    return [str(counts[d]) if counts[d] else "[dim]0[/]" for d in range(1, depth + 1)]
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _json_result(llm: LLM, prompts: list[str], outputs: list[RequestOutput]) -> dict[str, Any]:
+    return {
+        "model": str(llm.engine.model_dir),
+        "num_loops": llm.engine.model_config.num_loops,
+        "outputs": [_json_output(p, out) for p, out in zip(prompts, outputs, strict=True)],
+    }
+
+
+def _json_output(prompt: str, out: RequestOutput) -> dict[str, Any]:
+    result = {
+        "request_id": out.request_id,
+        "prompt": prompt,
+        "prompt_token_ids": out.prompt_token_ids,
+        "token_ids": out.token_ids,
+        "text": out.text,
+        "exit_depths": out.exit_depths,
+        "finish_reason": out.finish_reason,
+        "metrics": {
+            **asdict(out.metrics),
+            "time_to_first_token": out.metrics.time_to_first_token,
+        },
+    }
+    if out.logprobs is not None:
+        result["logprobs"] = [asdict(lp) for lp in out.logprobs]
+    return result
