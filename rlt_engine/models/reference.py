@@ -55,7 +55,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     v = v.repeat_interleave(groups, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     t = q.shape[0]
-    future = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    future = torch.triu(torch.ones(t, t, dtype=torch.bool, device=q.device), diagonal=1)
     probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -130,7 +130,9 @@ def reference_forward(
     exits = torch.full((num_tokens,), depth) if exit_depths is None else torch.tensor(exit_depths)
     if exits.shape != (num_tokens,) or bool(((exits < 1) | (exits > depth)).any()):
         raise ValueError(f"exit_depths must hold {num_tokens} values in 1..{depth}")
-    rope = _rope_tables(cfg, num_tokens)
+    device = sd["model.embed_tokens.weight"].device
+    ids, exits = ids.to(device), exits.to(device)
+    rope = tuple(t.to(device) for t in _rope_tables(cfg, num_tokens))
 
     h = sd["model.embed_tokens.weight"][ids]
     kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cfg.num_layers
@@ -166,7 +168,7 @@ def reference_exit_depth(
             break
         if hazards is None:
             continue
-        remaining = remaining * (1 - hazards[t].to(torch.float32))
+        remaining = remaining * (1 - hazards[t].to(device="cpu", dtype=torch.float32))
         cdf = 1 - remaining
         if bool(threshold < 1) and loops_done >= min_loops and bool(cdf >= threshold):
             return loops_done
