@@ -31,15 +31,8 @@ for _path in (TOOLS_DIR, REPO_ROOT):  # run as a script from a source checkout
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from train_demo_model import (  # noqa: E402
-    EOS,
-    CausalSDPABackend,
-    clean_answer,
-    default_data_dir,
-    load_problems,
-    loop_hiddens,
-    plain_document,
-)
+from demo_model.backend import CausalSDPABackend, loop_hiddens  # noqa: E402
+from demo_model.data import EOS, clean_answer, default_data_dir, load_problems, plain_document  # noqa: E402
 
 from rlt_engine.core.exit_rule import ExitTracker, LoopControls  # noqa: E402
 from rlt_engine.models.base import LoopedCausalLM  # noqa: E402
@@ -254,8 +247,15 @@ def markdown(report: dict[str, Any]) -> str:
     for s in report["samples"]:
         lines += ["", f"**Test problem {s['index']}** (greedy, depth 4):", "", "```"]
         lines += [s["prompt"] + " " + s["full_depth"]["text"].strip(), "```"]
-        ee = next(v for k, v in s.items() if k.startswith("exit_"))
-        lines.append(f"(with exit threshold 0.7: mean depth {ee['mean_depth']:.2f})")
+        early = next(v for k, v in s.items() if k.startswith("exit_"))
+        lines += [
+            "",
+            f"With exit threshold 0.7 (mean depth {early['mean_depth']:.2f}):",
+            "",
+            "```",
+            early["text"].strip(),
+            "```",
+        ]
     lines += ["", f"Report took {report['seconds']} s."]
     return "\n".join(lines)
 
@@ -269,7 +269,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=3, help="greedy continuations shown")
     p.add_argument("--max-new-tokens", type=int, default=100)
     args = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     report = build_report(
         args.model,
         args.data_dir or default_data_dir(),
