@@ -30,7 +30,20 @@ HELP: dict[str, str] = {
     "device": "auto, cpu, cuda or cuda:N (auto: cuda when available).",
     "load_format": "auto, safetensors or dummy (random weights from the real config).",
     "block_size": "Tokens per KV-cache block.",
-    "num_blocks": "KV-cache blocks per loop plane (default: sized from free memory).",
+    "num_blocks": "KV-cache blocks in the pool, all planes together (default: automatic).",
+    "kv_layout": "last_exited (exact, one KV plane per loop) or shared (one plane, "
+    "approximate, 1/D the memory).",
+    "enable_prefix_caching": "Reuse the KV of shared prompt prefixes (last_exited only).",
+    "incremental_kv": "Grow KV pages as requests advance instead of reserving at admission.",
+    "watermark": "With --incremental-kv: share of blocks kept free when admitting.",
+    "kv_cache_memory": "KV-cache size in bytes (overrides automatic sizing).",
+    "gpu_memory_utilization": "CUDA: share of GPU memory the engine may use (model, "
+    "activations and KV cache).",
+    "scheduling_policy": "fcfs or priority (lower SamplingParams.priority first).",
+    "enable_preemption": "On memory pressure or priority, snapshot a request to CPU memory "
+    "and restore it exactly later.",
+    "max_bypass": "Priority policy: times a waiting request may be overtaken before it is "
+    "promoted.",
     "max_num_seqs": "Most requests running at once.",
     "max_num_batched_tokens": "Most rows in one batch (one traversal of the shared stack).",
     "prefill_chunk_size": "Most prompt tokens of one request per prefill step.",

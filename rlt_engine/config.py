@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+KV_LAYOUTS = ("last_exited", "shared")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -31,13 +33,40 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # None = sized automatically
+    kv_layout: str = "last_exited"  # last_exited (exact) | shared (one plane, approximate)
+    enable_prefix_caching: bool = False
+    incremental_kv: bool = False  # grow pages as requests advance instead of reserving
+    watermark: float = 0.01  # share of blocks kept free when admitting with incremental_kv
+    # Pool size: num_blocks wins, then kv_cache_memory (bytes), then automatic sizing
+    # (CUDA: profile a maximal step under gpu_memory_utilization; CPU: a small default).
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}"
+            )
+        if self.enable_prefix_caching and self.kv_layout == "shared":
+            raise ValueError(
+                "prefix caching is implemented for kv_layout=last_exited only; "
+                "drop --enable-prefix-caching or use the last_exited layout"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must lie in [0, 1), got {self.watermark}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(
+                f"kv_cache_memory must be a positive byte count, got {self.kv_cache_memory}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
 
 @dataclass(frozen=True)
@@ -46,8 +75,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # rows of one recurrent traversal
     prefill_chunk_size: int = 512
     refill: bool = True  # False = a decode cohort runs until all its tokens exit
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` value first)
+    enable_preemption: bool = False  # snapshot to CPU on memory pressure or priority
+    max_bypass: int = 32  # priority: a waiting request is overtaken at most this often
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.max_bypass < 1:
+            raise ValueError(f"max_bypass must be >= 1, got {self.max_bypass}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -50,11 +50,14 @@ class LLMEngine:
             self.tokenizer = None  # dummy weights from a bare config: token-id prompts only
             self.default_stop_ids = self.model_config.eos_token_ids
         depth = self.model_config.num_loops
-        block_size = config.cache.block_size
-        self.num_blocks = config.cache.num_blocks or self._auto_num_blocks(block_size)
-        self.blocks = BlockManager(self.num_blocks, block_size, num_planes=depth)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, depth)
-        self.runner = ModelRunner(self.model, self.num_blocks, block_size)
+        cache = config.cache
+        self.num_planes = 1 if cache.kv_layout == "shared" else depth
+        self.num_blocks = cache.num_blocks or self._auto_num_blocks(cache.block_size)
+        self.blocks = BlockManager(
+            self.num_blocks, cache.block_size, self.num_planes, cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.blocks, depth, cache)
+        self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size)
         self._requests: dict[str, tuple[Request, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()
 
@@ -168,7 +171,9 @@ class LLMEngine:
             if req.finished:
                 del self._requests[req.request_id]
         if not self.scheduler.has_unfinished():
-            self.runner.free_slots(self.scheduler.take_slot_frees())
+            idle = self.scheduler.bookkeeping_plan()
+            if idle is not None:
+                self.runner.execute(idle)
         return outputs
 
     def _output(

@@ -58,12 +58,36 @@ class SlotInit:
 
 
 @dataclass(frozen=True)
+class SwapOut:
+    """Preemption: copy the KV of `blocks` (every plane, table order) and the slot's device
+    state (hidden states, RNG, sampling params) to host memory as `snapshot`."""
+
+    snapshot: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Resume: restore `snapshot` into new `blocks` (same count and order) and `slot`."""
+
+    snapshot: int
+    slot: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StepPlan:
+    """Worker order: kv_copies, swap_outs, slot_frees, slot_inits, swap_ins, then the rows."""
+
     stage: Stage  # RECURRENT or CODA
     rows: tuple[RecurrentRow, ...] | tuple[CodaRow, ...]
-    kv_copies: tuple[KVCopy, ...] = ()  # run before the rows
-    slot_inits: tuple[SlotInit, ...] = ()
+    kv_copies: tuple[KVCopy, ...] = ()
+    swap_outs: tuple[SwapOut, ...] = ()
     slot_frees: tuple[int, ...] = ()
+    slot_inits: tuple[SlotInit, ...] = ()
+    swap_ins: tuple[SwapIn, ...] = ()
+    snapshot_drops: tuple[int, ...] = ()  # snapshots of requests aborted while preempted
 
     @property
     def num_tokens(self) -> int:

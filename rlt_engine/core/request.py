@@ -19,6 +19,11 @@ class Request:
     stop_token_ids: frozenset[int]
     seed: int
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0  # arrival order, set by the scheduler
+    bypassed: int = 0  # times a later arrival was admitted first (bounded under priority)
+    snapshot: int | None = None  # id of its host snapshot while preempted
+    snapshot_tokens: int = 0  # KV positions its tables covered when it was preempted
+    num_preemptions: int = 0
 
     stage: Stage = Stage.WAITING
     slot: int | None = None

@@ -3,18 +3,19 @@
 A RECURRENT batch is one traversal of the shared layer stack; its rows are (request, loop,
 positions) at mixed depths, since the weights are shared and only the KV plane differs. Decode
 rows always ride in every traversal, so prefill can never starve decode; prefill chunks fill
-the rest of the token budget, first come first served.
+the rest of the token budget in queue order.
 - refill: a token that exits gets its CODA (lm_head + sampling) in the next step and rejoins
   at loop 0 right after, so nothing idles waiting for the slowest row.
 - no-refill: exited tokens wait until the whole decode cohort has exited.
+Memory and queue policies (admission, growth, priority, preemption) live in `admission.py`.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
-from rlt_engine.config import SchedulerConfig
+from rlt_engine.config import CacheConfig, SchedulerConfig
+from rlt_engine.core.admission import Admission
 from rlt_engine.core.block_manager import BlockManager
 from rlt_engine.core.exit_rule import ExitTracker
 from rlt_engine.core.plan import (
@@ -22,7 +23,6 @@ from rlt_engine.core.plan import (
     KVCopy,
     RecurrentRow,
     Sample,
-    SlotInit,
     Stage,
     StepPlan,
     StepResult,
@@ -30,76 +30,30 @@ from rlt_engine.core.plan import (
 from rlt_engine.core.request import Request
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, depth: int) -> None:
-        self.config, self.blocks, self.depth = config, blocks, depth
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
-        self._slot_inits: list[SlotInit] = []
-        self._slot_frees: list[int] = []
+class Scheduler(Admission):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        depth: int,
+        cache: CacheConfig | None = None,
+    ) -> None:
+        super().__init__(config, cache or CacheConfig(), blocks, depth)
         self.trace: list[StepPlan] | None = None  # set to [] to record every plan
         self._planned: list[Request] = []  # requests behind the rows of the plan in flight
 
-    # -- arrivals and departures -------------------------------------------------------
-    def add(self, request: Request) -> None:
-        if not self.blocks.can_ever_fit(request.max_positions):
-            raise ValueError(
-                f"request {request.request_id} needs "
-                f"{self.blocks.blocks_needed(request.max_positions)} KV blocks for "
-                f"{request.max_positions} positions but the pool has only "
-                f"{self.blocks.num_blocks}; shorten the prompt or max_tokens, or enlarge the cache"
-            )
-        self.waiting.append(request)
-
-    def abort(self, request_id: str) -> Request | None:
-        for req in (*self.waiting, *self.running):
-            if req.request_id == request_id:
-                self.finish(req, "abort")
-                return req
-        return None
-
-    def finish(self, req: Request, reason: str) -> None:
-        if req.finished:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req in self.running:
-            self.running.remove(req)
-            self.blocks.free(req.request_id)
-            self._slot_frees.append(req.slot)  # type: ignore[arg-type]
-            self._free_slots.append(req.slot)  # type: ignore[arg-type]
-        req.stage, req.finish_reason, req.finish_time = Stage.FINISHED, reason, time.monotonic()
-        req.block_tables, req.slot, req.pending_copies = None, None, []
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def take_slot_frees(self) -> list[int]:
-        """Slots freed since the last plan (for a worker that will see no further plan)."""
-        frees, self._slot_frees = self._slot_frees, []
-        return frees
-
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        self._admit()
+        self.admit()
         plan = self._coda_plan() or self._recurrent_plan()
         if plan is not None and self.trace is not None:
             self.trace.append(plan)
         return plan
 
-    def _admit(self) -> None:
-        while self.waiting and self._free_slots:
-            req = self.waiting[0]
-            if not self.blocks.can_allocate(req.max_positions):
-                break  # FCFS: no overtaking the head of the queue
-            self.waiting.popleft()
-            req.block_tables = self.blocks.allocate(req.request_id, req.max_positions)
-            req.slot = self._free_slots.pop()
-            req.stage = Stage.PREFILL
-            req.written = [0] * self.depth
-            self._slot_inits.append(SlotInit(req.slot, req.params, req.seed))
-            self.running.append(req)
+    def bookkeeping_plan(self) -> StepPlan | None:
+        """A plan without rows carrying pending worker operations (slot frees, snapshot
+        drops, ...) for when no further step will run."""
+        return self._finish_plan(Stage.RECURRENT, (), []) if self.has_pending_ops() else None
 
     def _coda_plan(self) -> StepPlan | None:
         ready = [r for r in self.running if r.stage is Stage.CODA]
@@ -118,14 +72,18 @@ class Scheduler:
         cohort_busy = not self.config.refill and any(
             r.stage is Stage.RECURRENT for r in self.running
         )
-        for req in self.running:
-            if req.stage is Stage.RECURRENT or (req.stage is Stage.PRELUDE and not cohort_busy):
+        # Best-first, so that growth preempts (worst-first) only requests not yet planned.
+        for req in sorted(self.running, key=self.rank):
+            if req.finished or req.snapshot is not None:
+                continue  # preempted while this plan was being built
+            ready = req.stage is Stage.RECURRENT or (req.stage is Stage.PRELUDE and not cohort_busy)
+            if ready and self.ensure_capacity(req, req.decode_position + 1, planned=owners):
                 rows.append(self._decode_row(req))
                 owners.append(req)
                 budget -= 1
-        for req in self.running:
-            if req.stage is Stage.PREFILL and budget > 0:
-                row = self._prefill_row(req, budget)
+        for req in sorted(self.running, key=self.rank):
+            if req.stage is Stage.PREFILL and budget > 0 and req.snapshot is None:
+                row = self._prefill_row(req, budget, owners)
                 if row is not None:
                     rows.append(row)
                     owners.append(req)
@@ -136,22 +94,35 @@ class Scheduler:
 
     def _finish_plan(self, stage: Stage, rows: tuple, owners: list[Request]) -> StepPlan:
         self._planned = owners
-        copies = tuple(c for r in self.running for c in r.pending_copies)
+        copies = [*self._orphan_copies, *(c for r in self.running for c in r.pending_copies)]
         for r in self.running:
             r.pending_copies = []
-        plan = StepPlan(stage, rows, copies, tuple(self._slot_inits), tuple(self._slot_frees))
-        self._slot_inits, self._slot_frees = [], []
+        plan = StepPlan(
+            stage,
+            rows,
+            kv_copies=tuple(copies),
+            swap_outs=tuple(self._swap_outs),
+            slot_frees=tuple(self._slot_frees),
+            slot_inits=tuple(self._slot_inits),
+            swap_ins=tuple(self._swap_ins),
+            snapshot_drops=tuple(self._snapshot_drops),
+        )
+        self.clear_pending_ops()
         return plan
 
+    def _plane(self, loop: int) -> int:
+        return 0 if self.shared else loop
+
     def _claim_writes(self, req: Request, loop: int, start: int, end: int) -> None:
-        """A row reads positions [0, end) of plane `loop` and writes [start, end): every earlier
+        """A row reads positions [0, end) of its plane and writes [start, end): every earlier
         position must already hold K/V there (else the row would read an unwritten slot)."""
-        if req.written[loop] < start:
+        plane = self._plane(loop)
+        if req.written[plane] < start:
             raise RuntimeError(
-                f"{req.request_id}: plane {loop} written up to {req.written[loop]}, "
+                f"{req.request_id}: plane {plane} written up to {req.written[plane]}, "
                 f"a row at position {start} would read unwritten KV"
             )
-        req.written[loop] = max(req.written[loop], end)
+        req.written[plane] = max(req.written[plane], end)
 
     def _decode_row(self, req: Request) -> RecurrentRow:
         if req.stage is Stage.PRELUDE:
@@ -165,20 +136,24 @@ class Scheduler:
             start=pos,
             num_tokens=1,
             token_ids=(req.output_token_ids[-1],) if req.loop == 0 else None,
-            block_table=tuple(req.block_tables[req.loop]),  # type: ignore[index]
+            block_table=tuple(req.block_tables[self._plane(req.loop)]),  # type: ignore[index]
             # The last allowed loop always exits: sample in the same step. Earlier exits are
             # only known from the hazard, so they get a CODA step of their own.
             sample=req.loop + 1 >= req.controls.max_loops,
         )
 
-    def _prefill_row(self, req: Request, budget: int) -> RecurrentRow | None:
+    def _prefill_row(
+        self, req: Request, budget: int, planned: list[Request]
+    ) -> RecurrentRow | None:
         if req.chunk is None:
             remaining = req.prompt_len - req.num_prefilled
-            size = min(self.config.prefill_chunk_size, remaining, budget)
+            # SHARED: a position must finish every loop before the next one reads it.
+            limit = 1 if self.shared else self.config.prefill_chunk_size
+            size = min(limit, remaining, budget)
             req.chunk, req.loop = (req.num_prefilled, req.num_prefilled + size), 0
         start, end = req.chunk
-        if end - start > budget:
-            return None  # an in-flight chunk waits for a step with room for all its rows
+        if end - start > budget or not self.ensure_capacity(req, end, planned=planned):
+            return None  # waits for a step with room for all its rows
         self._claim_writes(req, req.loop, start, end)
         return RecurrentRow(
             request_id=req.request_id,
@@ -187,7 +162,7 @@ class Scheduler:
             start=start,
             num_tokens=end - start,
             token_ids=tuple(req.prompt_token_ids[start:end]) if req.loop == 0 else None,
-            block_table=tuple(req.block_tables[req.loop]),  # type: ignore[index]
+            block_table=tuple(req.block_tables[self._plane(req.loop)]),  # type: ignore[index]
             sample=req.loop == self.depth - 1 and end == req.prompt_len,
         )
 
@@ -215,6 +190,7 @@ class Scheduler:
             req.loop += 1
             return False
         req.num_prefilled, req.chunk, req.loop = row.start + row.num_tokens, None, 0
+        self.blocks.commit_prefix(req.request_id, req.prompt_token_ids, req.num_prefilled)
         if req.num_prefilled < req.prompt_len:
             return False
         req.first_token_time = time.monotonic()
@@ -226,29 +202,31 @@ class Scheduler:
     ) -> bool:
         tracker = req.tracker
         assert tracker is not None
-        exited = tracker.step(hazard)
-        if not exited:
+        if not tracker.step(hazard):
             req.loop += 1
             return False
         exit_loop = tracker.loops_done - 1
-        if exit_loop + 1 < self.depth:
-            tables = req.block_tables
-            assert tables is not None
-            pos = row.start
-            deeper = range(exit_loop + 1, self.depth)
-            for d in deeper:
-                req.written[d] = max(req.written[d], pos + 1)
-            req.pending_copies.append(
-                KVCopy(
-                    self.blocks.slot(tables[exit_loop], pos),
-                    tuple(self.blocks.slot(tables[d], pos) for d in deeper),
-                )
-            )
+        if exit_loop + 1 < self.depth and not self.shared:
+            self._plan_exit_copy(req, row.start, exit_loop)
         if sample is None:
             req.stage = Stage.CODA
             return False
         self._accept_token(req, sample, tracker.loops_done)
         return True
+
+    def _plan_exit_copy(self, req: Request, pos: int, exit_loop: int) -> None:
+        """LAST_EXITED: deeper loops read this token at its exit version."""
+        tables = req.block_tables
+        assert tables is not None
+        deeper = range(exit_loop + 1, self.depth)
+        for d in deeper:
+            req.written[d] = max(req.written[d], pos + 1)
+        req.pending_copies.append(
+            KVCopy(
+                self.blocks.slot(tables[exit_loop], pos),
+                tuple(self.blocks.slot(tables[d], pos) for d in deeper),
+            )
+        )
 
     def _accept_token(self, req: Request, sample: Sample | None, depth: int) -> None:
         assert sample is not None, "the worker did not sample a row the plan asked for"

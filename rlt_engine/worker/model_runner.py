@@ -6,13 +6,34 @@ here; the scheduler only ever sees integers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
-from rlt_engine.core.plan import CodaRow, RecurrentRow, Sample, Stage, StepPlan, StepResult
+from rlt_engine.core.plan import (
+    CodaRow,
+    RecurrentRow,
+    Sample,
+    Stage,
+    StepPlan,
+    StepResult,
+    SwapIn,
+    SwapOut,
+)
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.sampling_params import SamplingParams
 from rlt_engine.worker.paged_attention import PagedKVCache, PagedMetadata
 from rlt_engine.worker.sampler import sample_rows
+
+
+@dataclass
+class _Snapshot:
+    k: torch.Tensor  # [layers, slots of every owned block, kv_heads, head_dim]
+    v: torch.Tensor
+    hidden: torch.Tensor | None  # the unit in flight (prefill chunk or decode token)
+    params: SamplingParams
+    rng: torch.Tensor
 
 
 class ModelRunner:
@@ -32,26 +53,62 @@ class ModelRunner:
         self.hidden: dict[int, torch.Tensor] = {}
         self.params: dict[int, SamplingParams] = {}
         self.generators: dict[int, torch.Generator] = {}
+        self.snapshots: dict[int, _Snapshot] = {}  # preempted requests, in host memory
 
-    def free_slots(self, slots: tuple[int, ...] | list[int]) -> None:
+    def release(self, slots: list[int] | tuple[int, ...], snapshots: Iterable[int] = ()) -> None:
         for slot in slots:
             self.hidden.pop(slot, None)
             self.params.pop(slot, None)
             self.generators.pop(slot, None)
+        for snapshot in snapshots:
+            self.snapshots.pop(snapshot, None)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        self.free_slots(plan.slot_frees)
-        for init in plan.slot_inits:
-            self.params[init.slot] = init.params
-            self.generators[init.slot] = torch.Generator(self.device).manual_seed(init.seed)
         if plan.kv_copies:
             src = [c.src for c in plan.kv_copies for _ in c.dst]
             dst = [d for c in plan.kv_copies for d in c.dst]
             self.kv.copy_slots(self._tensor(src), self._tensor(dst))
+        for out in plan.swap_outs:
+            self._swap_out(out)
+        self.release(plan.slot_frees, plan.snapshot_drops)
+        for init in plan.slot_inits:
+            self.params[init.slot] = init.params
+            self.generators[init.slot] = torch.Generator(self.device).manual_seed(init.seed)
+        for swap_in in plan.swap_ins:
+            self._swap_in(swap_in)
+        if not plan.rows:
+            return StepResult(hazards=(), samples=())
         if plan.stage is Stage.CODA:
             return self._coda(plan.rows)  # type: ignore[arg-type]
         return self._recurrent(plan.rows)  # type: ignore[arg-type]
+
+    # -- preemption: every plane's pages and the slot's device state, exactly -----------
+    def _block_slots(self, blocks: tuple[int, ...]) -> torch.Tensor:
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (self._tensor(list(blocks))[:, None] * self.block_size + offsets).flatten()
+
+    def _swap_out(self, op: SwapOut) -> None:
+        slots = self._block_slots(op.blocks)
+        self.snapshots[op.snapshot] = _Snapshot(
+            k=self.kv.k[:, slots].to("cpu"),
+            v=self.kv.v[:, slots].to("cpu"),
+            hidden=self.hidden[op.slot].to("cpu") if op.slot in self.hidden else None,
+            params=self.params[op.slot],
+            rng=self.generators[op.slot].get_state(),
+        )
+        self.release([op.slot])
+
+    def _swap_in(self, op: SwapIn) -> None:
+        snap = self.snapshots.pop(op.snapshot)
+        slots = self._block_slots(op.blocks)
+        self.kv.k[:, slots] = snap.k.to(self.device)
+        self.kv.v[:, slots] = snap.v.to(self.device)
+        if snap.hidden is not None:
+            self.hidden[op.slot] = snap.hidden.to(self.device)
+        self.params[op.slot] = snap.params
+        self.generators[op.slot] = torch.Generator(self.device)
+        self.generators[op.slot].set_state(snap.rng)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

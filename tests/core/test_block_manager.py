@@ -20,12 +20,12 @@ def test_blocks_needed_counts_every_plane():
 
 def test_allocate_gives_one_disjoint_table_per_plane_and_free_returns_all():
     bm = BlockManager(num_blocks=20, block_size=2, num_planes=4)
-    tables = bm.allocate("a", 5)  # 3 blocks per plane
+    tables, _ = bm.allocate("a", 5)  # 3 blocks per plane
     assert len(tables) == 4 and all(len(t) == 3 for t in tables)
     flat = [b for t in tables for b in t]
     assert len(set(flat)) == 12 and all(0 <= b < 20 for b in flat)
     assert bm.num_used == 12 and bm.num_free == 8
-    other = bm.allocate("b", 4)
+    other, _ = bm.allocate("b", 4)
     assert not set(flat) & {b for t in other for b in t}
     assert bm.num_used == 20 and not bm.can_allocate(1)
     bm.free("a")
@@ -51,7 +51,7 @@ def test_allocation_errors_and_idempotent_free():
 def test_slot_maps_positions_through_the_table(block_size):
     bm = BlockManager(num_blocks=64, block_size=block_size, num_planes=2)
     bm.allocate("filler", 2 * block_size + 1)  # make the next tables non-trivial
-    tables = bm.allocate("a", 3 * block_size)
+    tables, _ = bm.allocate("a", 3 * block_size)
     for table in tables:
         slots = [bm.slot(table, p) for p in range(3 * block_size)]
         assert len(set(slots)) == len(slots)
@@ -75,7 +75,7 @@ def test_random_allocate_free_conserves_blocks():
         else:
             n = rng.randint(1, 12)
             if bm.can_allocate(n):
-                live[f"r{i}"] = bm.allocate(f"r{i}", n)
+                live[f"r{i}"] = bm.allocate(f"r{i}", n)[0]
             else:
                 with pytest.raises(RuntimeError):
                     bm.allocate(f"r{i}", n)

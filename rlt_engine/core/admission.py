@@ -1,0 +1,208 @@
+"""Queues and memory policy: who runs, who waits, who is preempted.
+
+- Admission takes candidates in rank order (FCFS: arrival; priority: lower `priority` value
+  first, arrival breaks ties) and never lets a later candidate overtake one that does not fit.
+  Under priority, a waiting request overtaken `max_bypass` times is promoted to the front, so
+  long or low-priority requests cannot starve forever.
+- Reservation: by default a request reserves KV for its whole lifetime at admission. With
+  `incremental_kv` tables grow as it advances; without preemption, admission then accounts for
+  the growth every admitted request may still need, so growth never fails.
+- Preemption (opt-in) snapshots a request's pages of every plane and its device state to host
+  memory and frees them; resuming restores them exactly into new pages (no recompute). It runs
+  on memory pressure during growth (the worst-ranked request goes) and, under priority, when
+  a candidate outranks running requests of strictly lower priority.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from rlt_engine.config import CacheConfig, SchedulerConfig
+from rlt_engine.core.block_manager import BlockManager
+from rlt_engine.core.plan import KVCopy, SlotInit, Stage, SwapIn, SwapOut
+from rlt_engine.core.request import Request
+
+
+class Admission:
+    def __init__(
+        self, config: SchedulerConfig, cache: CacheConfig, blocks: BlockManager, depth: int
+    ) -> None:
+        self.config, self.cache, self.blocks, self.depth = config, cache, blocks, depth
+        self.shared = cache.kv_layout == "shared"
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._arrivals = itertools.count()
+        self._snapshots = itertools.count()
+        self.clear_pending_ops()
+
+    # -- worker bookkeeping carried by the next plan ------------------------------------
+    def clear_pending_ops(self) -> None:
+        self._slot_inits: list[SlotInit] = []
+        self._slot_frees: list[int] = []
+        self._swap_outs: list[SwapOut] = []
+        self._swap_ins: list[SwapIn] = []
+        self._snapshot_drops: list[int] = []
+        self._orphan_copies: list[KVCopy] = []  # exit copies of requests preempted since
+
+    def has_pending_ops(self) -> bool:
+        return bool(
+            self._slot_inits
+            or self._slot_frees
+            or self._swap_outs
+            or self._swap_ins
+            or self._snapshot_drops
+            or self._orphan_copies
+        )
+
+    # -- arrivals and departures -------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if not self.blocks.can_ever_fit(request.max_positions):
+            raise ValueError(
+                f"request {request.request_id} needs "
+                f"{self.blocks.blocks_needed(request.max_positions)} KV blocks for "
+                f"{request.max_positions} positions but the pool has only "
+                f"{self.blocks.num_blocks}; shorten the prompt or max_tokens, or enlarge the cache"
+            )
+        request.arrival_seq = next(self._arrivals)
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in (*self.waiting, *self.running, *self.swapped):
+            if req.request_id == request_id:
+                self.finish(req, "abort")
+                return req
+        return None
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.swapped:
+            self.swapped.remove(req)
+            self._snapshot_drops.append(req.snapshot)  # type: ignore[arg-type]
+        if req in self.running:
+            self.running.remove(req)
+            self.blocks.free(req.request_id)
+            self._slot_frees.append(req.slot)  # type: ignore[arg-type]
+            self._free_slots.append(req.slot)  # type: ignore[arg-type]
+        req.stage, req.finish_reason, req.finish_time = Stage.FINISHED, reason, time.monotonic()
+        req.block_tables, req.slot, req.pending_copies, req.snapshot = None, None, [], None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # -- ordering ------------------------------------------------------------------------
+    def rank(self, req: Request) -> tuple[float, int]:
+        if self.config.scheduling_policy == "fcfs":
+            return (0, req.arrival_seq)
+        promoted = req.bypassed >= self.config.max_bypass
+        return (float("-inf") if promoted else req.params.priority, req.arrival_seq)
+
+    # -- admission -----------------------------------------------------------------------
+    def admit(self) -> None:
+        while self.waiting or self.swapped:
+            cand = min((*self.swapped, *self.waiting), key=self.rank)
+            if self._try_admit(cand):
+                continue
+            if not self._preempt_for(cand):
+                return  # nobody overtakes the best candidate
+
+    def _try_admit(self, cand: Request) -> bool:
+        if not self._free_slots:
+            return False
+        if cand.snapshot is not None:
+            return self._resume(cand)
+        incremental = self.cache.incremental_kv
+        tokens = cand.prompt_len if incremental else cand.max_positions
+        if incremental and not self.config.enable_preemption:
+            # every admitted request must still be able to grow to its full length
+            growth = sum(
+                self.blocks.blocks_to_grow(r.request_id, r.max_positions) for r in self.running
+            )
+            if self.blocks.blocks_needed(cand.max_positions) + growth > self.blocks.num_free:
+                return False
+        elif incremental:
+            reserve = int(self.cache.watermark * self.blocks.num_blocks)
+            if self.blocks.blocks_needed(tokens) + reserve > self.blocks.num_free:
+                return False
+        prompt = cand.prompt_token_ids if self.blocks.prefix_caching else None
+        try:
+            tables, cached = self.blocks.allocate(cand.request_id, tokens, prompt)
+        except RuntimeError:
+            return False
+        self.waiting.remove(cand)
+        for other in self.waiting:
+            if other.arrival_seq < cand.arrival_seq:
+                other.bypassed += 1
+        cand.block_tables, cand.slot = tables, self._free_slots.pop()
+        cand.stage, cand.num_prefilled = Stage.PREFILL, cached
+        cand.written = [cached] * self.blocks.num_planes
+        self._slot_inits.append(SlotInit(cand.slot, cand.params, cand.seed))
+        self.running.append(cand)
+        return True
+
+    def _resume(self, req: Request) -> bool:
+        if not self.blocks.can_allocate(req.snapshot_tokens):
+            return False
+        tables, _ = self.blocks.allocate(req.request_id, req.snapshot_tokens)
+        req.block_tables, req.slot = tables, self._free_slots.pop()
+        self._swap_ins.append(SwapIn(req.snapshot, req.slot, _flat(tables)))  # type: ignore[arg-type]
+        req.snapshot = None
+        self.swapped.remove(req)
+        self.running.append(req)
+        return True
+
+    # -- preemption ----------------------------------------------------------------------
+    def _preempt_for(self, cand: Request) -> bool:
+        """Priority: make room for `cand` by preempting strictly lower-priority requests."""
+        if not (self.config.enable_preemption and self.config.scheduling_policy == "priority"):
+            return False
+        rank = self.rank(cand)
+        victims = [r for r in self.running if self.rank(r)[0] > rank[0]]
+        if not victims:
+            return False
+        need = self.blocks.blocks_needed(
+            cand.snapshot_tokens if cand.snapshot is not None else cand.max_positions
+        )
+        reclaimable = sum(len(t) for r in victims for t in self.blocks.owned_blocks(r.request_id))
+        if need > self.blocks.num_free + reclaimable:
+            return False
+        self.preempt(max(victims, key=self.rank))
+        return True
+
+    def ensure_capacity(self, req: Request, positions: int, planned: list[Request]) -> bool:
+        """Grow `req`'s tables to cover `positions` (incremental allocation), preempting the
+        worst-ranked request not yet planned this step when memory runs out."""
+        if not self.cache.incremental_kv:
+            return True
+        while not self.blocks.grow(req.request_id, positions):
+            if not self.config.enable_preemption:
+                raise RuntimeError("KV growth failed although admission reserved it")
+            candidates = [r for r in self.running if r not in planned]
+            victim = max(candidates, key=self.rank)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, victim: Request) -> None:
+        tables = self.blocks.owned_blocks(victim.request_id)
+        snapshot = next(self._snapshots)
+        self._swap_outs.append(SwapOut(snapshot, victim.slot, _flat(tables)))  # type: ignore[arg-type]
+        self._orphan_copies.extend(victim.pending_copies)  # they must land before the copy-out
+        victim.pending_copies = []
+        victim.snapshot, victim.snapshot_tokens = snapshot, self.blocks.capacity(victim.request_id)
+        victim.num_preemptions += 1
+        self.blocks.free(victim.request_id)
+        self._free_slots.append(victim.slot)  # type: ignore[arg-type]
+        victim.slot, victim.block_tables = None, None
+        self.running.remove(victim)
+        self.swapped.append(victim)
+
+
+def _flat(tables: list[list[int]]) -> tuple[int, ...]:
+    return tuple(b for table in tables for b in table)

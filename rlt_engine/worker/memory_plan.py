@@ -1,0 +1,273 @@
+"""How big the paged KV pool is, and why: a `MemoryPlan` resolved once at engine start.
+
+A block holds `block_size` token slots of K and V for every layer of ONE plane, so
+bytes per block = 2 x layers x block_size x kv_heads x head_dim x dtype bytes. LAST_EXITED
+keeps one plane per loop depth (a token occupies a slot on each of the D planes); SHARED keeps
+a single plane. The pool is sized, in order of precedence, from an explicit block count, an
+explicit KV byte budget, a CUDA profile of the largest step, or a fixed CPU default.
+
+Torch is imported only inside `profile_kv_budget`, so the planning arithmetic stays usable
+(and testable) without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlt_engine.models.configs import LoopedLMConfig
+
+if TYPE_CHECKING:
+    import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+CPU_DEFAULT_KV_BYTES = 512 * MiB
+DEFAULT_CUDA_RESERVE_BYTES = 256 * MiB  # sampler buffers, CUDA graphs, allocator slack
+KV_LAYOUTS = ("last_exited", "shared")
+PLAN_SOURCES = ("num_blocks", "kv_cache_memory", "profiled", "cpu_default")
+
+
+def format_bytes(n: int | float) -> str:
+    """1.50 GiB, 3.00 MiB, 192.00 KiB, 12 B."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def num_planes(cfg: LoopedLMConfig, kv_layout: str) -> int:
+    """KV planes a layout keeps: the model depth for LAST_EXITED, one for SHARED."""
+    if kv_layout == "last_exited":
+        return cfg.num_loops
+    if kv_layout == "shared":
+        return 1
+    raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+
+
+def bytes_per_block(cfg: LoopedLMConfig, block_size: int, dtype_bytes: int) -> int:
+    """K and V of every layer for `block_size` tokens on one plane."""
+    _positive_int("block_size", block_size)
+    _positive_int("dtype_bytes", dtype_bytes)
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The resolved KV pool. Build it with `plan_from_num_blocks` or `plan_from_budget`."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    num_planes: int
+    kv_layout: str
+    kv_bytes_total: int
+    max_concurrent_tokens: int  # token positions whose KV fits on every plane at once
+    source: str  # num_blocks | kv_cache_memory | profiled | cpu_default
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "bytes_per_block", "num_planes"):
+            _positive_int(name, getattr(self, name))
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}")
+        if self.source not in PLAN_SOURCES:
+            raise ValueError(f"source must be one of {', '.join(PLAN_SOURCES)}")
+        if self.kv_bytes_total != self.num_blocks * self.bytes_per_block:
+            raise ValueError("kv_bytes_total must equal num_blocks * bytes_per_block")
+        if self.max_concurrent_tokens != _token_capacity(
+            self.num_blocks, self.block_size, self.num_planes
+        ):
+            raise ValueError("max_concurrent_tokens must be (num_blocks // planes) * block_size")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token position occupies across all planes."""
+        return self.bytes_per_block * self.num_planes // self.block_size
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values for `rlt generate --verbose` and logs."""
+        return {
+            "kv_layout": self.kv_layout,
+            "num_planes": self.num_planes,
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block,
+            "block": format_bytes(self.bytes_per_block),
+            "kv_bytes_total": self.kv_bytes_total,
+            "kv_cache": format_bytes(self.kv_bytes_total),
+            "bytes_per_token": self.bytes_per_token,
+            "per_token": format_bytes(self.bytes_per_token),
+            "max_concurrent_tokens": self.max_concurrent_tokens,
+            "source": self.source,
+        }
+
+
+def _token_capacity(num_blocks: int, block_size: int, planes: int) -> int:
+    """A token needs one slot on each plane; tables of all planes grow in whole blocks."""
+    return (num_blocks // planes) * block_size
+
+
+def plan_from_num_blocks(
+    cfg: LoopedLMConfig,
+    *,
+    num_blocks: int,
+    block_size: int,
+    dtype_bytes: int,
+    kv_layout: str,
+    source: str = "num_blocks",
+) -> MemoryPlan:
+    """A pool of exactly `num_blocks` blocks (enough for one block on every plane)."""
+    _positive_int("num_blocks", num_blocks)
+    planes = num_planes(cfg, kv_layout)
+    if num_blocks < planes:
+        raise ValueError(
+            f"num_blocks={num_blocks} cannot hold even one token: kv_layout={kv_layout!r} "
+            f"needs a block on each of its {planes} planes"
+        )
+    per_block = bytes_per_block(cfg, block_size, dtype_bytes)
+    return MemoryPlan(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        bytes_per_block=per_block,
+        num_planes=planes,
+        kv_layout=kv_layout,
+        kv_bytes_total=num_blocks * per_block,
+        max_concurrent_tokens=_token_capacity(num_blocks, block_size, planes),
+        source=source,
+    )
+
+
+def plan_from_budget(
+    cfg: LoopedLMConfig,
+    *,
+    block_size: int,
+    dtype_bytes: int,
+    kv_layout: str,
+    budget_bytes: int,
+    source: str,
+) -> MemoryPlan:
+    """The most blocks that fit in `budget_bytes`, rounded down to whole groups of planes."""
+    planes = num_planes(cfg, kv_layout)
+    per_block = bytes_per_block(cfg, block_size, dtype_bytes)
+    groups = budget_bytes // (per_block * planes) if budget_bytes > 0 else 0
+    if groups < 1:
+        raise ValueError(
+            f"a KV budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small: "
+            f"kv_layout={kv_layout!r} needs {planes} block(s) of {format_bytes(per_block)} "
+            f"({per_block} bytes, block_size={block_size}) for even one block of tokens"
+        )
+    return plan_from_num_blocks(
+        cfg,
+        num_blocks=groups * planes,
+        block_size=block_size,
+        dtype_bytes=dtype_bytes,
+        kv_layout=kv_layout,
+        source=source,
+    )
+
+
+def resolve_memory_plan(
+    cfg: LoopedLMConfig,
+    *,
+    device_type: str,
+    block_size: int,
+    dtype_bytes: int,
+    kv_layout: str,
+    num_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    profile: Callable[[], int] | None = None,
+) -> MemoryPlan:
+    """Explicit num_blocks, else explicit kv_cache_memory bytes, else (CUDA) the profiled
+    budget from `profile()`, else (any other device) CPU_DEFAULT_KV_BYTES."""
+    if num_blocks is not None and kv_cache_memory is not None:
+        raise ValueError("give at most one of num_blocks and kv_cache_memory")
+    common: dict[str, Any] = dict(
+        block_size=block_size, dtype_bytes=dtype_bytes, kv_layout=kv_layout
+    )
+    if num_blocks is not None:
+        return plan_from_num_blocks(cfg, num_blocks=num_blocks, **common)
+    if kv_cache_memory is not None:
+        _positive_int("kv_cache_memory", kv_cache_memory)
+        return plan_from_budget(
+            cfg, budget_bytes=kv_cache_memory, source="kv_cache_memory", **common
+        )
+    if device_type == "cuda":
+        if profile is None:
+            raise ValueError("sizing the KV cache on CUDA needs a profile function")
+        return plan_from_budget(cfg, budget_bytes=profile(), source="profiled", **common)
+    return plan_from_budget(cfg, budget_bytes=CPU_DEFAULT_KV_BYTES, source="cpu_default", **common)
+
+
+def check_utilization(gpu_memory_utilization: float) -> float:
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
+    return gpu_memory_utilization
+
+
+def kv_budget_from_profile(
+    *,
+    total_bytes: int,
+    peak_allocated_bytes: int,
+    non_torch_bytes: int,
+    gpu_memory_utilization: float,
+    reserve_bytes: int,
+) -> int:
+    """allowed - (peak PyTorch allocation of the largest step + memory outside PyTorch +
+    reserve), where allowed = total * gpu_memory_utilization. Raises when nothing is left."""
+    check_utilization(gpu_memory_utilization)
+    if reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+    allowed = int(total_bytes * gpu_memory_utilization)
+    used = peak_allocated_bytes + max(0, non_torch_bytes) + reserve_bytes
+    budget = allowed - used
+    if budget <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache: the model and activations use "
+            f"{used / GiB:.2f} GiB (peak PyTorch {peak_allocated_bytes / GiB:.2f} GiB, outside "
+            f"PyTorch {max(0, non_torch_bytes) / GiB:.2f} GiB, reserve {reserve_bytes / GiB:.2f} "
+            f"GiB) of the {allowed / GiB:.2f} GiB allowed by gpu_memory_utilization="
+            f"{gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
+        )
+    return budget
+
+
+def profile_kv_budget(
+    device: torch.device | str,
+    *,
+    gpu_memory_utilization: float,
+    run_max_step: Callable[[], None],
+    reserve_bytes: int,
+) -> int:
+    """KV bytes left on a CUDA device after the largest step, `run_max_step()`, has run.
+
+    Call it with the weights loaded and before the KV pool exists. Memory used outside
+    PyTorch's allocator (CUDA context, other processes) is deducted too.
+    """
+    import torch
+
+    check_utilization(gpu_memory_utilization)
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"profile_kv_budget needs a CUDA device, got {dev}")
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    run_max_step()
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    non_torch = total - free - torch.cuda.memory_reserved(dev)
+    return kv_budget_from_profile(
+        total_bytes=total,
+        peak_allocated_bytes=peak,
+        non_torch_bytes=non_torch,
+        gpu_memory_utilization=gpu_memory_utilization,
+        reserve_bytes=reserve_bytes,
+    )
