@@ -240,9 +240,14 @@ def _print_setup(llm: LLM) -> None:
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "loops": str(engine.model_config.num_loops),
-        "kv cache": f"{engine.num_blocks} blocks of {engine.config.cache.block_size} tokens "
-        "per loop plane",
     }
+    plan = engine.memory_plan.describe()
+    rows["kv cache"] = (
+        f"{plan['kv_cache']} ({plan['source']}): {plan['num_blocks']} blocks of "
+        f"{plan['block_size']} tokens, {plan['block']} each"
+    )
+    rows["kv layout"] = f"{plan['kv_layout']}, {plan['num_planes']} plane(s), {plan['per_token']}"
+    rows["kv layout"] += f" per token, room for {plan['max_concurrent_tokens']} tokens"
     for key, value in rows.items():
         stderr.print(f"[dim]{key:>9}:[/] {escape(value)}")
 

@@ -11,6 +11,7 @@ import torch
 from rlt_engine.config import EngineConfig
 from rlt_engine.core.block_manager import BlockManager
 from rlt_engine.core.exit_rule import LoopControls
+from rlt_engine.core.plan import RecurrentRow, Stage, StepPlan
 from rlt_engine.core.request import Request
 from rlt_engine.core.scheduler import Scheduler
 from rlt_engine.detokenizer import IncrementalDetokenizer
@@ -19,11 +20,14 @@ from rlt_engine.models.resolve import default_model, resolve_model_dir
 from rlt_engine.models.tokenizer import TokenizerError, load_tokenizer, stop_token_ids
 from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.worker.memory_plan import (
+    DEFAULT_CUDA_RESERVE_BYTES,
+    profile_kv_budget,
+    resolve_memory_plan,
+)
 from rlt_engine.worker.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_DEFAULT_KV_BYTES = 512 * 2**20  # CPU: a small fixed pool
-CUDA_KV_FRACTION = 0.5  # CUDA: this share of the memory left after loading the model
 
 
 class LLMEngine:
@@ -51,8 +55,18 @@ class LLMEngine:
             self.default_stop_ids = self.model_config.eos_token_ids
         depth = self.model_config.num_loops
         cache = config.cache
-        self.num_planes = 1 if cache.kv_layout == "shared" else depth
-        self.num_blocks = cache.num_blocks or self._auto_num_blocks(cache.block_size)
+        self.memory_plan = resolve_memory_plan(
+            self.model_config,
+            device_type=self.device.type,
+            block_size=cache.block_size,
+            dtype_bytes=self.dtype.itemsize,
+            kv_layout=cache.kv_layout,
+            num_blocks=cache.num_blocks,
+            kv_cache_memory=cache.kv_cache_memory,
+            profile=self._profile_kv_budget,
+        )
+        self.num_planes = self.memory_plan.num_planes
+        self.num_blocks = self.memory_plan.num_blocks
         self.blocks = BlockManager(
             self.num_blocks, cache.block_size, self.num_planes, cache.enable_prefix_caching
         )
@@ -61,14 +75,28 @@ class LLMEngine:
         self._requests: dict[str, tuple[Request, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()
 
-    def _auto_num_blocks(self, block_size: int) -> int:
-        per_block = self.model_config.kv_bytes_per_token(self.dtype.itemsize) * block_size
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * CUDA_KV_FRACTION)
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
-        return max(1, budget // per_block)
+    def _profile_kv_budget(self) -> int:
+        """CUDA: KV bytes left under gpu_memory_utilization after the largest possible step
+        (a full token budget through one traversal, then lm_head for every running slot)."""
+        sched = self.config.scheduler
+        rows, block_size = sched.max_num_batched_tokens, self.config.cache.block_size
+        num_blocks = -(-rows // block_size)
+
+        def run_max_step() -> None:
+            runner = ModelRunner(self.model, num_blocks, block_size)
+            row = RecurrentRow(
+                "profile", 0, 0, 0, rows, (0,) * rows, tuple(range(num_blocks)), sample=False
+            )
+            runner.execute(StepPlan(Stage.RECURRENT, (row,)))
+            hidden = torch.zeros(sched.max_num_seqs, self.model_config.hidden_size)
+            self.model.coda(hidden.to(self.device, self.dtype)).float().softmax(-1)
+
+        return profile_kv_budget(
+            self.device,
+            gpu_memory_utilization=self.config.cache.gpu_memory_utilization,
+            run_max_step=run_max_step,
+            reserve_bytes=DEFAULT_CUDA_RESERVE_BYTES,
+        )
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
