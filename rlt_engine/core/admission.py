@@ -190,18 +190,37 @@ class Admission:
         return True
 
     def preempt(self, victim: Request) -> None:
+        """Snapshot `victim` to host memory and free its pages and slot.
+
+        A victim admitted or resumed while this same plan was being built has no device
+        state yet: it simply goes back to where it came from, with nothing to copy."""
+        capacity = self.blocks.capacity(victim.request_id)
         tables = self.blocks.owned_blocks(victim.request_id)
-        snapshot = next(self._snapshots)
-        self._swap_outs.append(SwapOut(snapshot, victim.slot, _flat(tables)))  # type: ignore[arg-type]
-        self._orphan_copies.extend(victim.pending_copies)  # they must land before the copy-out
-        victim.pending_copies = []
-        victim.snapshot, victim.snapshot_tokens = snapshot, self.blocks.capacity(victim.request_id)
-        victim.num_preemptions += 1
+        pending_init = [i for i in self._slot_inits if i.slot == victim.slot]
+        pending_in = [i for i in self._swap_ins if i.slot == victim.slot]
         self.blocks.free(victim.request_id)
         self._free_slots.append(victim.slot)  # type: ignore[arg-type]
-        victim.slot, victim.block_tables = None, None
         self.running.remove(victim)
+        victim.num_preemptions += 1
+        if pending_init:
+            self._slot_inits.remove(pending_init[0])
+            self._requeue_unstarted(victim)
+            return
+        if pending_in:
+            self._swap_ins.remove(pending_in[0])
+            victim.snapshot = pending_in[0].snapshot  # still held by the worker, unchanged
+        else:
+            victim.snapshot, victim.snapshot_tokens = next(self._snapshots), capacity
+            self._swap_outs.append(SwapOut(victim.snapshot, victim.slot, _flat(tables)))  # type: ignore[arg-type]
+            self._orphan_copies.extend(victim.pending_copies)  # they land before the copy-out
+        victim.pending_copies = []
+        victim.slot, victim.block_tables = None, None
         self.swapped.append(victim)
+
+    def _requeue_unstarted(self, req: Request) -> None:
+        req.stage, req.slot, req.block_tables, req.written = Stage.WAITING, None, None, []
+        req.num_prefilled, req.chunk, req.loop = 0, None, 0
+        self.waiting.append(req)
 
 
 def _flat(tables: list[list[int]]) -> tuple[int, ...]:
