@@ -30,6 +30,7 @@ from huggingface_hub.errors import (
 )
 
 from rlt_engine.models.registry import resolve_model_name
+from rlt_engine.models.resolve import DEMO_ALIAS, DEMO_DIR
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -127,6 +128,8 @@ def download_model(
     the Hugging Face cache. `progress` is a tqdm-compatible class for huggingface_hub's bars.
     Raises `ValueError` for an unknown alias and `HubError` subclasses for everything else.
     """
+    if name == DEMO_ALIAS:  # ships inside the package: nothing to fetch
+        return _result(DEMO_DIR, "rlt/demo", "bundled", already_present=True)
     repo_id, pinned = resolve_model_name(name)
     revision = revision or pinned
     local, problems = _find_local_copy(repo_id, revision, local_dir, cache_dir)

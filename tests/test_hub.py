@@ -245,3 +245,12 @@ def test_allow_patterns_never_fetch_code() -> None:
     assert hub._wanted("model.safetensors") and hub._wanted("tokenizer.json")
     assert not hub._wanted("modeling_ouro.py") and not hub._wanted("pytorch_model.bin")
     assert "*.py" in hub.IGNORE_PATTERNS
+
+
+def test_the_bundled_demo_model_needs_no_download():
+    from rlt_engine.hub import download_model
+    from rlt_engine.models.resolve import DEMO_DIR
+
+    result = download_model("demo")
+    assert result.already_present and result.path == DEMO_DIR.resolve()
+    assert "model.safetensors" in result.files
