@@ -94,6 +94,9 @@ class BlockManager:
         fresh = self.num_planes * max(0, per_plane - len(hits))
         if fresh > len(self._free) + self.num_planes * (len(self._lru) - self._lru_hits(hits)):
             raise RuntimeError(f"out of KV blocks for {owner}")
+        if prompt and self.prefix_caching:  # count claims that happen, not attempts
+            self.stats.queried_blocks += len(self._prompt_blocks(prompt))
+            self.stats.hit_blocks += len(hits)
         for entry in hits:
             if entry.refs == 0:
                 del self._lru[entry.entry_id]
@@ -148,15 +151,12 @@ class BlockManager:
 
     def _lookup(self, prompt: list[int]) -> list[_CachedBlock]:
         hits, parent = [], _ROOT
-        blocks = self._prompt_blocks(prompt)
-        self.stats.queried_blocks += len(blocks)
-        for tokens in blocks:
+        for tokens in self._prompt_blocks(prompt):
             entry = self._cache.get((parent, tokens))
             if entry is None:
                 break
             hits.append(entry)
             parent = entry.entry_id
-        self.stats.hit_blocks += len(hits)
         return hits
 
     def _lru_hits(self, hits: list[_CachedBlock]) -> int:
