@@ -161,6 +161,12 @@ def _generate(run: GenerateRun) -> None:
         _print_completions(run.prompts, outputs)
     stderr.print()
     stderr.print(_summary(outputs, llm.engine.model_config.num_loops, wall, run.params))
+    if run.verbose:
+        stats = llm.engine.cache_stats()
+        stderr.print(
+            f"[dim]prefix cache: {stats['prefix_hit_blocks']}/{stats['prefix_queried_blocks']} "
+            f"blocks reused; preemptions: {stats['preemptions']}[/]"
+        )
 
 
 def _call(

@@ -172,6 +172,18 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         return self._output(*entry, new_text="")
 
+    def cache_stats(self) -> dict[str, float | int]:
+        """KV pool occupancy, prefix-cache hits and preemptions so far."""
+        prefix = self.blocks.stats
+        return {
+            "blocks_used": self.blocks.num_used,
+            "blocks_total": self.num_blocks,
+            "prefix_queried_blocks": prefix.queried_blocks,
+            "prefix_hit_blocks": prefix.hit_blocks,
+            "prefix_hit_rate": prefix.hit_rate,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -36,6 +36,7 @@ class Admission:
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._arrivals = itertools.count()
         self._snapshots = itertools.count()
+        self.num_preemptions = 0
         self.clear_pending_ops()
 
     # -- worker bookkeeping carried by the next plan ------------------------------------
@@ -202,6 +203,7 @@ class Admission:
         self._free_slots.append(victim.slot)  # type: ignore[arg-type]
         self.running.remove(victim)
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         if pending_init:
             self._slot_inits.remove(pending_init[0])
             self._requeue_unstarted(victim)
