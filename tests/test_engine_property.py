@@ -40,7 +40,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def serial(ckpt: Path):
     """Serial greedy reference (contiguous cache, one request), memoised across examples."""
-    model = LLM(str(ckpt), dtype="float32", device="cpu", num_blocks=1).engine.model
+    model = LLM(str(ckpt), dtype="float32", device="cpu", num_blocks=DEPTH).engine.model
     cache: dict[tuple, tuple[list[int], list[int]]] = {}
 
     def run(prompt: list[int], max_tokens: int, controls: LoopControls):
@@ -92,7 +92,7 @@ def scenarios(draw: st.DrawFn) -> tuple[dict, list[Spec]]:
     options = dict(
         block_size=block_size,
         # small pools: admission waits; sometimes the largest request can never fit (rejected)
-        num_blocks=max(1, largest + draw(st.sampled_from([-DEPTH, 0, DEPTH, 2 * DEPTH, largest]))),
+        num_blocks=max(DEPTH, largest + draw(st.sampled_from([-DEPTH, 0, DEPTH, 2 * DEPTH, largest]))),
         refill=draw(st.booleans()),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=rng.randint(max_num_seqs, 12),

@@ -1,4 +1,4 @@
-"""rlt_engine.hub: checkpoint verification and the no-network paths of download_model."""
+"""Checkpoint verification (rlt_engine.models.verify) and the no-network paths of download_model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlt_engine import hub
+from rlt_engine.models import verify
 
 SHARED_DIR = Path(os.environ.get("RLT_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 SHARED_TOKENIZER = SHARED_DIR / "models" / "ouro-1.4b"
@@ -52,8 +53,8 @@ def write_checkpoint(directory: Path, *, sharded: bool = False) -> Path:
 
 
 def test_complete_checkpoint_verifies(tmp_path: Path) -> None:
-    assert hub.verify_model_dir(write_checkpoint(tmp_path / "single")) == []
-    assert hub.verify_model_dir(write_checkpoint(tmp_path / "sharded", sharded=True)) == []
+    assert verify.verify_model_dir(write_checkpoint(tmp_path / "single")) == []
+    assert verify.verify_model_dir(write_checkpoint(tmp_path / "sharded", sharded=True)) == []
 
 
 def test_truncated_safetensors_header(tmp_path: Path) -> None:
@@ -62,7 +63,7 @@ def test_truncated_safetensors_header(tmp_path: Path) -> None:
     data = weights.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     weights.write_bytes(data[: 8 + length // 2])
-    problems = hub.verify_model_dir(ckpt)
+    problems = verify.verify_model_dir(ckpt)
     assert len(problems) == 1 and "truncated safetensors header" in problems[0]
 
 
@@ -70,19 +71,19 @@ def test_truncated_tensor_data(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path)
     weights = ckpt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4])
-    assert "header describes" in " ".join(hub.verify_model_dir(ckpt))
+    assert "header describes" in " ".join(verify.verify_model_dir(ckpt))
 
 
 def test_garbage_header(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path)
     (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"nope!")
-    assert "does not parse" in " ".join(hub.verify_model_dir(ckpt))
+    assert "does not parse" in " ".join(verify.verify_model_dir(ckpt))
 
 
 def test_missing_shard(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path, sharded=True)
     (ckpt / "model-00002-of-00002.safetensors").unlink()
-    problems = hub.verify_model_dir(ckpt)
+    problems = verify.verify_model_dir(ckpt)
     assert problems == [
         "shard model-00002-of-00002.safetensors listed in model.safetensors.index.json is missing"
     ]
@@ -93,14 +94,14 @@ def test_shard_without_indexed_tensor(tmp_path: Path) -> None:
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.norm.weight"] = "model-00001-of-00002.safetensors"
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert "lacks 1 tensor(s)" in " ".join(hub.verify_model_dir(ckpt))
+    assert "lacks 1 tensor(s)" in " ".join(verify.verify_model_dir(ckpt))
 
 
 def test_missing_weights_config_and_tokenizer(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path)
     for name in ("model.safetensors", "config.json", "tokenizer.json", "vocab.json"):
         (ckpt / name).unlink()
-    problems = hub.verify_model_dir(ckpt)
+    problems = verify.verify_model_dir(ckpt)
     assert "config.json is missing" in problems
     assert "no *.safetensors weights" in problems
     assert any(p.startswith("no tokenizer") for p in problems)
@@ -109,40 +110,40 @@ def test_missing_weights_config_and_tokenizer(tmp_path: Path) -> None:
 def test_missing_tokenizer_config(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path)
     (ckpt / "tokenizer_config.json").unlink()
-    assert hub.verify_model_dir(ckpt) == ["tokenizer_config.json is missing"]
+    assert verify.verify_model_dir(ckpt) == ["tokenizer_config.json is missing"]
 
 
 def test_broken_config_json(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path)
     (ckpt / "config.json").write_text('{"model_type": ')
-    assert hub.verify_model_dir(ckpt)[0].startswith("config.json does not parse")
+    assert verify.verify_model_dir(ckpt)[0].startswith("config.json does not parse")
 
 
 def test_size_mismatch_against_known_table(tmp_path: Path, monkeypatch) -> None:
     ckpt = write_checkpoint(tmp_path)
     actual = (ckpt / "model.safetensors").stat().st_size
     table = {(OURO_REPO, OURO_REV): {"model.safetensors": actual + 1}}
-    monkeypatch.setattr(hub, "KNOWN_SIZES", table)
-    problems = hub.verify_model_dir(ckpt, repo_id="bytedance/ouro-1.4b", revision=OURO_REV)
+    monkeypatch.setattr(verify, "KNOWN_SIZES", table)
+    problems = verify.verify_model_dir(ckpt, repo_id="bytedance/ouro-1.4b", revision=OURO_REV)
     assert problems == [f"model.safetensors is {actual:,} bytes, expected {actual + 1:,}"]
     # Other revisions and repos are not held to that table.
-    assert hub.verify_model_dir(ckpt, repo_id=OURO_REPO, revision="0" * 40) == []
-    assert hub.verify_model_dir(ckpt) == []
+    assert verify.verify_model_dir(ckpt, repo_id=OURO_REPO, revision="0" * 40) == []
+    assert verify.verify_model_dir(ckpt) == []
 
 
 def test_published_ouro_size_is_known() -> None:
-    assert hub.known_sizes(OURO_REPO, OURO_REV) == {"model.safetensors": 2_869_336_434}
+    assert verify.known_sizes(OURO_REPO, OURO_REV) == {"model.safetensors": 2_869_336_434}
 
 
 def test_tiny_stand_in_for_pinned_ouro_fails_the_size_check(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path)
-    problems = hub.verify_model_dir(ckpt, repo_id=OURO_REPO, revision=OURO_REV)
+    problems = verify.verify_model_dir(ckpt, repo_id=OURO_REPO, revision=OURO_REV)
     assert len(problems) == 1 and "expected 2,869,336,434" in problems[0]
 
 
 def test_expected_sizes_from_the_hub(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path)
-    assert hub.verify_model_dir(ckpt, expected={"generation_config.json": 10}) == [
+    assert verify.verify_model_dir(ckpt, expected={"generation_config.json": 10}) == [
         "generation_config.json is missing"
     ]
 
@@ -154,7 +155,7 @@ def _no_network(*args, **kwargs):
 @pytest.fixture
 def tiny_ouro(monkeypatch) -> None:
     """Tiny checkpoints stand in for Ouro-1.4B: drop its published sizes."""
-    monkeypatch.setattr(hub, "KNOWN_SIZES", {})
+    monkeypatch.setattr(verify, "KNOWN_SIZES", {})
 
 
 def test_local_dir_already_present_without_network(tmp_path: Path, monkeypatch, tiny_ouro) -> None:

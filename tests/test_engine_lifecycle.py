@@ -1,58 +1,46 @@
-"""The engine end to end on CPU in fp32 with tiny models.
+"""The engine end to end on CPU in fp32 with tiny models: a request's life and its edges.
 
-Batched generation must equal serial single-request generation (token ids AND exit depths)
-for every scheduling policy, chunked-prefill budget and block size; fixed-depth and adaptive
-greedy must equal the dense oracle; abort frees everything at every stage; seeded sampling is
-batch-invariant; stop strings, EOS and stop ids end generation correctly. After every test no
-engine holds a KV block.
+Abort frees everything at every stage; requests arriving between steps match serial runs;
+text streams, stop strings, EOS and stop ids end generation correctly; bad parameters,
+prompts and engine options are rejected without leaking. After every test no engine holds a
+KV block.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from engine_helpers import (
+    DEPTH,
+    ENGINES,
+    PROMPTS,
+    check_against_serial,
+    check_no_blocks_in_use,
+    make_llm,
+    one_thread,
+    params_for,
+    serial,
+)
 from tiny_checkpoints import write_tiny_ouro
 
 from rlt_engine import LLM, SamplingParams
-from rlt_engine.core.exit_rule import LoopControls
 from rlt_engine.core.plan import Stage
 from rlt_engine.models.contiguous_kv import greedy_decode
-from rlt_engine.models.reference import reference_forward, reference_greedy
 from rlt_engine.models.tokenizer import render_chat
-
-DEPTH = 4  # the tiny Ouro's total_ut_steps
-
-_ENGINES: list[LLM] = []  # every LLM a test made or used: checked for leaks after each test
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is much faster, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from one_thread()
 
 
 @pytest.fixture(autouse=True)
 def _no_blocks_in_use_after_each_test() -> Iterator[None]:
     yield
-    for llm in _ENGINES:
-        assert llm.engine.blocks.num_used == 0, "KV blocks leaked"
-        assert not llm.engine.has_unfinished_requests()
-    _ENGINES.clear()
-
-
-def make_llm(path: Path, **options: Any) -> LLM:
-    llm = LLM(str(path), dtype="float32", device="cpu", **{"num_blocks": 512, **options})
-    _ENGINES.append(llm)
-    return llm
+    check_no_blocks_in_use()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +57,7 @@ def base(ckpt: Path) -> LLM:
 
 @pytest.fixture
 def llm(base: LLM) -> LLM:
-    _ENGINES.append(base)
+    ENGINES.append(base)
     return base
 
 
@@ -81,215 +69,8 @@ def text_llm(tiny_ouro_dir: Path) -> LLM:
 
 @pytest.fixture
 def tllm(text_llm: LLM) -> LLM:
-    _ENGINES.append(text_llm)
+    ENGINES.append(text_llm)
     return text_llm
-
-
-_rng = random.Random(1234)
-PROMPTS = [[_rng.randrange(3, 49152) for _ in range(n)] for n in (1, 2, 3, 5, 8, 13, 17, 21, 4)]
-# (min_loops, max_loops, exit_threshold, max_tokens) per prompt: a mix of fixed depth, adaptive
-# exits at several thresholds, min_loops holding exits back and max_loops below the depth
-CONTROLS = [
-    (1, 4, 1.0, 6),
-    (1, 4, 0.3, 3),
-    (1, 4, 0.5, 7),
-    (2, 4, 0.4, 5),
-    (1, 3, 0.6, 6),
-    (1, 4, 0.7, 4),
-    (1, 2, 1.0, 7),
-    (1, 4, 0.2, 5),
-    (3, 4, 0.5, 6),
-]
-
-
-def params_for(i: int, **extra: Any) -> SamplingParams:
-    lo, hi, th, n = CONTROLS[i]
-    return SamplingParams(
-        max_tokens=n, min_loops=lo, max_loops=hi, exit_threshold=th, ignore_eos=True, **extra
-    )
-
-
-_SERIAL: dict[tuple, tuple[list[int], list[int]]] = {}
-
-
-def serial(llm: LLM, prompt: list[int], p: SamplingParams) -> tuple[list[int], list[int]]:
-    """Single-request greedy decode over a contiguous cache (no paging, no batching)."""
-    key = (tuple(prompt), p.max_tokens, p.min_loops, p.max_loops, p.exit_threshold)
-    if key not in _SERIAL:
-        controls = LoopControls(
-            p.min_loops or 1,
-            p.max_loops or DEPTH,
-            1.0 if p.exit_threshold is None else p.exit_threshold,
-        )
-        _SERIAL[key] = greedy_decode(llm.engine.model, prompt, p.max_tokens, controls)
-    return _SERIAL[key]
-
-
-def check_against_serial(llm: LLM, outs: list, prompts: list, params: list) -> None:
-    for out, prompt, p in zip(outs, prompts, params, strict=True):
-        assert out.prompt_token_ids == prompt
-        assert (out.token_ids, out.exit_depths) == serial(llm, prompt, p), out.request_id
-        assert out.finish_reason == "length" and out.finished
-
-
-# -- batched == serial -----------------------------------------------------------------------
-
-ENGINE_CONFIGS = [
-    dict(refill=True, block_size=1, max_num_seqs=4, max_num_batched_tokens=4, prefill_chunk_size=2),
-    dict(
-        refill=True, block_size=2, max_num_seqs=9, max_num_batched_tokens=11, prefill_chunk_size=5
-    ),
-    dict(refill=True, block_size=16),  # default budget: every prompt in one chunk
-    dict(refill=True, block_size=2, num_blocks=64, max_num_seqs=9, max_num_batched_tokens=16),
-    dict(
-        refill=False, block_size=1, max_num_seqs=9, max_num_batched_tokens=16, prefill_chunk_size=7
-    ),
-    dict(
-        refill=False, block_size=2, max_num_seqs=3, max_num_batched_tokens=3, prefill_chunk_size=3
-    ),
-    dict(
-        refill=False, block_size=16, max_num_seqs=9, max_num_batched_tokens=9, prefill_chunk_size=1
-    ),
-    dict(refill=False, block_size=16, num_blocks=12),  # the pool holds one request at a time
-]
-
-
-@pytest.mark.parametrize(
-    "options",
-    ENGINE_CONFIGS,
-    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
-)
-def test_batched_equals_serial(ckpt, options):
-    llm = make_llm(ckpt, **options)
-    params = [params_for(i) for i in range(len(PROMPTS))]
-    outs = llm.generate(PROMPTS, params)
-    check_against_serial(llm, outs, PROMPTS, params)
-    depths = {d for o in outs for d in o.exit_depths[1:]}
-    assert depths == {1, 2, 3, 4}, "the workload must really mix exit depths"
-
-
-def test_batched_equals_single_request_runs_of_the_same_engine(ckpt):
-    batched = make_llm(ckpt, block_size=2, max_num_seqs=9, max_num_batched_tokens=9)
-    params = [params_for(i) for i in range(len(PROMPTS))]
-    outs = batched.generate(PROMPTS, params)
-    single = make_llm(ckpt, block_size=16)
-    for prompt, p, out in zip(PROMPTS, params, outs, strict=True):
-        (alone,) = single.generate([prompt], p)
-        assert (alone.token_ids, alone.exit_depths) == (out.token_ids, out.exit_depths)
-
-
-def test_gateless_nanbeige_batched_equals_serial(tiny_nanbeige_dir):
-    llm = make_llm(tiny_nanbeige_dir, block_size=2, max_num_seqs=4, max_num_batched_tokens=6)
-    vocab = llm.engine.model_config.vocab_size
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, vocab - 3) for _ in range(n)] for n in (1, 4, 9, 6, 2)]
-    params = [
-        SamplingParams(max_tokens=5, ignore_eos=True, max_loops=m, exit_threshold=t)
-        for m, t in ((1, 1.0), (2, 0.1), (1, 0.5), (2, 1.0), (2, 0.0))
-    ]
-    outs = llm.generate(prompts, params)
-    for out, prompt, p in zip(outs, prompts, params, strict=True):
-        controls = LoopControls(1, p.max_loops, p.exit_threshold)
-        want = greedy_decode(llm.engine.model, prompt, p.max_tokens, controls)
-        assert (out.token_ids, out.exit_depths) == want
-        assert out.exit_depths[1:] == [p.max_loops] * 4  # no gate: always max_loops
-
-
-# -- against the dense oracle -----------------------------------------------------------------
-
-
-def test_fixed_depth_greedy_equals_dense_oracle(llm):
-    prompts = PROMPTS[1:5]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
-    sd, cfg = llm.engine.model.state_dict(), llm.engine.model_config
-    for out, prompt in zip(outs, prompts, strict=True):
-        assert (out.token_ids, out.exit_depths) == reference_greedy(sd, cfg, prompt, 5)
-        assert out.exit_depths == [DEPTH] * 5
-
-
-def test_adaptive_exit_with_per_request_thresholds_equals_dense_oracle(llm):
-    chosen = [1, 3, 4, 7, 2]  # thresholds 0.3, 0.4 (min 2), 0.6 (max 3), 0.2, 0.5
-    prompts = [PROMPTS[i] for i in chosen]
-    params = [params_for(i) for i in chosen]
-    outs = llm.generate(prompts, params)
-    sd, cfg = llm.engine.model.state_dict(), llm.engine.model_config
-    for out, prompt, p in zip(outs, prompts, params, strict=True):
-        want = reference_greedy(
-            sd,
-            cfg,
-            prompt,
-            p.max_tokens,
-            min_loops=p.min_loops,
-            max_loops=p.max_loops,
-            exit_threshold=p.exit_threshold,
-        )
-        assert (out.token_ids, out.exit_depths) == want
-    mixed = [o for o in outs if len(set(o.exit_depths[1:])) > 1]
-    assert len(mixed) >= 2, [o.exit_depths for o in outs]
-    assert len({d for o in outs for d in o.exit_depths[1:]}) >= 3
-
-
-def test_logprobs_match_the_dense_oracle(llm):
-    prompt, p = PROMPTS[4], params_for(2, logprobs=3)
-    (out,) = llm.generate([prompt], p)
-    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
-    ref = reference_forward(
-        llm.engine.model.state_dict(),
-        llm.engine.model_config,
-        prompt + out.token_ids[:-1],
-        [DEPTH] * len(prompt) + out.exit_depths[1:],
-    )
-    for i, (lp, token, depth) in enumerate(
-        zip(out.logprobs, out.token_ids, out.exit_depths, strict=True)
-    ):
-        full = ref.logits[depth - 1, len(prompt) - 1 + i].log_softmax(-1)
-        assert lp.token_id == token
-        assert lp.logprob == pytest.approx(float(full[token]), abs=1e-4)
-        assert [t for t, _ in lp.top] == full.topk(3).indices.tolist()
-        assert lp.top[0][0] == token  # greedy: the chosen token is the best one
-        values = [v for _, v in lp.top]
-        assert values == sorted(values, reverse=True)
-    (plain,) = llm.generate([prompt], params_for(2))
-    assert plain.logprobs is None and plain.token_ids == out.token_ids
-
-
-# -- loop-level batching trace ----------------------------------------------------------------
-
-
-def test_trace_rows_at_different_depths_share_one_recurrent_batch(llm):
-    sched = llm.engine.scheduler
-    sched.trace = []
-    try:
-        params = [params_for(i) for i in range(len(PROMPTS))]
-        outs = llm.generate(PROMPTS, params)
-        trace = sched.trace
-    finally:
-        sched.trace = None
-    check_against_serial(llm, outs, PROMPTS, params)
-    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
-    mixed = []
-    for plan in trace:
-        if plan.stage is not Stage.RECURRENT:
-            continue
-        decode_loops = {r.loop for r in plan.rows if r.start >= prompt_len[r.request_id]}
-        if len(decode_loops) > 1:
-            mixed.append(plan)
-    assert mixed, "no RECURRENT batch held decode rows at different loop indices"
-    assert any(0 in {r.loop for r in p.rows} and max(r.loop for r in p.rows) >= 2 for p in mixed)
-    assert any(p.stage is Stage.CODA for p in trace)  # adaptive exits get their own CODA step
-
-
-def test_trace_no_refill_decode_rows_share_one_loop(ckpt):
-    llm = make_llm(ckpt, refill=False)
-    llm.engine.scheduler.trace = []
-    params = [params_for(i) for i in range(len(PROMPTS))]
-    outs = llm.generate(PROMPTS, params)
-    check_against_serial(llm, outs, PROMPTS, params)
-    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
-    for plan in llm.engine.scheduler.trace:
-        if plan.stage is Stage.RECURRENT:
-            loops = {r.loop for r in plan.rows if r.start >= prompt_len[r.request_id]}
-            assert len(loops) <= 1, plan
 
 
 # -- abort ----------------------------------------------------------------------------------
@@ -393,36 +174,6 @@ def test_arrivals_between_steps_match_serial(ckpt):
     for i, prompt in enumerate(PROMPTS):
         out = finals[f"r{i}"]
         assert (out.token_ids, out.exit_depths) == serial(llm, prompt, params_for(i))
-
-
-# -- sampling ---------------------------------------------------------------------------------
-
-
-def test_seeded_sampling_is_batch_invariant(ckpt, llm):
-    sampled = SamplingParams(
-        max_tokens=8,
-        temperature=1.3,
-        top_k=200,
-        top_p=0.97,
-        seed=4321,
-        ignore_eos=True,
-        exit_threshold=0.5,
-    )
-    (alone,) = llm.generate([PROMPTS[5]], sampled)
-    params = [params_for(i) for i in range(len(PROMPTS))]
-    params[5] = sampled
-    params[2] = SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)
-    params[7] = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # unseeded
-    other = make_llm(ckpt, block_size=1, refill=False, max_num_seqs=5, max_num_batched_tokens=7)
-    for engine in (llm, other):
-        outs = engine.generate(PROMPTS, params)
-        assert (outs[5].token_ids, outs[5].exit_depths) == (alone.token_ids, alone.exit_depths)
-    (greedy,) = llm.generate([PROMPTS[5]], dataclasses.replace(sampled, temperature=0.0))
-    assert alone.token_ids != greedy.token_ids, "not really sampling"
-    (reseeded,) = llm.generate([PROMPTS[5]], sampled)
-    assert reseeded.token_ids == alone.token_ids
-    (other_seed,) = llm.generate([PROMPTS[5]], dataclasses.replace(sampled, seed=99))
-    assert other_seed.token_ids != alone.token_ids
 
 
 # -- text, stop strings, EOS, stop ids --------------------------------------------------------

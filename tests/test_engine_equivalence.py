@@ -1,0 +1,252 @@
+"""The engine end to end on CPU in fp32 with tiny models: batching changes nothing.
+
+Batched generation must equal serial single-request generation (token ids AND exit depths)
+for every scheduling policy, chunked-prefill budget and block size; fixed-depth and adaptive
+greedy must equal the dense oracle; rows at different loop depths share one batch; seeded
+sampling is batch-invariant. After every test no engine holds a KV block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from engine_helpers import (
+    DEPTH,
+    ENGINES,
+    PROMPTS,
+    check_against_serial,
+    check_no_blocks_in_use,
+    make_llm,
+    one_thread,
+    params_for,
+)
+from tiny_checkpoints import write_tiny_ouro
+
+from rlt_engine import LLM, SamplingParams
+from rlt_engine.core.exit_rule import LoopControls
+from rlt_engine.core.plan import Stage
+from rlt_engine.models.contiguous_kv import greedy_decode
+from rlt_engine.models.reference import reference_forward, reference_greedy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    yield from one_thread()
+
+
+@pytest.fixture(autouse=True)
+def _no_blocks_in_use_after_each_test() -> Iterator[None]:
+    yield
+    check_no_blocks_in_use()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Ouro weights without a tokenizer: loads in milliseconds (token-id prompts)."""
+    return write_tiny_ouro(tmp_path_factory.mktemp("tiny-ouro-ids"), tokenizer_from=None)
+
+
+@pytest.fixture(scope="module")
+def base(ckpt: Path) -> LLM:
+    """One default engine shared by tests that do not care about engine options."""
+    return LLM(str(ckpt), dtype="float32", device="cpu", num_blocks=512)
+
+
+@pytest.fixture
+def llm(base: LLM) -> LLM:
+    ENGINES.append(base)
+    return base
+
+
+# -- batched == serial -----------------------------------------------------------------------
+
+ENGINE_CONFIGS = [
+    dict(refill=True, block_size=1, max_num_seqs=4, max_num_batched_tokens=4, prefill_chunk_size=2),
+    dict(
+        refill=True, block_size=2, max_num_seqs=9, max_num_batched_tokens=11, prefill_chunk_size=5
+    ),
+    dict(refill=True, block_size=16),  # default budget: every prompt in one chunk
+    dict(refill=True, block_size=2, num_blocks=64, max_num_seqs=9, max_num_batched_tokens=16),
+    dict(
+        refill=False, block_size=1, max_num_seqs=9, max_num_batched_tokens=16, prefill_chunk_size=7
+    ),
+    dict(
+        refill=False, block_size=2, max_num_seqs=3, max_num_batched_tokens=3, prefill_chunk_size=3
+    ),
+    dict(
+        refill=False, block_size=16, max_num_seqs=9, max_num_batched_tokens=9, prefill_chunk_size=1
+    ),
+    dict(refill=False, block_size=16, num_blocks=12),  # the pool holds one request at a time
+]
+
+
+@pytest.mark.parametrize(
+    "options",
+    ENGINE_CONFIGS,
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_batched_equals_serial(ckpt, options):
+    llm = make_llm(ckpt, **options)
+    params = [params_for(i) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    check_against_serial(llm, outs, PROMPTS, params)
+    depths = {d for o in outs for d in o.exit_depths[1:]}
+    assert depths == {1, 2, 3, 4}, "the workload must really mix exit depths"
+
+
+def test_batched_equals_single_request_runs_of_the_same_engine(ckpt):
+    batched = make_llm(ckpt, block_size=2, max_num_seqs=9, max_num_batched_tokens=9)
+    params = [params_for(i) for i in range(len(PROMPTS))]
+    outs = batched.generate(PROMPTS, params)
+    single = make_llm(ckpt, block_size=16)
+    for prompt, p, out in zip(PROMPTS, params, outs, strict=True):
+        (alone,) = single.generate([prompt], p)
+        assert (alone.token_ids, alone.exit_depths) == (out.token_ids, out.exit_depths)
+
+
+def test_gateless_nanbeige_batched_equals_serial(tiny_nanbeige_dir):
+    llm = make_llm(tiny_nanbeige_dir, block_size=2, max_num_seqs=4, max_num_batched_tokens=6)
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, vocab - 3) for _ in range(n)] for n in (1, 4, 9, 6, 2)]
+    params = [
+        SamplingParams(max_tokens=5, ignore_eos=True, max_loops=m, exit_threshold=t)
+        for m, t in ((1, 1.0), (2, 0.1), (1, 0.5), (2, 1.0), (2, 0.0))
+    ]
+    outs = llm.generate(prompts, params)
+    for out, prompt, p in zip(outs, prompts, params, strict=True):
+        controls = LoopControls(1, p.max_loops, p.exit_threshold)
+        want = greedy_decode(llm.engine.model, prompt, p.max_tokens, controls)
+        assert (out.token_ids, out.exit_depths) == want
+        assert out.exit_depths[1:] == [p.max_loops] * 4  # no gate: always max_loops
+
+
+# -- against the dense oracle -----------------------------------------------------------------
+
+
+def test_fixed_depth_greedy_equals_dense_oracle(llm):
+    prompts = PROMPTS[1:5]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    sd, cfg = llm.engine.model.state_dict(), llm.engine.model_config
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert (out.token_ids, out.exit_depths) == reference_greedy(sd, cfg, prompt, 5)
+        assert out.exit_depths == [DEPTH] * 5
+
+
+def test_adaptive_exit_with_per_request_thresholds_equals_dense_oracle(llm):
+    chosen = [1, 3, 4, 7, 2]  # thresholds 0.3, 0.4 (min 2), 0.6 (max 3), 0.2, 0.5
+    prompts = [PROMPTS[i] for i in chosen]
+    params = [params_for(i) for i in chosen]
+    outs = llm.generate(prompts, params)
+    sd, cfg = llm.engine.model.state_dict(), llm.engine.model_config
+    for out, prompt, p in zip(outs, prompts, params, strict=True):
+        want = reference_greedy(
+            sd,
+            cfg,
+            prompt,
+            p.max_tokens,
+            min_loops=p.min_loops,
+            max_loops=p.max_loops,
+            exit_threshold=p.exit_threshold,
+        )
+        assert (out.token_ids, out.exit_depths) == want
+    mixed = [o for o in outs if len(set(o.exit_depths[1:])) > 1]
+    assert len(mixed) >= 2, [o.exit_depths for o in outs]
+    assert len({d for o in outs for d in o.exit_depths[1:]}) >= 3
+
+
+def test_logprobs_match_the_dense_oracle(llm):
+    prompt, p = PROMPTS[4], params_for(2, logprobs=3)
+    (out,) = llm.generate([prompt], p)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    ref = reference_forward(
+        llm.engine.model.state_dict(),
+        llm.engine.model_config,
+        prompt + out.token_ids[:-1],
+        [DEPTH] * len(prompt) + out.exit_depths[1:],
+    )
+    for i, (lp, token, depth) in enumerate(
+        zip(out.logprobs, out.token_ids, out.exit_depths, strict=True)
+    ):
+        full = ref.logits[depth - 1, len(prompt) - 1 + i].log_softmax(-1)
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(float(full[token]), abs=1e-4)
+        assert [t for t, _ in lp.top] == full.topk(3).indices.tolist()
+        assert lp.top[0][0] == token  # greedy: the chosen token is the best one
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+    (plain,) = llm.generate([prompt], params_for(2))
+    assert plain.logprobs is None and plain.token_ids == out.token_ids
+
+
+# -- loop-level batching trace ----------------------------------------------------------------
+
+
+def test_trace_rows_at_different_depths_share_one_recurrent_batch(llm):
+    sched = llm.engine.scheduler
+    sched.trace = []
+    try:
+        params = [params_for(i) for i in range(len(PROMPTS))]
+        outs = llm.generate(PROMPTS, params)
+        trace = sched.trace
+    finally:
+        sched.trace = None
+    check_against_serial(llm, outs, PROMPTS, params)
+    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
+    mixed = []
+    for plan in trace:
+        if plan.stage is not Stage.RECURRENT:
+            continue
+        decode_loops = {r.loop for r in plan.rows if r.start >= prompt_len[r.request_id]}
+        if len(decode_loops) > 1:
+            mixed.append(plan)
+    assert mixed, "no RECURRENT batch held decode rows at different loop indices"
+    assert any(0 in {r.loop for r in p.rows} and max(r.loop for r in p.rows) >= 2 for p in mixed)
+    assert any(p.stage is Stage.CODA for p in trace)  # adaptive exits get their own CODA step
+
+
+def test_trace_no_refill_decode_rows_share_one_loop(ckpt):
+    llm = make_llm(ckpt, refill=False)
+    llm.engine.scheduler.trace = []
+    params = [params_for(i) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    check_against_serial(llm, outs, PROMPTS, params)
+    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
+    for plan in llm.engine.scheduler.trace:
+        if plan.stage is Stage.RECURRENT:
+            loops = {r.loop for r in plan.rows if r.start >= prompt_len[r.request_id]}
+            assert len(loops) <= 1, plan
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_batch_invariant(ckpt, llm):
+    sampled = SamplingParams(
+        max_tokens=8,
+        temperature=1.3,
+        top_k=200,
+        top_p=0.97,
+        seed=4321,
+        ignore_eos=True,
+        exit_threshold=0.5,
+    )
+    (alone,) = llm.generate([PROMPTS[5]], sampled)
+    params = [params_for(i) for i in range(len(PROMPTS))]
+    params[5] = sampled
+    params[2] = SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)
+    params[7] = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # unseeded
+    other = make_llm(ckpt, block_size=1, refill=False, max_num_seqs=5, max_num_batched_tokens=7)
+    for engine in (llm, other):
+        outs = engine.generate(PROMPTS, params)
+        assert (outs[5].token_ids, outs[5].exit_depths) == (alone.token_ids, alone.exit_depths)
+    (greedy,) = llm.generate([PROMPTS[5]], dataclasses.replace(sampled, temperature=0.0))
+    assert alone.token_ids != greedy.token_ids, "not really sampling"
+    (reseeded,) = llm.generate([PROMPTS[5]], sampled)
+    assert reseeded.token_ids == alone.token_ids
+    (other_seed,) = llm.generate([PROMPTS[5]], dataclasses.replace(sampled, seed=99))
+    assert other_seed.token_ids != alone.token_ids
