@@ -92,7 +92,9 @@ def scenarios(draw: st.DrawFn) -> tuple[dict, list[Spec]]:
     options = dict(
         block_size=block_size,
         # small pools: admission waits; sometimes the largest request can never fit (rejected)
-        num_blocks=max(DEPTH, largest + draw(st.sampled_from([-DEPTH, 0, DEPTH, 2 * DEPTH, largest]))),
+        num_blocks=max(
+            DEPTH, largest + draw(st.sampled_from([-DEPTH, 0, DEPTH, 2 * DEPTH, largest]))
+        ),
         refill=draw(st.booleans()),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=rng.randint(max_num_seqs, 12),
