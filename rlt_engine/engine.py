@@ -30,6 +30,11 @@ from rlt_engine.worker.model_runner import ModelRunner
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class StepFailedError(RuntimeError):
+    """The worker failed on a step; the requests it touched were aborted and freed, the
+    engine stays usable for everything else."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -193,7 +198,16 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except Exception as exc:
+            failed = self.scheduler.fail_plan()
+            for req in failed:
+                self._requests.pop(req.request_id, None)
+            ids = ", ".join(r.request_id for r in failed) or "none"
+            raise StepFailedError(
+                f"a step failed and was rolled back ({exc}); aborted: {ids}"
+            ) from exc
         outputs = []
         for req in self.scheduler.update(plan, result):
             req_entry = self._requests.get(req.request_id)

@@ -52,12 +52,18 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.engine.step():
-                if on_output is not None:
-                    on_output(out)
-                if out.finished:
-                    final[out.request_id] = out
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if on_output is not None:
+                        on_output(out)
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:  # a failed step or Ctrl-C: free whatever this call still holds
+                if rid not in final:
+                    self.engine.abort_request(rid)
+            raise
         return [final[rid] for rid in ids]
 
     def chat(

@@ -47,6 +47,7 @@ class Admission:
         self._swap_ins: list[SwapIn] = []
         self._snapshot_drops: list[int] = []
         self._orphan_copies: list[KVCopy] = []  # exit copies of requests preempted since
+        self._preempted_since_plan: list[Request] = []
 
     def has_pending_ops(self) -> bool:
         return bool(
@@ -204,6 +205,7 @@ class Admission:
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        self._preempted_since_plan.append(victim)
         if pending_init:
             self._slot_inits.remove(pending_init[0])
             self._requeue_unstarted(victim)

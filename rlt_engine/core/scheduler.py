@@ -41,6 +41,7 @@ class Scheduler(Admission):
         super().__init__(config, cache or CacheConfig(), blocks, depth)
         self.trace: list[StepPlan] | None = None  # set to [] to record every plan
         self._planned: list[Request] = []  # requests behind the rows of the plan in flight
+        self._touched: list[Request] = []  # requests whose device state that plan changes
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -95,6 +96,12 @@ class Scheduler(Admission):
     def _finish_plan(self, stage: Stage, rows: tuple, owners: list[Request]) -> StepPlan:
         self._planned = owners
         copies = [*self._orphan_copies, *(c for r in self.running for c in r.pending_copies)]
+        # Everyone whose device state this plan touches, in case the step fails.
+        self._touched = [
+            *owners,
+            *(r for r in self.running if r.pending_copies or r.slot in self._swapped_in_slots()),
+            *self._preempted_since_plan,
+        ]
         for r in self.running:
             r.pending_copies = []
         plan = StepPlan(
@@ -165,6 +172,20 @@ class Scheduler(Admission):
             block_table=tuple(req.block_tables[self._plane(req.loop)]),  # type: ignore[index]
             sample=req.loop == self.depth - 1 and end == req.prompt_len,
         )
+
+    def _swapped_in_slots(self) -> set[int]:
+        return {op.slot for op in self._swap_ins}
+
+    def fail_plan(self) -> list[Request]:
+        """The worker raised while executing the last plan: its effects on device state are
+        unknown, so every request it touched is aborted (and nothing else is)."""
+        touched, self._touched, self._planned = self._touched, [], []
+        failed = []
+        for req in touched:
+            if not req.finished and req not in failed:
+                self.finish(req, "abort")
+                failed.append(req)
+        return failed
 
     # -- results -------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
