@@ -175,6 +175,7 @@ class LLMEngine:
         if entry is None:
             return None
         self.scheduler.abort(request_id)
+        self._flush_if_idle()
         return self._output(*entry, new_text="")
 
     def cache_stats(self) -> dict[str, float | int]:
@@ -224,11 +225,16 @@ class LLMEngine:
             outputs.append(self._output(req, detok, new_text))
             if req.finished:
                 del self._requests[req.request_id]
+        self._flush_if_idle()
+        return outputs
+
+    def _flush_if_idle(self) -> None:
+        """With nothing left to run, no further plan would carry the pending slot frees and
+        snapshot drops to the worker: send them now so nothing lingers on the device."""
         if not self.scheduler.has_unfinished():
             idle = self.scheduler.bookkeeping_plan()
             if idle is not None:
                 self.runner.execute(idle)
-        return outputs
 
     def _output(
         self, req: Request, detok: IncrementalDetokenizer | None, new_text: str

@@ -128,7 +128,8 @@ class Admission:
             if self.blocks.blocks_needed(cand.max_positions) + growth > self.blocks.num_free:
                 return False
         elif incremental:
-            reserve = int(self.cache.watermark * self.blocks.num_blocks)
+            # keep headroom for running requests to grow; a lone request needs none
+            reserve = int(self.cache.watermark * self.blocks.num_blocks) if self.running else 0
             if self.blocks.blocks_needed(tokens) + reserve > self.blocks.num_free:
                 return False
         prompt = cand.prompt_token_ids if self.blocks.prefix_caching else None
@@ -137,9 +138,7 @@ class Admission:
         except RuntimeError:
             return False
         self.waiting.remove(cand)
-        for other in self.waiting:
-            if other.arrival_seq < cand.arrival_seq:
-                other.bypassed += 1
+        self._count_bypass(cand)
         cand.block_tables, cand.slot = tables, self._free_slots.pop()
         cand.stage, cand.num_prefilled = Stage.PREFILL, cached
         cand.written = [cached] * self.blocks.num_planes
@@ -155,8 +154,15 @@ class Admission:
         self._swap_ins.append(SwapIn(req.snapshot, req.slot, _flat(tables)))  # type: ignore[arg-type]
         req.snapshot = None
         self.swapped.remove(req)
+        self._count_bypass(req)
         self.running.append(req)
         return True
+
+    def _count_bypass(self, admitted: Request) -> None:
+        """Everyone still queued (waiting or preempted) that arrived earlier was overtaken."""
+        for other in (*self.waiting, *self.swapped):
+            if other.arrival_seq < admitted.arrival_seq:
+                other.bypassed += 1
 
     # -- preemption ----------------------------------------------------------------------
     def _preempt_for(self, cand: Request) -> bool:
