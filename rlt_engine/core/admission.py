@@ -101,8 +101,10 @@ class Admission:
     def rank(self, req: Request) -> tuple[float, int]:
         if self.config.scheduling_policy == "fcfs":
             return (0, req.arrival_seq)
-        promoted = req.bypassed >= self.config.max_bypass
-        return (float("-inf") if promoted else req.params.priority, req.arrival_seq)
+        return (float("-inf") if self._promoted(req) else req.params.priority, req.arrival_seq)
+
+    def _promoted(self, req: Request) -> bool:
+        return req.bypassed >= self.config.max_bypass
 
     # -- admission -----------------------------------------------------------------------
     def admit(self) -> None:
@@ -169,8 +171,14 @@ class Admission:
         """Priority: make room for `cand` by preempting strictly lower-priority requests."""
         if not (self.config.enable_preemption and self.config.scheduling_policy == "priority"):
             return False
-        rank = self.rank(cand)
-        victims = [r for r in self.running if self.rank(r)[0] > rank[0]]
+        # Only strictly lower *declared* priority. A request promoted by the bypass bound goes
+        # first in the queue but preempts no peers, and is itself never preempted for priority
+        # (else it could be swapped back out as soon as it resumes).
+        victims = [
+            r
+            for r in self.running
+            if r.params.priority > cand.params.priority and not self._promoted(r)
+        ]
         if not victims:
             return False
         need = self.blocks.blocks_needed(
@@ -209,13 +217,13 @@ class Admission:
         self.blocks.free(victim.request_id)
         self._free_slots.append(victim.slot)  # type: ignore[arg-type]
         self.running.remove(victim)
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
         self._preempted_since_plan.append(victim)
-        if pending_init:
+        if pending_init:  # never ran: back to the queue, nothing to snapshot
             self._slot_inits.remove(pending_init[0])
             self._requeue_unstarted(victim)
             return
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
         if pending_in:
             self._swap_ins.remove(pending_in[0])
             victim.snapshot = pending_in[0].snapshot  # still held by the worker, unchanged
