@@ -234,6 +234,7 @@ class _Stream:
                 self.status.stop()  # the spinner and the text would share the terminal
                 self.status = None
             stdout.out(out.new_text, end="\n" if out.finished else "")
+            stdout.file.flush()  # keep text and stderr notices in order when piped
         elif self.status is not None:
             self.status.update(self.describe())
 
