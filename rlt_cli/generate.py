@@ -11,8 +11,7 @@ import inspect
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -28,7 +27,7 @@ from rlt_cli.options import (
     sampling_parameters,
     to_field_values,
 )
-from rlt_cli.output import fail, one_line, stderr, stdout
+from rlt_cli.output import USER_ERRORS, check_device, fail, one_line, status_spinner, stderr, stdout
 from rlt_engine.config import EngineConfig
 from rlt_engine.sampling_params import SamplingParams
 
@@ -47,7 +46,6 @@ HELP = "Generate text for prompts with a looped model (several prompts run as on
 # (ModelNotFoundError is a FileNotFoundError; ConfigError, CheckpointError and TokenizerError are
 # ValueErrors; tests/cli/test_generate.py checks it), so the torch-importing modules that define
 # them need not be imported just to print a flag error.
-USER_ERRORS = (ValueError, FileNotFoundError)
 
 
 class OneLineUsageErrors(TyperCommand):
@@ -136,10 +134,10 @@ def _parse(values: dict[str, Any]) -> GenerateRun:
 
 # -- running ------------------------------------------------------------------------------
 def _generate(run: GenerateRun) -> None:
-    _check_device(run.engine_options.get("device", "auto"))
+    check_device(run.engine_options.get("device", "auto"))
     from rlt_engine.llm import LLM
 
-    with _status("loading model"):
+    with status_spinner("loading model"):
         llm = LLM(**run.engine_options)
     if llm.engine.notice:
         stderr.print(f"[dim]{escape(llm.engine.notice)}[/]")
@@ -149,7 +147,7 @@ def _generate(run: GenerateRun) -> None:
 
     stream = _Stream(len(run.prompts), live_text=not run.json_output and len(run.prompts) == 1)
     start = time.perf_counter()
-    with _status(stream.describe()) as status:
+    with status_spinner(stream.describe()) as status:
         stream.status = status
         outputs = _call(llm, run, stream.on_output)
     wall = time.perf_counter() - start
@@ -178,36 +176,11 @@ def _call(
     return llm.generate(run.prompts, run.params, on_output=on_output)
 
 
-def _check_device(device: str) -> None:
-    if device == "auto":
-        return
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r} (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available here (try --device cpu)")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-
-
 def _check_tokenizer(llm: LLM, params: SamplingParams) -> None:
     if llm.tokenizer is not None:
         return
     what = "--stop strings" if params.stop else "text prompts"
     raise ValueError(f"{llm.engine.model_dir} has no tokenizer, which {what} need")
-
-
-@contextmanager
-def _status(message: str) -> Iterator[Any]:
-    """A spinner on stderr when it is a terminal; yields the rich Status or None."""
-    if not stderr.is_terminal:
-        yield None
-        return
-    with stderr.status(message) as status:
-        yield status
 
 
 class _Stream:

@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from rlt_cli.bench import HELP as BENCH_HELP
+from rlt_cli.bench import OneLineBenchUsageErrors, bench_command
 from rlt_cli.download import download
 from rlt_cli.generate import HELP as GENERATE_HELP
 from rlt_cli.generate import OneLineUsageErrors, generate_command
@@ -28,7 +30,6 @@ app = typer.Typer(
 # Subcommands that exist in the plan but not yet in code: (one-line help, what they will do).
 PLANNED: dict[str, tuple[str, str]] = {
     "serve": ("Serve an OpenAI-compatible HTTP API.", "FastAPI server over the async engine"),
-    "bench": ("Benchmark throughput and latency (tok/s, TTFT, TPOT).", "benchmark driver"),
     "profile": ("Profile one engine step per stage and kernel.", "profiler driver"),
     "eval": ("Evaluate accuracy on a task such as gsm8k.", "evaluation driver"),
     "pd-launch": ("Launch disaggregated prefill/decode workers.", "prefill/decode launcher"),
@@ -54,6 +55,7 @@ def main(
 
 app.command("download")(download)
 app.command("generate", help=GENERATE_HELP, cls=OneLineUsageErrors)(generate_command())
+app.command("bench", help=BENCH_HELP, cls=OneLineBenchUsageErrors)(bench_command())
 
 
 def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:

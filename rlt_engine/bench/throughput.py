@@ -2,14 +2,18 @@
 
 Committed decode tokens/s = (output_len - 1) x concurrency / decode seconds, where decode time
 runs from the moment every request has its first token to the last completion, with the device
-synchronized at both ends. Prefill, the first token and HTTP are excluded.
+synchronized at both ends. Prefill, the first token and HTTP are excluded. Per-request latency
+(TTFT, TPOT, E2E) percentiles and the exit-depth histogram of every output token come with it.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -27,6 +31,19 @@ class DecodeRun:
     ttft_ms: list[float]
     tpot_ms: float  # decode seconds per committed token of one request
     steps: int
+    e2e_ms: list[float] = field(default_factory=list)  # arrival to finish, per request
+    request_tpot_ms: list[float] = field(default_factory=list)  # (finish - first) / (n - 1)
+    exit_depths: dict[int, int] = field(default_factory=dict)  # loops run -> output tokens
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _sync(device: torch.device) -> None:
@@ -67,6 +84,14 @@ def run_once(
     decode_s = time.perf_counter() - (t_decode or time.perf_counter())
     outs = [done[i] for i in ids]
     ttft = [1e3 * (o.metrics.first_token_time - o.metrics.arrival_time) for o in outs]  # type: ignore[attr-defined]
+    e2e = [1e3 * (o.metrics.finish_time - o.metrics.arrival_time) for o in outs]  # type: ignore[attr-defined]
+    request_tpot = [
+        1e3
+        * (o.metrics.finish_time - o.metrics.first_token_time)  # type: ignore[attr-defined]
+        / max(1, len(o.token_ids) - 1)  # type: ignore[attr-defined]
+        for o in outs
+    ]
+    depths = Counter(d for o in outs for d in o.exit_depths)  # type: ignore[attr-defined]
     return DecodeRun(
         concurrency=concurrency,
         prompt_len=prompt_len,
@@ -76,6 +101,9 @@ def run_once(
         ttft_ms=ttft,
         tpot_ms=1e3 * decode_s / max(1, output_len - 1),
         steps=steps,
+        e2e_ms=e2e,
+        request_tpot_ms=request_tpot,
+        exit_depths=dict(sorted(depths.items())),
     )
 
 
@@ -86,13 +114,34 @@ def benchmark(
     output_len: int = 32,
     repeats: int = 3,
     warmup: int = 1,
+    params: SamplingParams | None = None,
+    on_run: Callable[[str, int, int], None] | None = None,
+    seed: int = 0,
 ) -> dict:
-    """Median over `repeats` runs after `warmup` discarded runs."""
+    """Median over `repeats` runs after `warmup` discarded runs.
+
+    `params` sets the rest of each request (loop controls, sampling); max_tokens is always
+    `output_len` and ignore_eos is always on, so every request yields exactly `output_len`
+    tokens. `on_run(phase, i, n)` ("warmup" or "run", 1-based) is called before each run.
+    Run i draws its random prompts from `seed + i` (warmup runs from `seed + 1000 + i`).
+    """
+    params = replace(params or SamplingParams(), max_tokens=output_len, ignore_eos=True)
     for i in range(warmup):
-        run_once(engine, concurrency, prompt_len, output_len, seed=1000 + i)
-    runs = [run_once(engine, concurrency, prompt_len, output_len, seed=i) for i in range(repeats)]
+        if on_run is not None:
+            on_run("warmup", i + 1, warmup)
+        run_once(engine, concurrency, prompt_len, output_len, params, seed=seed + 1000 + i)
+    runs = []
+    for i in range(repeats):
+        if on_run is not None:
+            on_run("run", i + 1, repeats)
+        runs.append(run_once(engine, concurrency, prompt_len, output_len, params, seed=seed + i))
     rates = [r.decode_tokens_per_s for r in runs]
     ttfts = [t for r in runs for t in r.ttft_ms]
+    e2es = [t for r in runs for t in r.e2e_ms]
+    tpots = [t for r in runs for t in r.request_tpot_ms]
+    depths: Counter[int] = Counter()
+    for r in runs:
+        depths.update(r.exit_depths)
     return {
         "concurrency": concurrency,
         "prompt_len": prompt_len,
@@ -102,6 +151,11 @@ def benchmark(
         "decode_tokens_per_s_all": rates,
         "ttft_ms_median": statistics.median(ttfts),
         "tpot_ms_median": statistics.median(r.tpot_ms for r in runs),
+        "ttft_ms_p50": percentile(ttfts, 50),
+        "ttft_ms_p90": percentile(ttfts, 90),
+        "tpot_ms_p50": percentile(tpots, 50),
+        "e2e_ms_p50": percentile(e2es, 50),
+        "exit_depths": dict(sorted(depths.items())),
         "steps_per_run": runs[0].steps,
         "runs": [asdict(r) for r in runs],
     }
