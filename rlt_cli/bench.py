@@ -18,33 +18,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 from rich.table import Table
-from typer.core import TyperCommand
 
+from rlt_cli.command import callback, keyword
 from rlt_cli.options import engine_fields, engine_parameters, to_field_values
-from rlt_cli.output import USER_ERRORS, check_device, fail, status_spinner, stderr, stdout
+from rlt_cli.output import check_device, status_spinner, stderr, stdout
 from rlt_engine.config import EngineConfig
 from rlt_engine.sampling_params import SamplingParams
-
-try:  # recent typer vendors click as typer._click
-    from typer._click.exceptions import UsageError
-except ImportError:  # pragma: no cover - older typer uses the click package
-    from click.exceptions import UsageError
 
 if TYPE_CHECKING:
     from rlt_engine.llm import LLM
 
 HELP = "Benchmark offline decode throughput and latency (tok/s, TTFT, TPOT) in-process."
 DEFAULT_CONCURRENCY = (1, 8)
-
-
-class OneLineBenchUsageErrors(TyperCommand):
-    """Bad flags are reported like every other error: one red line, exit code 2."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except UsageError as exc:
-            fail(f"{exc.format_message()} (see `rlt bench --help`)", code=exc.exit_code)
 
 
 @dataclass(frozen=True)
@@ -61,34 +46,17 @@ class BenchRun:
 
 def bench_command() -> Callable[..., None]:
     """The Typer callback: the engine flags are built from the config dataclasses."""
-
-    def bench(**values: Any) -> None:
-        try:
-            _bench(_parse(values))
-        except USER_ERRORS as exc:
-            fail(str(exc) or type(exc).__name__)
-        except KeyboardInterrupt:
-            fail("interrupted", code=130)
-
     parameters = [*_WORKLOAD, *engine_parameters(), *_LOOPS, *_FRONT_END]
-    bench.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    bench.__annotations__ = {p.name: p.annotation for p in parameters}
-    bench.__doc__ = HELP
-    return bench
-
-
-def _keyword(name: str, annotation: Any, default: Any) -> inspect.Parameter:
-    kind = inspect.Parameter.KEYWORD_ONLY
-    return inspect.Parameter(name, kind, default=default, annotation=annotation)
+    return callback(lambda values: _bench(_parse(values)), parameters, HELP)
 
 
 def _option(name: str, kind: type, default: Any, help: str, panel: str) -> inspect.Parameter:
     flag = typer.Option("--" + name.replace("_", "-"), help=help, rich_help_panel=panel)
-    return _keyword(name, Annotated[kind, flag], default)
+    return keyword(name, Annotated[kind, flag], default)
 
 
 _WORKLOAD = [
-    _keyword(
+    keyword(
         "concurrency",
         Annotated[
             list[int] | None,
@@ -124,7 +92,7 @@ _LOOPS = [
     ),
 ]
 _FRONT_END = [
-    _keyword(
+    keyword(
         "json_output",
         Annotated[bool, typer.Option("--json", help="Print one JSON object; no table.")],
         False,

@@ -7,7 +7,6 @@ Human output: generated text on stdout, notices and the summary table on stderr 
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from collections import Counter
@@ -18,8 +17,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 from rich.table import Table
-from typer.core import TyperCommand
 
+from rlt_cli.command import callback, keyword
 from rlt_cli.options import (
     engine_fields,
     engine_parameters,
@@ -27,35 +26,15 @@ from rlt_cli.options import (
     sampling_parameters,
     to_field_values,
 )
-from rlt_cli.output import USER_ERRORS, check_device, fail, one_line, status_spinner, stderr, stdout
+from rlt_cli.output import check_device, one_line, status_spinner, stderr, stdout
 from rlt_engine.config import EngineConfig
 from rlt_engine.sampling_params import SamplingParams
-
-try:  # recent typer vendors click as typer._click
-    from typer._click.exceptions import UsageError
-except ImportError:  # pragma: no cover - older typer uses the click package
-    from click.exceptions import UsageError
 
 if TYPE_CHECKING:
     from rlt_engine.llm import LLM
     from rlt_engine.outputs import RequestOutput
 
 HELP = "Generate text for prompts with a looped model (several prompts run as one batch)."
-
-# Every model/config/checkpoint/tokenizer error of the engine derives from one of these
-# (ModelNotFoundError is a FileNotFoundError; ConfigError, CheckpointError and TokenizerError are
-# ValueErrors; tests/cli/test_generate.py checks it), so the torch-importing modules that define
-# them need not be imported just to print a flag error.
-
-
-class OneLineUsageErrors(TyperCommand):
-    """Bad flags are reported like every other error: one red line, exit code 2."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except UsageError as exc:
-            fail(f"{exc.format_message()} (see `rlt generate --help`)", code=exc.exit_code)
 
 
 @dataclass(frozen=True)
@@ -70,43 +49,26 @@ class GenerateRun:
 
 def generate_command() -> Callable[..., None]:
     """The Typer callback: its signature is built from the config dataclasses."""
-
-    def generate(**values: Any) -> None:
-        try:
-            _generate(_parse(values))
-        except USER_ERRORS as exc:
-            fail(str(exc) or type(exc).__name__)
-        except KeyboardInterrupt:
-            fail("interrupted", code=130)
-
     parameters = [_PROMPTS, *engine_parameters(), *sampling_parameters(), *_FRONT_END]
-    generate.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
-    generate.__annotations__ = {p.name: p.annotation for p in parameters}
-    generate.__doc__ = HELP
-    return generate
+    return callback(lambda values: _generate(_parse(values)), parameters, HELP)
 
 
-def _keyword(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> Any:
-    kind = inspect.Parameter.KEYWORD_ONLY
-    return inspect.Parameter(name, kind, default=default, annotation=annotation)
-
-
-_PROMPTS = _keyword(
+_PROMPTS = keyword(
     "prompts",
     Annotated[list[str], typer.Argument(metavar="PROMPT", help="Prompts, run as one batch.")],
 )
 _FRONT_END = [
-    _keyword(
+    keyword(
         "chat",
         Annotated[bool, typer.Option("--chat", help="Send each prompt as a user chat message.")],
         False,
     ),
-    _keyword(
+    keyword(
         "json_output",
         Annotated[bool, typer.Option("--json", help="Print one JSON object; no streaming.")],
         False,
     ),
-    _keyword(
+    keyword(
         "verbose",
         Annotated[bool, typer.Option("--verbose", "-v", help="Print the resolved model setup.")],
         False,

@@ -12,10 +12,11 @@ from typing import Annotated
 import typer
 
 from rlt_cli.bench import HELP as BENCH_HELP
-from rlt_cli.bench import OneLineBenchUsageErrors, bench_command
+from rlt_cli.bench import bench_command
+from rlt_cli.command import OneLineUsageErrors
 from rlt_cli.download import download
 from rlt_cli.generate import HELP as GENERATE_HELP
-from rlt_cli.generate import OneLineUsageErrors, generate_command
+from rlt_cli.generate import generate_command
 from rlt_cli.output import fail
 from rlt_engine import __version__
 
@@ -55,7 +56,7 @@ def main(
 
 app.command("download")(download)
 app.command("generate", help=GENERATE_HELP, cls=OneLineUsageErrors)(generate_command())
-app.command("bench", help=BENCH_HELP, cls=OneLineBenchUsageErrors)(bench_command())
+app.command("bench", help=BENCH_HELP, cls=OneLineUsageErrors)(bench_command())
 
 
 def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:

@@ -13,7 +13,11 @@ from rich.markup import escape
 stdout = Console(highlight=False, soft_wrap=True)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
-# What a command turns into one readable line (the engine's errors subclass these).
+# What a command turns into one readable line. Every model/config/checkpoint/tokenizer error
+# of the engine derives from one of these (ModelNotFoundError is a FileNotFoundError;
+# ConfigError, CheckpointError and TokenizerError are ValueErrors; tests/cli/test_generate.py
+# checks it), so the torch-importing modules that define them need not be imported just to
+# print a flag error.
 USER_ERRORS = (ValueError, FileNotFoundError)
 
 

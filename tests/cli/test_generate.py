@@ -210,7 +210,7 @@ def test_chat_without_template_gives_one_line(tiny_nanbeige_dir: Path, tmp_path:
 
 
 def test_engine_errors_derive_from_the_caught_bases() -> None:
-    from rlt_cli.generate import USER_ERRORS
+    from rlt_cli.output import USER_ERRORS
     from rlt_engine.models.configs import ConfigError
     from rlt_engine.models.loader import CheckpointError
     from rlt_engine.models.resolve import ModelNotFoundError
