@@ -52,3 +52,12 @@ def tiny_ouro_dir(tmp_path_factory: pytest.TempPathFactory, ouro_real_dir: Path)
 def tiny_nanbeige_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random Nanbeige checkpoint with its synthetic tokenizer. Treat as read-only."""
     return tiny_checkpoints.write_tiny_nanbeige(tmp_path_factory.mktemp("tiny-nanbeige"))
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Ouro weights (4 loops, exit gate) without a tokenizer: loads in milliseconds,
+    token-id prompts only."""
+    return tiny_checkpoints.write_tiny_ouro(
+        tmp_path_factory.mktemp("tiny-ouro-ids"), tokenizer_from=None
+    )

@@ -2,18 +2,15 @@
 
 Token-id prompts with a mix of loop controls, a cached serial (single-request, contiguous-cache)
 greedy decode to compare batched output against, and `ENGINES`, the engines each test module's
-autouse fixture checks for leaked KV blocks after every test. The fixtures themselves (`ckpt`,
-`llm`, ...) live in each test module.
+autouse fixture checks for leaked KV blocks after every test. `ckpt` is a conftest fixture;
+`llm` and friends live in each test module.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
@@ -22,14 +19,6 @@ from rlt_engine.models.contiguous_kv import greedy_decode
 DEPTH = 4  # the tiny Ouro's total_ut_steps
 
 ENGINES: list[LLM] = []  # every LLM a test made or used: checked for leaks after each test
-
-
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is much faster, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def check_no_blocks_in_use() -> None:

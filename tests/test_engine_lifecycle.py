@@ -20,11 +20,9 @@ from engine_helpers import (
     check_against_serial,
     check_no_blocks_in_use,
     make_llm,
-    one_thread,
     params_for,
     serial,
 )
-from tiny_checkpoints import write_tiny_ouro
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.plan import Stage
@@ -32,21 +30,10 @@ from rlt_engine.models.contiguous_kv import greedy_decode
 from rlt_engine.models.tokenizer import render_chat
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    yield from one_thread()
-
-
 @pytest.fixture(autouse=True)
 def _no_blocks_in_use_after_each_test() -> Iterator[None]:
     yield
     check_no_blocks_in_use()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Ouro weights without a tokenizer: loads in milliseconds (token-id prompts)."""
-    return write_tiny_ouro(tmp_path_factory.mktemp("tiny-ouro-ids"), tokenizer_from=None)
 
 
 @pytest.fixture(scope="module")

@@ -5,15 +5,12 @@ produces exactly its serial output (token ids and exit depths)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_checkpoints import write_tiny_ouro
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
@@ -22,19 +19,6 @@ from rlt_engine.models.contiguous_kv import greedy_decode
 
 DEPTH = 4
 MAX_STEPS = 5_000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_ouro(tmp_path_factory.mktemp("tiny-ouro-prop"), tokenizer_from=None)
 
 
 @pytest.fixture(scope="module")

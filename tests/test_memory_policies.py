@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from tiny_checkpoints import write_tiny_ouro
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
@@ -37,14 +35,6 @@ DEPTH = 4  # the tiny Ouro's total_ut_steps
 VOCAB = 49152
 
 _ENGINES: list[LLM] = []  # checked for leftovers after every test
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
@@ -68,12 +58,6 @@ def make_llm(path: Path, register: bool = True, **options: Any) -> LLM:
     if register:
         _ENGINES.append(llm)
     return llm
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Ouro (4 loops, exit gate) without a tokenizer: token-id prompts."""
-    return write_tiny_ouro(tmp_path_factory.mktemp("tiny-ouro-mem"), tokenizer_from=None)
 
 
 # -- serial reference --------------------------------------------------------------------------

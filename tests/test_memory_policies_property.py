@@ -11,15 +11,12 @@ LAST_EXITED, `shared_greedy` for SHARED) for greedy requests.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_checkpoints import write_tiny_ouro
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
@@ -30,19 +27,6 @@ from rlt_engine.models.reference_shared import shared_greedy
 DEPTH = 4
 VOCAB = 49152
 MAX_STEPS = 5_000
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_ouro(tmp_path_factory.mktemp("tiny-ouro-mem-prop"), tokenizer_from=None)
 
 
 @pytest.fixture(scope="module")

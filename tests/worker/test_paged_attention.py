@@ -18,14 +18,6 @@ from rlt_engine.worker.paged_attention import PagedKVCache, PagedMetadata
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [T, H, d], k/v [T, KVH, d]: row t attends to keys 0..t; head h reads kv head h // g."""
     t, h, d = q.shape
