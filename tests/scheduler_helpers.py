@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlt_engine.config import SchedulerConfig
+from rlt_engine.config import CacheConfig, SchedulerConfig
 from rlt_engine.core.block_manager import BlockManager
 from rlt_engine.core.exit_rule import ExitTracker, LoopControls
 from rlt_engine.core.plan import (
@@ -39,14 +39,34 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     prefill_chunk_size: int = 64,
     refill: bool = True,
+    kv_layout: str = "last_exited",
+    enable_prefix_caching: bool = False,
+    incremental_kv: bool = False,
+    watermark: float = 0.0,
+    scheduling_policy: str = "fcfs",
+    enable_preemption: bool = False,
+    max_bypass: int = 32,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         prefill_chunk_size=prefill_chunk_size,
         refill=refill,
+        scheduling_policy=scheduling_policy,
+        enable_preemption=enable_preemption,
+        max_bypass=max_bypass,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size, depth), depth)
+    cache = CacheConfig(
+        block_size=block_size,
+        kv_layout=kv_layout,
+        enable_prefix_caching=enable_prefix_caching,
+        incremental_kv=incremental_kv,
+        watermark=watermark,
+        num_blocks=num_blocks,
+    )
+    planes = 1 if kv_layout == "shared" else depth
+    blocks = BlockManager(num_blocks, block_size, planes, enable_prefix_caching)
+    return Scheduler(config, blocks, depth, cache)
 
 
 def make_request(

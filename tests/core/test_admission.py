@@ -17,13 +17,12 @@ Hazards and sampled tokens are deterministic functions of (request, loop, positi
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from scheduler_helpers import DEPTH, Hazard, make_scheduler, token_for
 
-from rlt_engine.config import CacheConfig, SchedulerConfig
-from rlt_engine.core.block_manager import BlockManager
+from rlt_engine.config import SchedulerConfig
 from rlt_engine.core.exit_rule import ExitTracker, LoopControls
 from rlt_engine.core.plan import (
     CodaRow,
@@ -37,50 +36,6 @@ from rlt_engine.core.plan import (
 from rlt_engine.core.request import Request
 from rlt_engine.core.scheduler import Scheduler
 from rlt_engine.sampling_params import SamplingParams
-
-DEPTH = 4
-
-Hazard = Callable[[str, int, int], float | None]
-
-
-def make_scheduler(
-    *,
-    depth: int = DEPTH,
-    block_size: int = 2,
-    num_blocks: int = 256,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 64,
-    prefill_chunk_size: int = 64,
-    refill: bool = True,
-    kv_layout: str = "last_exited",
-    enable_prefix_caching: bool = False,
-    incremental_kv: bool = False,
-    watermark: float = 0.0,
-    scheduling_policy: str = "fcfs",
-    enable_preemption: bool = False,
-    max_bypass: int = 32,
-) -> Scheduler:
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        prefill_chunk_size=prefill_chunk_size,
-        refill=refill,
-        scheduling_policy=scheduling_policy,
-        enable_preemption=enable_preemption,
-        max_bypass=max_bypass,
-    )
-    cache = CacheConfig(
-        block_size=block_size,
-        kv_layout=kv_layout,
-        enable_prefix_caching=enable_prefix_caching,
-        incremental_kv=incremental_kv,
-        watermark=watermark,
-        num_blocks=num_blocks,
-    )
-    planes = 1 if kv_layout == "shared" else depth
-    blocks = BlockManager(num_blocks, block_size, planes, enable_prefix_caching)
-    return Scheduler(config, blocks, depth, cache)
-
 
 _SEEDS = iter(range(1, 10**9))
 
@@ -104,10 +59,6 @@ def make_request(
         stop_token_ids=frozenset(),
         seed=next(_SEEDS),  # unique: identifies the request's RNG state in the worker
     )
-
-
-def token_for(rid: str, position: int) -> int:
-    return 100 + (position * 7 + sum(map(ord, rid))) % 50
 
 
 @dataclass
