@@ -6,6 +6,7 @@ here; the scheduler only ever sees integers.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -128,8 +129,8 @@ class ModelRunner:
         hidden = self._inputs(rows)
         meta = self._metadata(rows)
         out = self.model.recurrent(hidden, meta, self.kv)
-        ends = torch.tensor([r.num_tokens for r in rows]).cumsum(0).tolist()
-        starts = [e - r.num_tokens for e, r in zip(ends, rows, strict=True)]
+        bounds = list(itertools.accumulate((r.num_tokens for r in rows), initial=0))
+        starts, ends = bounds[:-1], bounds[1:]  # each row's span in the batch
         for r, s, e in zip(rows, starts, ends, strict=True):
             self.hidden[r.slot] = out.hidden[s:e]
         hazards: list[float | None] = [None] * len(rows)
@@ -157,34 +158,43 @@ class ModelRunner:
         return torch.cat(parts)
 
     def _metadata(self, rows: tuple[RecurrentRow, ...]) -> PagedMetadata:
+        """Per-row tensors; slots are computed from block tables on the device, so the host
+        work is per block, not per key position."""
         bs = self.block_size
-        positions, loops, slots = [], [], []
-        single_rows, single_slots, single_lens = [], [], []
+        width = max(len(r.block_table) for r in rows)
+        tables = self._tensor([[*r.block_table, *[0] * (width - len(r.block_table))] for r in rows])
+        counts = [r.num_tokens for r in rows]
+        row_of = torch.repeat_interleave(
+            torch.arange(len(rows), device=self.device), self._tensor(counts)
+        )
+        positions = torch.cat([torch.arange(r.start, r.start + r.num_tokens) for r in rows])
+        positions = positions.to(self.device)
+
+        def slots(row_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return tables[row_ids, torch.div(pos, bs, rounding_mode="floor")] * bs + pos % bs
+
+        ends = [r.start + r.num_tokens for r in rows]
+        firsts = list(itertools.accumulate(counts, initial=0))[:-1]  # each row's first index
+        single = [i for i, r in enumerate(rows) if r.num_tokens == 1]
+        single_rows = single_slots = single_lens = None
+        if single:
+            idx = self._tensor(single)
+            lens = self._tensor([ends[i] for i in single])
+            keys = torch.arange(int(max(ends[i] for i in single)), device=self.device)
+            # positions past a row's length read a padding slot; the mask hides them
+            single_slots = slots(idx[:, None], keys[None, :])
+            single_rows, single_lens = self._tensor([firsts[i] for i in single]), lens
         chunks = []
-        for r in rows:
-            first = len(positions)
-            end = r.start + r.num_tokens
-            key_slots = [r.block_table[p // bs] * bs + p % bs for p in range(end)]
-            positions.extend(range(r.start, end))
-            loops.extend([r.loop] * r.num_tokens)
-            slots.extend(key_slots[r.start :])
-            if r.num_tokens == 1:
-                single_rows.append(first)
-                single_slots.append(key_slots)
-                single_lens.append(end)
-            else:
-                chunks.append((first, r.num_tokens, self._tensor(key_slots)))
-        single = None
-        if single_rows:
-            width = max(single_lens)
-            padded = [s + [s[0]] * (width - len(s)) for s in single_slots]
-            single = (self._tensor(single_rows), self._tensor(padded), self._tensor(single_lens))
+        for i, r in enumerate(rows):
+            if r.num_tokens > 1:
+                keys = torch.arange(ends[i], device=self.device)
+                chunks.append((firsts[i], r.num_tokens, slots(torch.full_like(keys, i), keys)))
         return PagedMetadata(
-            positions=self._tensor(positions),
-            loop_indices=self._tensor(loops),
-            slot_mapping=self._tensor(slots),
-            single_rows=single[0] if single else None,
-            single_slots=single[1] if single else None,
-            single_lens=single[2] if single else None,
+            positions=positions,
+            loop_indices=self._tensor([r.loop for r in rows])[row_of],
+            slot_mapping=slots(row_of, positions),
+            single_rows=single_rows,
+            single_slots=single_slots,
+            single_lens=single_lens,
             chunks=chunks,
         )
