@@ -97,9 +97,10 @@ class Scheduler(Admission):
         self._planned = owners
         copies = [*self._orphan_copies, *(c for r in self.running for c in r.pending_copies)]
         # Everyone whose device state this plan touches, in case the step fails.
+        swapped_in = {op.slot for op in self._swap_ins}
         self._touched = [
             *owners,
-            *(r for r in self.running if r.pending_copies or r.slot in self._swapped_in_slots()),
+            *(r for r in self.running if r.pending_copies or r.slot in swapped_in),
             *self._preempted_since_plan,
         ]
         for r in self.running:
@@ -172,9 +173,6 @@ class Scheduler(Admission):
             block_table=tuple(req.block_tables[self._plane(req.loop)]),  # type: ignore[index]
             sample=req.loop == self.depth - 1 and end == req.prompt_len,
         )
-
-    def _swapped_in_slots(self) -> set[int]:
-        return {op.slot for op in self._swap_ins}
 
     def fail_plan(self) -> list[Request]:
         """The worker raised while executing the last plan: its effects on device state are
