@@ -14,10 +14,10 @@ from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
 import typer
 
-from rlt_engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from rlt_engine.config import CacheConfig, ExecutionConfig, ModelConfig, SchedulerConfig
 from rlt_engine.sampling_params import SamplingParams
 
-ENGINE_CLASSES: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig)
+ENGINE_CLASSES: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
 NOT_FLAGS = frozenset({"priority"})  # SamplingParams fields that a one-shot CLI run has no use for
 LOOP_FIELDS = frozenset({"min_loops", "max_loops", "exit_threshold"})
 
@@ -49,6 +49,10 @@ HELP: dict[str, str] = {
     "prefill_chunk_size": "Most prompt tokens of one request per prefill step.",
     "refill": "Refill: a finished row is replaced at once. No-refill: a decode cohort runs "
     "until all its tokens exit.",
+    "attention_backend": "auto, torch, triton or flash (auto: triton on CUDA, torch on CPU); "
+    "an explicit choice that cannot run is an error.",
+    "enforce_eager": "Run decode eagerly, without CUDA graphs.",
+    "decode_window": "Decode traversals per engine step (one read back per window).",
     # sampling (SamplingParams)
     "max_tokens": "Most tokens to generate per prompt.",
     "temperature": "Sampling temperature; 0 = greedy.",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 
 
 @dataclass(frozen=True)
@@ -98,20 +99,43 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+    """How the worker runs the model; never changes what it computes."""
+
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # True = no CUDA graphs (to compare, or to debug)
+    decode_window: int = 8  # decode traversals per step, with one read back per window
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.decode_window < 1:
+            raise ValueError(f"decode_window must be >= 1, got {self.decode_window}")
+
+
+_PARTS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "execution": ExecutionConfig,
+}
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    execution: ExecutionConfig = ExecutionConfig()
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:
         """Build from flat keyword options (`LLM(block_size=..)`, `--block-size`)."""
         parts = {}
-        for part_name, part_cls in (
-            ("model", ModelConfig),
-            ("cache", CacheConfig),
-            ("scheduler", SchedulerConfig),
-        ):
+        for part_name, part_cls in _PARTS.items():
             names = {f.name for f in fields(part_cls)}
             parts[part_name] = part_cls(**{k: options.pop(k) for k in list(options) if k in names})
         if options:
@@ -120,4 +144,4 @@ class EngineConfig:
 
 
 def engine_option_names() -> list[str]:
-    return [f.name for part in (ModelConfig, CacheConfig, SchedulerConfig) for f in fields(part)]
+    return [f.name for part in _PARTS.values() for f in fields(part)]
