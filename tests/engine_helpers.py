@@ -1,7 +1,7 @@
 """Shared by the tiny-engine tests (test_engine_equivalence.py, test_engine_lifecycle.py).
 
-Token-id prompts with a mix of loop controls, a cached serial (single-request, contiguous-cache)
-greedy decode to compare batched output against, and `ENGINES`, the engines each test module's
+Token-id prompts with a mix of loop controls, the dense fp32 oracle's greedy decode (memoised) to
+compare batched output against, and `ENGINES`, the engines each test module's
 autouse fixture checks for leaked KV blocks after every test. `ckpt` is a conftest fixture;
 `llm` and friends live in each test module.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rlt_engine import LLM, SamplingParams
-from rlt_engine.core.exit_rule import LoopControls
-from rlt_engine.models.contiguous_kv import greedy_decode
+from rlt_engine.models.reference import reference_greedy
+from rlt_engine.models.reference_shared import shared_greedy
 
 DEPTH = 4  # the tiny Ouro's total_ut_steps
 
@@ -59,24 +59,46 @@ def params_for(i: int, **extra: Any) -> SamplingParams:
     )
 
 
-_SERIAL: dict[tuple, tuple[list[int], list[int]]] = {}
+_ORACLE: dict[tuple, tuple[list[int], list[int]]] = {}
 
 
-def serial(llm: LLM, prompt: list[int], p: SamplingParams) -> tuple[list[int], list[int]]:
-    """Single-request greedy decode over a contiguous cache (no paging, no batching)."""
-    key = (tuple(prompt), p.max_tokens, p.min_loops, p.max_loops, p.exit_threshold)
-    if key not in _SERIAL:
-        controls = LoopControls(
-            p.min_loops or 1,
-            p.max_loops or DEPTH,
-            1.0 if p.exit_threshold is None else p.exit_threshold,
+def oracle_greedy(
+    llm: LLM, prompt: list[int], p: SamplingParams, layout: str = "last_exited"
+) -> tuple[list[int], list[int]]:
+    """(token ids, exit depths) of the dense fp32 oracle: plain functions over the state dict,
+    nothing shared with the modules, caches or scheduler under test. `llm` only lends its
+    weights and config (memoised per checkpoint directory)."""
+    model = llm.engine.model
+    key = (
+        str(llm.engine.model_dir),
+        layout,
+        tuple(prompt),
+        p.max_tokens,
+        p.min_loops,
+        p.max_loops,
+        p.exit_threshold,
+    )
+    if key not in _ORACLE:
+        decode = shared_greedy if layout == "shared" else reference_greedy
+        _ORACLE[key] = decode(
+            model.state_dict(),
+            model.config,
+            prompt,
+            p.max_tokens,
+            min_loops=p.min_loops or 1,
+            max_loops=p.max_loops or model.num_loops,
+            exit_threshold=(
+                model.config.early_exit_threshold if p.exit_threshold is None else p.exit_threshold
+            ),
         )
-        _SERIAL[key] = greedy_decode(llm.engine.model, prompt, p.max_tokens, controls)
-    return _SERIAL[key]
+    return _ORACLE[key]
+
+
+serial = oracle_greedy  # the name the equivalence and lifecycle tests use
 
 
 def check_against_serial(llm: LLM, outs: list, prompts: list, params: list) -> None:
     for out, prompt, p in zip(outs, prompts, params, strict=True):
         assert out.prompt_token_ids == prompt
-        assert (out.token_ids, out.exit_depths) == serial(llm, prompt, p), out.request_id
+        assert (out.token_ids, out.exit_depths) == oracle_greedy(llm, prompt, p), out.request_id
         assert out.finish_reason == "length" and out.finished

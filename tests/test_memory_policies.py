@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import oracle_greedy
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
@@ -67,15 +68,20 @@ _SERIAL: dict[tuple, tuple[list[int], list[int]]] = {}
 
 
 def serial(path: Path, layout: str, prompt: list[int], p: SamplingParams) -> tuple:
-    """(token ids, exit depths) of the request run alone on an unconstrained engine."""
+    """(token ids, exit depths) the request must produce: the dense fp32 oracle for greedy
+    requests (nothing shared with the engine under test); for sampled ones, the request run
+    alone on an unconstrained engine (seeded sampling is batch-invariant, tested elsewhere)."""
+    engine_key = (str(path), layout)
+    if engine_key not in _SERIAL_ENGINES:
+        _SERIAL_ENGINES[engine_key] = LLM(
+            str(path), dtype="float32", device="cpu", num_blocks=1024, kv_layout=layout
+        )
+    llm = _SERIAL_ENGINES[engine_key]
+    if p.greedy:
+        return oracle_greedy(llm, prompt, p, layout)
     key = (str(path), layout, tuple(prompt), p)
     if key not in _SERIAL:
-        engine_key = (str(path), layout)
-        if engine_key not in _SERIAL_ENGINES:
-            _SERIAL_ENGINES[engine_key] = LLM(
-                str(path), dtype="float32", device="cpu", num_blocks=1024, kv_layout=layout
-            )
-        (out,) = _SERIAL_ENGINES[engine_key].generate([prompt], p)
+        (out,) = llm.generate([prompt], p)
         _SERIAL[key] = (out.token_ids, out.exit_depths)
     return _SERIAL[key]
 
