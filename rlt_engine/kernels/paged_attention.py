@@ -1,0 +1,533 @@
+"""Triton paged attention over the depth-aware paged KV cache (DESIGN §4-§5, issue 9 item 4).
+
+One kernel serves decode rows and prefill chunks. A program owns one (sequence, tile of BLOCK_Q
+queries, kv head, split) and processes every query head of that kv head's GQA group together:
+its BLOCK_M rows are (query, head-in-group) pairs, row r = query r // GROUP, head r % GROUP. It
+walks the keys the tile can see in tiles of BLOCK_N positions; each key position is resolved
+through the sequence's block table (slot = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos %
+BLOCK_SIZE), so the key tile is independent of the cache block size and every block size >= 1
+works, powers of two or not. Each K/V row read is head_dim contiguous elements (vector loads),
+read once per (sequence, query tile, kv head, split). Softmax is online in fp32 (base-2 with the
+scale folded into log2(e)); masked keys never touch memory, so padding table entries and unused
+slots may hold anything.
+
+Split-K (num_splits > 1): the key tiles of a program's range are cut into num_splits contiguous
+parts on the device (from seq_lens), each program writes its unnormalised partial (acc, max, sum)
+to a workspace and a second kernel merges them by log-sum-exp; a split with no keys writes
+(0, -inf, 0) and merges as empty.
+
+CUDA-graph capturable: no host synchronisation, the grids depend only on num_seqs, num_heads,
+max_query_len, num_splits and static shapes.
+
+triton is imported lazily (this module imports without it). On CPU the kernels run under the
+Triton interpreter, which needs TRITON_INTERPRET=1 *before triton is first imported* in the
+process (triton's own helpers such as tl.max are then built for the interpreter); `supported`
+reports the case where it was set too late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def supported(device: torch.device) -> tuple[bool, str]:
+    """Whether `paged_attention` can run on `device`, and why not (empty string when it can)."""
+    device = torch.device(device)
+    error = _import_triton()
+    if error is not None:
+        return False, error
+    interpreted = _interpreter_mode()
+    if device.type == "cuda":
+        if interpreted:
+            return False, "TRITON_INTERPRET=1 was set when triton was imported: CPU tensors only"
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available to torch"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return False, f"the Triton kernel needs compute capability >= 8.0, got {major}.{minor}"
+        return True, ""
+    if device.type == "cpu":
+        if interpreted:
+            return True, ""
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return False, (
+                "TRITON_INTERPRET=1 was set after triton had been imported; set it before the "
+                "first import of triton to run the Triton interpreter on CPU"
+            )
+        return False, "Triton runs on CPU only under its interpreter (set TRITON_INTERPRET=1)"
+    return False, f"Triton paged attention does not run on device type {device.type!r}"
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    block_size: int,
+    scale: float,
+    max_query_len: int,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of `q` over the paged cache; returns `out` [num_tokens, num_heads, d].
+
+    q [num_tokens, num_heads, d]; k_cache / v_cache [num_slots, num_kv_heads, d] (already
+    holding the new tokens' K/V); block_tables int32 [num_seqs, max_blocks]; seq_lens int32
+    [num_seqs] (keys visible to the last query of the sequence); query_start int32
+    [num_seqs + 1]. Query i of sequence s with q_len queries sits at position
+    seq_lens[s] - q_len + i and sees keys [0, position]. Sequences with no queries are no-ops;
+    rows of `out` owned by no sequence are left untouched. `max_query_len` (host int) bounds
+    q_len; `num_splits` splits each program's keys (split-K, mainly for long decode contexts).
+    """
+    return _launch(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start,
+        block_size,
+        scale,
+        max_query_len,
+        num_splits,
+        out,
+    )
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    block_size: int,
+    scale: float,
+    max_query_len: int,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    *,
+    block_n: int | None = None,
+    block_q: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark)."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, max_query_len)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_seqs = block_tables.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    elif out.stride(-1) != 1:
+        raise ValueError("out must be contiguous in its last dimension")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    ok, why = supported(q.device)
+    if not ok:
+        raise RuntimeError(f"Triton paged attention cannot run on {q.device}: {why}")
+    interpret = _interpreter_mode()
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+
+    # Tiles sized by bytes per K/V row: bf16 d=128 -> 64 keys x 64 rows; fp32 or d=256 halve them.
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    row_bytes = block_d * q.element_size()
+    if block_n is None:
+        block_n = max(16, min(64, 64 * 256 // row_bytes))
+    rows = 64 if row_bytes <= 256 else 32  # target BLOCK_M for prefill tiles
+    if block_q is None:  # decode: one query; prefill: fill about `rows` rows
+        block_q = min(triton.next_power_of_2(max_query_len), max(1, rows // group))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    q_tiles = triton.cdiv(max_query_len, block_q)
+    # fp32 inputs: exact fp32 dots (no TF32) so triton matches the torch backend to ~1e-6.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    if num_splits == 1:
+        ws_acc = ws_m = ws_l = out  # unused
+    else:
+        f32 = {"dtype": torch.float32, "device": q.device}
+        ws_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), **f32)
+        ws_m = torch.empty((num_tokens, num_heads, num_splits), **f32)
+        ws_l = torch.empty_like(ws_m)
+
+    attn = _kernel(_paged_attention_kernel, interpret)
+    with _on_device(q.device):
+        attn[(num_seqs * q_tiles, num_kv_heads, num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            ws_acc,
+            ws_m,
+            ws_l,
+            block_tables,
+            seq_lens,
+            query_start,
+            scale * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            block_tables.stride(0),
+            block_tables.shape[1],
+            num_heads,
+            q_tiles,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_SIZE=block_size,
+            GROUP=group,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_splits,
+            PRECISION=precision,
+            UPCAST=interpret and q.dtype == torch.bfloat16,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        if num_splits > 1:
+            merge = _kernel(_merge_splits_kernel, interpret)
+            merge[(num_seqs * max_query_len, num_heads)](
+                out,
+                ws_acc,
+                ws_m,
+                ws_l,
+                query_start,
+                out.stride(0),
+                out.stride(1),
+                num_heads,
+                max_query_len,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                NUM_SPLITS=num_splits,
+                SPLITS_PAD=triton.next_power_of_2(num_splits),
+                num_warps=4,
+            )
+    return out
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, max_query_len):
+    """Shape / dtype / device checks only: nothing here reads device memory (no sync)."""
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "expected q [tokens, heads, d] and k_cache == v_cache [slots, kv_heads, d], got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and cache ({k_cache.shape[2]}) differ")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q, k_cache and v_cache must share one of {_DTYPES}, got "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be contiguous in head_dim")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError("block_tables must be int32 [num_seqs, max_blocks]")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{num_seqs}]")
+    if query_start.shape != (num_seqs + 1,) or query_start.dtype != torch.int32:
+        raise ValueError(f"query_start must be int32 [{num_seqs + 1}]")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    for name, t in (("seq_lens", seq_lens), ("query_start", query_start)):
+        if t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous on {q.device}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not isinstance(max_query_len, int) or max_query_len < 1:
+        raise ValueError(f"max_query_len must be a positive int, got {max_query_len!r}")
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be in [1, 256], got {head_dim}")
+
+
+_NOT_IMPORTED = "not imported yet"
+_triton_error: str | None = _NOT_IMPORTED
+
+
+def _import_triton() -> str | None:
+    """Import triton once into the module globals; the error message when it is missing."""
+    global triton, tl, _triton_error
+    if _triton_error == _NOT_IMPORTED:
+        try:
+            import triton as triton_module
+            import triton.language as tl_module
+        except ImportError as exc:  # the torch backend must keep working without triton
+            _triton_error = f"triton is not installed ({exc})"
+        else:
+            triton, tl, _triton_error = triton_module, tl_module, None
+    return _triton_error
+
+
+def _interpreter_mode() -> bool:
+    """Whether triton was imported under TRITON_INTERPRET=1: its @jit helpers are interpreted."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.cdiv, InterpretedFunction)
+
+
+def _on_device(device: torch.device):
+    """Launch on the tensors' GPU (triton launches on the current device)."""
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+_COMPILED: dict[tuple[str, bool], object] = {}
+
+
+def _kernel(fn, interpret: bool):
+    """The compiled (or interpreted) kernel for `fn`, built once, in the mode triton's own
+    helpers were built in (the two cannot be mixed)."""
+    key = (fn.__name__, interpret)
+    if key not in _COMPILED:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _fix_interpreter_loop_bounds()
+            _COMPILED[key] = InterpretedFunction(fn)
+        else:
+            from triton.runtime.jit import JITFunction
+
+            _COMPILED[key] = JITFunction(fn)
+    return _COMPILED[key]
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """The triton 3.6 interpreter turns scalars (1-element arrays) into loop bounds with int(),
+    which numpy >= 2.4 rejects, so `range(tensor, tensor)` fails (triton-lang/triton#9171, fixed
+    upstream by #9172). Re-patch `__index__` after the interpreter's own patch, once; a no-op on
+    older numpy or a fixed triton."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "rlt_fixed", False):
+        return
+    try:
+        int(np.zeros(1))
+        return
+    except TypeError:
+        pass
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.rlt_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (plain functions; see `_kernel`). Annotations are strings (future import), which triton
+# reads as constexpr markers, so defining them needs no triton.
+
+
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    ws_acc_ptr,  # [tokens, heads, splits, HEAD_DIM] fp32 (split-K only)
+    ws_m_ptr,  # [tokens, heads, splits] fp32: running max, base 2
+    ws_l_ptr,  # [tokens, heads, splits] fp32: running sum
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    num_heads,
+    q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_Q: tl.constexpr,  # queries per program
+    BLOCK_M: tl.constexpr,  # rows per program: next_pow2(BLOCK_Q * GROUP), >= 16 for tl.dot
+    BLOCK_N: tl.constexpr,  # key positions per inner iteration
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot in fp32 (the triton 3.6 interpreter's tl.dot mishandles bf16)
+):
+    seq = tl.program_id(0) // q_tiles
+    q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    if q0 >= q_len:  # past this sequence's queries (or a padding sequence with none)
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len  # position of the sequence's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q0 + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = first_pos + q_idx
+    token = (q_begin + q_idx).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this query tile can see: [0, kv_end); this program takes its split's share of tiles.
+    kv_end = first_pos + tl.minimum(q_len, q0 + BLOCK_Q)
+    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for t in range(t_begin, t_end):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        blk = pos // BLOCK_SIZE
+        phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
+        slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # 64-bit: slot * stride > 2^31
+
+        k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
+            k_base + slot[None, :] * stride_ks + d[:, None],
+            mask=d_ok[:, None] & pos_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(
+            v_base + slot[:, None] * stride_vs + d[None, :],
+            mask=pos_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        p = p.to(v.dtype)  # P @ V in the cache dtype, as flash attention does
+        if UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(
+            ws_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+            acc,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        tl.store(ws_m_ptr + part, m_i, mask=row_ok)
+        tl.store(ws_l_ptr + part, l_i, mask=row_ok)
+
+
+def _merge_splits_kernel(
+    out_ptr,
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    query_start_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    max_query_len,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One program per (sequence, query slot, head): log-sum-exp merge of the split partials."""
+    seq = tl.program_id(0) // max_query_len
+    i = tl.program_id(0) % max_query_len
+    head = tl.program_id(1)
+    q_begin = tl.load(query_start_ptr + seq)
+    if i >= tl.load(query_start_ptr + seq + 1) - q_begin:
+        return
+    token = (q_begin + i).to(tl.int64)
+
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < NUM_SPLITS
+    part = (token * num_heads + head) * NUM_SPLITS + sp
+    m = tl.load(ws_m_ptr + part, mask=sp_ok, other=float("-inf"))
+    sums = tl.load(ws_l_ptr + part, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split: weight 0
+    total = tl.sum(w * sums, axis=0)
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(
+        ws_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=sp_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )

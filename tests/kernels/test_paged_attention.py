@@ -1,0 +1,406 @@
+"""Triton paged attention against a dense fp32 torch reference.
+
+Without CUDA the kernels run under the Triton interpreter on tiny shapes (conftest.py here sets
+TRITON_INTERPRET=1 before triton is imported, and says why it must be that early).
+
+GPU tests (realistic shapes, split-K, CUDA graphs, 64-bit offsets):
+    pytest tests/kernels/test_paged_attention.py -m gpu
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rlt_engine.kernels.paged_attention import _launch, paged_attention, supported
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+# Declared tolerances (atol = rtol) against the fp32 reference on the same rounded inputs.
+FP32_TOL = 1e-5
+BF16_TOL = 2e-2
+FP16_TOL = 4e-3
+GARBAGE_BLOCK = 1_000_000_000  # padding table entries: never dereferenced
+
+
+class Case:
+    """A paged cache with shuffled, non-contiguous blocks and the call arguments for `specs`,
+    a list of (q_len, seq_len) per sequence. Every slot not holding a real key is NaN, so any
+    read outside the visible keys poisons the output."""
+
+    def __init__(
+        self,
+        specs: list[tuple[int, int]],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        extra_table: int = 3,
+        spare_blocks: int = 5,
+        pad_rows: int = 0,
+        seed: int = 0,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.specs, self.block_size = specs, block_size
+        need = [math.ceil(seq_len / block_size) for _, seq_len in specs]
+        num_blocks = sum(need) + spare_blocks
+        perm = torch.randperm(num_blocks, generator=gen)
+        table = torch.full((len(specs), max(need) + extra_table), GARBAGE_BLOCK, dtype=torch.int32)
+        k = torch.full((2, num_blocks * block_size, num_kv_heads, head_dim), float("nan"))
+        v = k.clone()
+        used = 0
+        for s, (_, seq_len) in enumerate(specs):
+            table[s, : need[s]] = perm[used : used + need[s]].to(torch.int32)
+            used += need[s]
+            pos = torch.arange(seq_len)
+            slots = table[s, pos // block_size].long() * block_size + pos % block_size
+            k[1, slots] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+            v[1, slots] = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        starts = [0]
+        for q_len, _ in specs:
+            starts.append(starts[-1] + q_len)
+        self.num_tokens = starts[-1] + pad_rows
+        q = torch.randn(self.num_tokens, num_heads, head_dim, generator=gen)
+        dev = torch.device(device)
+        # k_all[layer] is how the caller passes one layer of the [layers, slots, kvh, d] cache.
+        self.k_all, self.v_all = k.to(dev, dtype), v.to(dev, dtype)
+        self.q = q.to(dev, dtype)
+        self.block_tables = table.to(dev)
+        self.seq_lens = torch.tensor([n for _, n in specs], dtype=torch.int32, device=dev)
+        self.query_start = torch.tensor(starts, dtype=torch.int32, device=dev)
+        self.max_query_len = max(1, max(q_len for q_len, _ in specs))
+        self.scale = head_dim**-0.5
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.k_all[1]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.v_all[1]
+
+    def run(self, num_splits: int = 1, out: torch.Tensor | None = None, **tiles) -> torch.Tensor:
+        args = (self.q, self.k, self.v, self.block_tables, self.seq_lens, self.query_start)
+        rest = (self.block_size, self.scale, self.max_query_len, num_splits, out)
+        if tiles:
+            return _launch(*args, *rest, **tiles)
+        return paged_attention(*args, *rest)
+
+    def reference(self) -> torch.Tensor:
+        """Dense fp32: gather each sequence's keys through its table, causal mask, softmax.
+        Rows owned by no sequence are 0."""
+        q, k, v = self.q.float().cpu(), self.k.float().cpu(), self.v.float().cpu()
+        table, bs = self.block_tables.cpu(), self.block_size
+        group = q.shape[1] // k.shape[1]
+        out = torch.zeros_like(q)
+        start = 0
+        for s, (q_len, seq_len) in enumerate(self.specs):
+            if q_len:
+                pos = torch.arange(seq_len)
+                slots = table[s, pos // bs].long() * bs + pos % bs
+                keys = k[slots].repeat_interleave(group, dim=1)
+                vals = v[slots].repeat_interleave(group, dim=1)
+                scores = torch.einsum("nhd,chd->hnc", q[start : start + q_len], keys) * self.scale
+                q_pos = seq_len - q_len + torch.arange(q_len)
+                scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+                out[start : start + q_len] = torch.einsum("hnc,chd->nhd", scores.softmax(-1), vals)
+            start += q_len
+        return out
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, tol: float, rows: int | None = None) -> None:
+    """|out - ref| <= tol + tol * |ref| elementwise (the declared tolerance, atol = rtol)."""
+    rows = ref.shape[0] if rows is None else rows
+    torch.testing.assert_close(out[:rows].float().cpu(), ref[:rows], atol=tol, rtol=tol)
+
+
+# Decode rows, fresh prefill chunks, chunks over a paged past, a padding sequence (0 queries).
+MIXED = [(1, 1), (1, 37), (5, 5), (7, 40), (0, 3), (1, 70), (3, 19)]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mixed_batch_matches_reference(block_size, heads, num_splits):
+    case = Case(MIXED, *heads, head_dim=16, block_size=block_size, pad_rows=2)
+    sentinel = torch.full_like(case.q, 7.0)
+    out = case.run(num_splits, out=sentinel.clone())
+    owned = int(case.query_start[-1])
+    check(out, case.reference(), FP32_TOL, owned)
+    assert torch.equal(out[owned:], sentinel[owned:])  # rows owned by no sequence: untouched
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+@pytest.mark.parametrize("block_size", [3, 5])
+def test_small_tiles_non_power_of_two_blocks_and_group(block_size, num_splits):
+    """Many key tiles and query tiles per program, splits of several tiles and empty ones,
+    non-power-of-two block size and GQA group (6 heads / 2 kv heads), head_dim not a tile size."""
+    specs = [(9, 60), (1, 90), (4, 4), (0, 10), (2, 33)]
+    case = Case(specs, 6, 2, head_dim=24, block_size=block_size, seed=1)
+    out = case.run(num_splits, block_n=16, block_q=2)
+    check(out, case.reference(), FP32_TOL)
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (2, 2)], ids=["gqa8", "mha"])
+def test_decode_split_k(heads):
+    specs = [(1, n) for n in (1, 15, 16, 17, 64, 100, 129, 3)]
+    case = Case(specs, *heads, head_dim=32, block_size=16, seed=2)
+    ref = case.reference()
+    one, four = case.run(1), case.run(4)
+    check(one, ref, FP32_TOL)
+    check(four, ref, FP32_TOL)
+    check(one, four.float().cpu(), FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.bfloat16, BF16_TOL), (torch.float16, FP16_TOL)], ids=["bf16", "fp16"]
+)
+def test_half_precision(dtype, tol):
+    case = Case(MIXED, 4, 2, head_dim=32, block_size=4, dtype=dtype, seed=3)
+    for num_splits in (1, 3):
+        out = case.run(num_splits)
+        assert out.dtype == dtype
+        check(out, case.reference(), tol)
+
+
+def test_strided_q_and_out_views():
+    """q and out as views into packed buffers (token stride larger than heads * head_dim)."""
+    case = Case(MIXED, 4, 2, head_dim=16, block_size=4, seed=4)
+    packed = torch.randn(case.num_tokens, 8, 16)
+    packed[:, 2:6] = case.q
+    out_buf = torch.zeros(case.num_tokens, 6, 16)
+    case.q = packed[:, 2:6]
+    out = case.run(3, out=out_buf[:, 1:5])
+    assert out.data_ptr() == out_buf[:, 1:5].data_ptr()
+    check(out_buf[:, 1:5], case.reference(), FP32_TOL)
+    assert torch.equal(out_buf[:, 0], torch.zeros_like(out_buf[:, 0]))
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_only_padding_sequences_is_a_noop(num_splits):
+    case = Case([(0, 5), (0, 9)], 2, 2, head_dim=16, block_size=4, pad_rows=3)
+    out = torch.full_like(case.q, 3.0)
+    case.run(num_splits, out=out)
+    assert torch.equal(out, torch.full_like(case.q, 3.0))
+
+
+def test_no_tokens():
+    case = Case([(0, 5)], 2, 2, head_dim=16, block_size=4)
+    assert case.run().shape == (0, 2, 16)
+
+
+def test_rejects_bad_arguments():
+    case = Case([(1, 5)], 4, 2, head_dim=16, block_size=4)
+    args = dict(
+        q=case.q,
+        k_cache=case.k,
+        v_cache=case.v,
+        block_tables=case.block_tables,
+        seq_lens=case.seq_lens,
+        query_start=case.query_start,
+        block_size=4,
+        scale=0.25,
+        max_query_len=1,
+    )
+    bad = [
+        {"block_tables": case.block_tables.long()},
+        {"seq_lens": case.seq_lens.long()},
+        {"query_start": case.query_start[:1]},
+        {"q": case.q[:, :3]},  # 3 heads over 2 kv heads
+        {"q": case.q.double()},
+        {"v_cache": case.v.half()},
+        {"block_size": 0},
+        {"max_query_len": 0},
+        {"num_splits": 0},
+        {"out": torch.empty(1, 4, 8)},
+    ]
+    for change in bad:
+        with pytest.raises(ValueError):
+            paged_attention(**{**args, **change})
+
+
+@pytest.mark.skipif(CUDA, reason="CPU behaviour")
+def test_supported_on_cpu():
+    assert supported(torch.device("cpu")) == (True, "")
+    assert not supported(torch.device("meta"))[0]
+
+
+def test_unsupported_cpu_fails_clearly():
+    """A fresh process: triton imported without TRITON_INTERPRET, then the variable set too late."""
+    script = """
+import os, torch
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from rlt_engine.kernels.paged_attention import paged_attention, supported
+ok, why = supported(torch.device("cpu"))
+assert not ok and "set TRITON_INTERPRET=1" in why, why
+os.environ["TRITON_INTERPRET"] = "1"
+ok, why = supported(torch.device("cpu"))
+assert not ok and "after triton had been imported" in why, why
+i = torch.zeros(1, dtype=torch.int32)
+try:
+    paged_attention(torch.zeros(1, 1, 16), torch.zeros(4, 1, 16), torch.zeros(4, 1, 16),
+                    i[None], i + 1, torch.tensor([0, 1], dtype=torch.int32), 4, 1.0, 1)
+except RuntimeError as exc:
+    assert "TRITON_INTERPRET" in str(exc), exc
+else:
+    raise AssertionError("no error")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (run with -m gpu on a CUDA machine)
+
+
+def _decode_specs(num_seqs: int, max_ctx: int, seed: int) -> list[tuple[int, int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_ctx + 1, (num_seqs,), generator=gen).tolist()
+    lens[0] = max_ctx
+    return [(1, n) for n in lens]
+
+
+@gpu
+@needs_cuda
+def test_gpu_supported():
+    assert supported(torch.device("cuda")) == (True, "")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_seqs", [8, 64])
+def test_gpu_ouro_decode_split_1_vs_4(num_seqs):
+    """Ouro-1.4B attention shape: 16 heads, 16 kv heads, head_dim 128, block 16, bf16."""
+    case = Case(_decode_specs(num_seqs, 2048, num_seqs), 16, 16, 128, 16, torch.bfloat16, "cuda")
+    ref = case.reference()
+    one, four = case.run(1), case.run(4)
+    check(one, ref, BF16_TOL)
+    check(four, ref, BF16_TOL)
+    check(one, four.float().cpu(), BF16_TOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "heads", [(16, 16, 128), (32, 8, 64), (8, 1, 128)], ids=["ouro", "gqa4", "mqa"]
+)
+def test_gpu_prefill_chunks_with_decode_rows(heads):
+    specs = [(256, 256), (1, 900), (300, 1500), (0, 7), (17, 2000), (1, 1), (64, 64)]
+    case = Case(specs, *heads, block_size=16, dtype=torch.bfloat16, device="cuda", seed=5)
+    ref = case.reference()
+    for num_splits in (1, 3):
+        check(case.run(num_splits), ref, BF16_TOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("block_size", "head_dim"),
+    [(1, 16), (2, 32), (3, 64), (4, 80), (8, 128), (16, 256), (32, 128), (64, 16), (16, 128)],
+)
+def test_gpu_fp32_exact(block_size, head_dim):
+    """fp32 on the GPU uses IEEE dots (no TF32): triton = torch to 1e-5."""
+    case = Case([*MIXED, (1, 300), (40, 200)], 4, 2, head_dim, block_size, device="cuda")
+    ref = case.reference()
+    for num_splits in (1, 3):
+        check(case.run(num_splits), ref, FP32_TOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
+def test_gpu_bf16_head_dims(head_dim):
+    case = Case([*MIXED, (1, 700)], 8, 2, head_dim, 16, torch.bfloat16, "cuda", seed=6)
+    ref = case.reference()
+    for num_splits in (1, 4):
+        check(case.run(num_splits), ref, BF16_TOL)
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_capture_and_replay():
+    """Capture once; change q, seq_lens and tables in place; replay = eager on the new data."""
+    num_seqs = 16
+    case = Case(_decode_specs(num_seqs, 1024, 7), 16, 16, 128, 16, torch.bfloat16, "cuda")
+    out = torch.empty_like(case.q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and warm up outside the capture
+            case.run(4, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.run(4, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, case.run(4))
+
+    # New data through the same addresses: q, lengths, and tables (row s takes row s-1's
+    # blocks, so its new length must fit that row).
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    case.q.copy_(torch.randn(case.q.shape, device="cuda", generator=gen).to(case.q.dtype))
+    perm = torch.arange(num_seqs, device="cuda").roll(1)
+    new_lens = (case.seq_lens[perm] - 5).clamp(min=1)
+    case.block_tables.copy_(case.block_tables[perm].clone())
+    case.seq_lens.copy_(new_lens)
+    case.specs = [(1, n) for n in new_lens.tolist()]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, case.run(4))
+    check(out, case.reference(), BF16_TOL)
+
+
+@gpu
+@needs_cuda
+def test_gpu_64bit_offsets():
+    """num_slots * kv_heads * head_dim > 2^31: keys in the last blocks of the pool."""
+    block_size, head_dim = 16, 128
+    num_slots = (2**31 // head_dim) + 64 * block_size
+    k = torch.zeros(num_slots, 1, head_dim, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(k)
+    num_blocks = num_slots // block_size
+    blocks = torch.tensor([num_blocks - 1, 3, num_blocks - 2], dtype=torch.int32, device="cuda")
+    seq_len = 3 * block_size
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    keys = torch.randn(seq_len, 1, head_dim, device="cuda", generator=gen).bfloat16()
+    vals = torch.randn(seq_len, 1, head_dim, device="cuda", generator=gen).bfloat16()
+    pos = torch.arange(seq_len, device="cuda")
+    slots = blocks[pos // block_size].long() * block_size + pos % block_size
+    k[slots], v[slots] = keys, vals
+    q = torch.randn(1, 2, head_dim, device="cuda", generator=gen).bfloat16()
+    args = (
+        q,
+        k,
+        v,
+        blocks[None],
+        torch.tensor([seq_len], dtype=torch.int32, device="cuda"),
+        torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        block_size,
+        head_dim**-0.5,
+        1,
+    )
+    scores = torch.einsum("hd,cd->hc", q[0].float(), keys[:, 0].float()) * head_dim**-0.5
+    ref = (scores.softmax(-1) @ vals[:, 0].float())[None]
+    for num_splits in (1, 2):
+        out = paged_attention(*args, num_splits=num_splits)
+        check(out, ref.cpu(), BF16_TOL)
