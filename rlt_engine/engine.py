@@ -11,7 +11,7 @@ import torch
 from rlt_engine.config import EngineConfig
 from rlt_engine.core.block_manager import BlockManager
 from rlt_engine.core.exit_rule import LoopControls
-from rlt_engine.core.plan import RecurrentRow, Stage, StepPlan
+from rlt_engine.core.plan import PrefillChunk, SlotInit, StepPlan
 from rlt_engine.core.request import Request
 from rlt_engine.core.scheduler import Scheduler
 from rlt_engine.detokenizer import IncrementalDetokenizer
@@ -75,26 +75,53 @@ class LLMEngine:
         self.blocks = BlockManager(
             self.num_blocks, cache.block_size, self.num_planes, cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.blocks, depth, cache)
-        self.runner = ModelRunner(self.model, self.num_blocks, cache.block_size)
+        self.scheduler = Scheduler(
+            config.scheduler, self.blocks, depth, cache, config.execution.decode_window
+        )
+        self.runner = self._make_runner(self.num_blocks)
         self._requests: dict[str, tuple[Request, IncrementalDetokenizer | None]] = {}
         self._ids = itertools.count()
 
+    def _make_runner(self, num_blocks: int) -> ModelRunner:
+        cache = self.config.cache
+        planes = 1 if cache.kv_layout == "shared" else self.model_config.num_loops
+        per_plane = -(-self.model_config.max_position_embeddings // cache.block_size)
+        return ModelRunner(
+            self.model,
+            num_blocks,
+            cache.block_size,
+            num_slots=self.config.scheduler.max_num_seqs,
+            max_blocks=max(1, min(per_plane, num_blocks // planes)),
+            num_planes=planes,
+            refill=self.config.scheduler.refill,
+            execution=self.config.execution,
+        )
+
     def _profile_kv_budget(self) -> int:
         """CUDA: KV bytes left under gpu_memory_utilization after the largest possible step
-        (a full token budget through one traversal, then lm_head for every running slot)."""
+        (a full token budget of prefill through every loop, then a decode traversal of every
+        slot with every sampling variant on)."""
         sched = self.config.scheduler
         rows, block_size = sched.max_num_batched_tokens, self.config.cache.block_size
-        num_blocks = -(-rows // block_size)
+        num_blocks = self.model_config.num_loops * -(-rows // block_size)
 
         def run_max_step() -> None:
-            runner = ModelRunner(self.model, num_blocks, block_size)
-            row = RecurrentRow(
-                "profile", 0, 0, 0, rows, (0,) * rows, tuple(range(num_blocks)), sample=False
+            runner = self._make_runner(num_blocks)
+            per_plane = num_blocks // self.model_config.num_loops
+            init = SlotInit(
+                0,
+                SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, logprobs=20),
+                0,
+                self._controls(SamplingParams()),
+                (),
+                rows,
+                tuple(
+                    tuple(range(p * per_plane, (p + 1) * per_plane))
+                    for p in range(runner.slots.block_tables.shape[1])
+                ),
             )
-            runner.execute(StepPlan(Stage.RECURRENT, (row,)))
-            hidden = torch.zeros(sched.max_num_seqs, self.model_config.hidden_size)
-            self.model.coda(hidden.to(self.device, self.dtype)).float().softmax(-1)
+            chunk = PrefillChunk("profile", 0, 0, (0,) * rows, last=True)
+            runner.execute(StepPlan(slot_inits=(init,), prefill=((chunk,),), decode_traversals=1))
 
         return profile_kv_budget(
             self.device,
@@ -195,7 +222,8 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one stage batch; outputs for requests that got a token or finished."""
+        """Run one step (prefill chunks and a decode window); outputs for requests that got
+        tokens or finished."""
         plan = self.scheduler.schedule()
         if plan is None:
             return []
@@ -210,23 +238,24 @@ class LLMEngine:
                 f"a step failed and was rolled back ({exc}); aborted: {ids}"
             ) from exc
         outputs = []
-        for req in self.scheduler.update(plan, result):
+        for req in self.scheduler.update(plan, result, self._hits_stop_string):
             req_entry = self._requests.get(req.request_id)
             if req_entry is None or req_entry[0] is not req:
                 continue
             detok = req_entry[1]
-            new_text = ""
-            if detok is not None:
-                if detok.push(req.output_token_ids[-1]):
-                    if req.finished:  # the stop string landed on the last allowed token
-                        req.finish_reason = "stop"
-                    self.scheduler.finish(req, "stop")
-                new_text = detok.take_new(final=req.finished)
+            new_text = detok.take_new(final=req.finished) if detok is not None else ""
             outputs.append(self._output(req, detok, new_text))
             if req.finished:
                 del self._requests[req.request_id]
         self._flush_if_idle()
         return outputs
+
+    def _hits_stop_string(self, req: Request) -> bool:
+        """Feed the newest token to the request's detokenizer: True = a stop string ended it."""
+        entry = self._requests.get(req.request_id)
+        if entry is None or entry[0] is not req or entry[1] is None:
+            return False
+        return entry[1].push(req.output_token_ids[-1])
 
     def _flush_if_idle(self) -> None:
         """With nothing left to run, no further plan would carry the pending slot frees and

@@ -6,11 +6,17 @@ and the package imports even without an editable install.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels run under the interpreter, which must be chosen before triton
+# is first imported (it builds its helpers in one mode at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TESTS_DIR = Path(__file__).resolve().parent
 for _path in (TESTS_DIR, TESTS_DIR.parent):
@@ -61,3 +67,21 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_checkpoints.write_tiny_ouro(
         tmp_path_factory.mktemp("tiny-ouro-ids"), tokenizer_from=None
     )
+
+
+# -- hypothesis profiles (the property tests): "ci" by default, "long" by hand or nightly ------
+import os  # noqa: E402
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_HYPOTHESIS_COMMON = dict(
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "ci", max_examples=4, derandomize=True, deadline=None, **_HYPOTHESIS_COMMON
+)
+settings.register_profile(
+    "long", max_examples=40, derandomize=False, deadline=None, **_HYPOTHESIS_COMMON
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

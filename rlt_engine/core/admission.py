@@ -15,12 +15,13 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 
 from rlt_engine.config import CacheConfig, SchedulerConfig
 from rlt_engine.core.block_manager import BlockManager
-from rlt_engine.core.plan import KVCopy, SlotInit, Stage, SwapIn, SwapOut
+from rlt_engine.core.plan import SlotInit, Stage, SwapIn, SwapOut
 from rlt_engine.core.request import Request
 
 
@@ -33,7 +34,8 @@ class Admission:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        # a heap: the lowest free slot first, so the device batch stays dense at the front
+        self._free_slots = list(range(config.max_num_seqs))
         self._arrivals = itertools.count()
         self._snapshots = itertools.count()
         self.num_preemptions = 0
@@ -46,7 +48,6 @@ class Admission:
         self._swap_outs: list[SwapOut] = []
         self._swap_ins: list[SwapIn] = []
         self._snapshot_drops: list[int] = []
-        self._orphan_copies: list[KVCopy] = []  # exit copies of requests preempted since
         self._preempted_since_plan: list[Request] = []
 
     def has_pending_ops(self) -> bool:
@@ -56,7 +57,6 @@ class Admission:
             or self._swap_outs
             or self._swap_ins
             or self._snapshot_drops
-            or self._orphan_copies
         )
 
     # -- arrivals and departures -------------------------------------------------------
@@ -90,9 +90,9 @@ class Admission:
             self.running.remove(req)
             self.blocks.free(req.request_id)
             self._slot_frees.append(req.slot)  # type: ignore[arg-type]
-            self._free_slots.append(req.slot)  # type: ignore[arg-type]
+            heapq.heappush(self._free_slots, req.slot)  # type: ignore[arg-type]
         req.stage, req.finish_reason, req.finish_time = Stage.FINISHED, reason, time.monotonic()
-        req.block_tables, req.slot, req.pending_copies, req.snapshot = None, None, [], None
+        req.block_tables, req.slot, req.snapshot = None, None, None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -141,10 +141,20 @@ class Admission:
             return False
         self.waiting.remove(cand)
         self._count_bypass(cand)
-        cand.block_tables, cand.slot = tables, self._free_slots.pop()
+        cand.block_tables, cand.slot = tables, heapq.heappop(self._free_slots)
         cand.stage, cand.num_prefilled = Stage.PREFILL, cached
-        cand.written = [cached] * self.blocks.num_planes
-        self._slot_inits.append(SlotInit(cand.slot, cand.params, cand.seed))
+        cand.blocks_sent = len(tables[0])
+        self._slot_inits.append(
+            SlotInit(
+                cand.slot,
+                cand.params,
+                cand.seed,
+                cand.controls,
+                tuple(sorted(cand.stop_token_ids)),
+                cand.prompt_len,
+                _frozen(tables),
+            )
+        )
         self.running.append(cand)
         return True
 
@@ -152,8 +162,9 @@ class Admission:
         if not self.blocks.can_allocate(req.snapshot_tokens):
             return False
         tables, _ = self.blocks.allocate(req.request_id, req.snapshot_tokens)
-        req.block_tables, req.slot = tables, self._free_slots.pop()
-        self._swap_ins.append(SwapIn(req.snapshot, req.slot, _flat(tables)))  # type: ignore[arg-type]
+        req.block_tables, req.slot = tables, heapq.heappop(self._free_slots)
+        req.blocks_sent = len(tables[0])
+        self._swap_ins.append(SwapIn(req.snapshot, req.slot, _frozen(tables)))  # type: ignore[arg-type]
         req.snapshot = None
         self.swapped.remove(req)
         self._count_bypass(req)
@@ -215,7 +226,7 @@ class Admission:
         pending_init = [i for i in self._slot_inits if i.slot == victim.slot]
         pending_in = [i for i in self._swap_ins if i.slot == victim.slot]
         self.blocks.free(victim.request_id)
-        self._free_slots.append(victim.slot)  # type: ignore[arg-type]
+        heapq.heappush(self._free_slots, victim.slot)  # type: ignore[arg-type]
         self.running.remove(victim)
         self._preempted_since_plan.append(victim)
         if pending_init:  # never ran: back to the queue, nothing to snapshot
@@ -230,16 +241,18 @@ class Admission:
         else:
             victim.snapshot, victim.snapshot_tokens = next(self._snapshots), capacity
             self._swap_outs.append(SwapOut(victim.snapshot, victim.slot, _flat(tables)))  # type: ignore[arg-type]
-            self._orphan_copies.extend(victim.pending_copies)  # they land before the copy-out
-        victim.pending_copies = []
         victim.slot, victim.block_tables = None, None
         self.swapped.append(victim)
 
     def _requeue_unstarted(self, req: Request) -> None:
-        req.stage, req.slot, req.block_tables, req.written = Stage.WAITING, None, None, []
-        req.num_prefilled, req.chunk, req.loop = 0, None, 0
+        req.stage, req.slot, req.block_tables = Stage.WAITING, None, None
+        req.num_prefilled = 0
         self.waiting.append(req)
 
 
 def _flat(tables: list[list[int]]) -> tuple[int, ...]:
     return tuple(b for table in tables for b in table)
+
+
+def _frozen(tables: list[list[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(table) for table in tables)

@@ -1,8 +1,12 @@
 """The one contract between scheduler and worker: plain Python values only.
 
-The scheduler emits a `StepPlan` (one stage batch) and consumes a `StepResult`. Nothing here
-is a tensor, so the scheduler is tested with hand-built results and a later process split
-changes only the transport.
+The worker keeps a persistent slot batch on the device (one slot per running request: its
+token, hidden state, loop, exit mass, position, block tables, sampling state). A `StepPlan` is
+a diff against that state plus the work of one step: prefill chunks (host-planned, every loop)
+and a decode window of `decode_traversals` traversals that the worker runs on its own —
+exits, lm_head, sampling and the next token's embedding happen on the device. The `StepResult`
+returns the token events of the step. Nothing here is a tensor, so the scheduler is tested with
+hand-built results and a later process split changes only the transport.
 """
 
 from __future__ import annotations
@@ -10,57 +14,46 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from rlt_engine.core.exit_rule import LoopControls
 from rlt_engine.sampling_params import SamplingParams
+
+Tables = tuple[tuple[int, ...], ...]  # one block table per KV plane
 
 
 class Stage(enum.Enum):
+    """A request's lifecycle on the host."""
+
     WAITING = "waiting"
-    PREFILL = "prefill"  # prompt chunk traversing all loops
-    PRELUDE = "prelude"  # a sampled token waits to be embedded (fused into its loop-0 row)
-    RECURRENT = "recurrent"  # a decode token between loops
-    CODA = "coda"  # exited; waits for lm_head + sampling
+    PREFILL = "prefill"  # prompt chunks traverse every loop, host-planned
+    DECODE = "decode"  # owned by the device: loops, exits and sampling happen there
     FINISHED = "finished"
 
 
 @dataclass(frozen=True)
-class RecurrentRow:
-    """`num_tokens` consecutive positions of one request traversing loop `loop` once."""
-
-    request_id: str
-    slot: int  # worker-side state index (hidden states, RNG); not the request's identity
-    loop: int
-    start: int  # first position
-    num_tokens: int
-    token_ids: tuple[int, ...] | None  # loop 0 only: embed these first (the prelude)
-    block_table: tuple[int, ...]  # the plane this loop reads and writes
-    sample: bool  # run coda + sampling on the last token after this loop (exit known ahead)
-
-
-@dataclass(frozen=True)
-class CodaRow:
-    request_id: str
-    slot: int
-
-
-@dataclass(frozen=True)
-class KVCopy:
-    """Copy one token's K/V (all layers) from `src` slot to each slot of `dst` (deeper planes)."""
-
-    src: int
-    dst: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class SlotInit:
+    """A request was admitted into `slot`: create its device state."""
+
     slot: int
     params: SamplingParams
-    seed: int  # per-request RNG seed: results do not depend on batch composition
+    seed: int  # counter-based RNG key: samples depend on (seed, token index) only
+    controls: LoopControls
+    stop_token_ids: tuple[int, ...]
+    prompt_len: int
+    block_tables: Tables
+
+
+@dataclass(frozen=True)
+class BlockAppend:
+    """Blocks appended to the tables of `slot` (every plane grows together)."""
+
+    slot: int
+    blocks: Tables
 
 
 @dataclass(frozen=True)
 class SwapOut:
     """Preemption: copy the KV of `blocks` (every plane, table order) and the slot's device
-    state (hidden states, RNG, sampling params) to host memory as `snapshot`."""
+    state to host memory as `snapshot`, then release the slot."""
 
     snapshot: int
     slot: int
@@ -69,31 +62,52 @@ class SwapOut:
 
 @dataclass(frozen=True)
 class SwapIn:
-    """Resume: restore `snapshot` into new `blocks` (same count and order) and `slot`."""
+    """Resume: restore `snapshot` into `block_tables` (same count and order) and `slot`."""
 
     snapshot: int
     slot: int
-    blocks: tuple[int, ...]
+    block_tables: Tables
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(b for table in self.block_tables for b in table)
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt positions [start, start + len(token_ids)) of one request through every loop.
+    `last`: it ends the prompt, so the first output token is sampled and the slot starts
+    decoding on the device."""
+
+    request_id: str
+    slot: int
+    start: int
+    token_ids: tuple[int, ...]
+    last: bool
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Worker order: kv_copies, swap_outs, slot_frees, slot_inits, swap_ins, then the rows."""
+    """Worker order: swap_outs, slot_frees, snapshot_drops, slot_inits, swap_ins,
+    block_appends, then the prefill waves (each wave one batch, waves in order), then the
+    decode window over every decoding slot."""
 
-    stage: Stage  # RECURRENT or CODA
-    rows: tuple[RecurrentRow, ...] | tuple[CodaRow, ...]
-    kv_copies: tuple[KVCopy, ...] = ()
     swap_outs: tuple[SwapOut, ...] = ()
     slot_frees: tuple[int, ...] = ()
+    snapshot_drops: tuple[int, ...] = ()  # snapshots of requests aborted while preempted
     slot_inits: tuple[SlotInit, ...] = ()
     swap_ins: tuple[SwapIn, ...] = ()
-    snapshot_drops: tuple[int, ...] = ()  # snapshots of requests aborted while preempted
+    block_appends: tuple[BlockAppend, ...] = ()
+    prefill: tuple[tuple[PrefillChunk, ...], ...] = ()
+    decode_traversals: int = 0
 
     @property
-    def num_tokens(self) -> int:
-        if self.stage is Stage.CODA:
-            return len(self.rows)
-        return sum(r.num_tokens for r in self.rows)  # type: ignore[union-attr]
+    def num_prefill_tokens(self) -> int:
+        return sum(len(c.token_ids) for wave in self.prefill for c in wave)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prefill) or self.decode_traversals > 0
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,16 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class StepResult:
-    """Aligned with the plan's rows."""
+class TokenEvent:
+    """`slot` emitted a token that left the loops after `exit_depth` loops."""
 
-    hazards: tuple[float | None, ...]  # last token's exit hazard (recurrent rows)
-    samples: tuple[Sample | None, ...]  # for rows that sampled
+    slot: int
+    sample: Sample
+    exit_depth: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Token events in emission order (prefill first tokens, then traversal by traversal)."""
+
+    events: tuple[TokenEvent, ...] = ()

@@ -1,12 +1,13 @@
-"""A request's host-side state machine: PREFILL -> CODA -> PRELUDE -> RECURRENT x k -> CODA ..."""
+"""A request's host-side state: WAITING -> PREFILL (host-planned chunks) -> DECODE (the device
+runs its loops and samples; the host learns each token from the step's events) -> FINISHED."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from rlt_engine.core.exit_rule import ExitTracker, LoopControls
-from rlt_engine.core.plan import KVCopy, Sample, Stage
+from rlt_engine.core.exit_rule import LoopControls
+from rlt_engine.core.plan import Sample, Stage
 from rlt_engine.sampling_params import SamplingParams
 
 
@@ -28,12 +29,8 @@ class Request:
     stage: Stage = Stage.WAITING
     slot: int | None = None
     block_tables: list[list[int]] | None = None
-    num_prefilled: int = 0  # prompt tokens that finished every loop
-    chunk: tuple[int, int] | None = None  # prompt positions [start, end) in flight
-    loop: int = 0  # next loop to run for the unit in flight
-    tracker: ExitTracker | None = None
-    pending_copies: list[KVCopy] = field(default_factory=list)
-    written: list[int] = field(default_factory=list)  # per plane: positions [0, n) hold K/V
+    num_prefilled: int = 0  # prompt tokens that finished every loop (or are planned to)
+    blocks_sent: int = 0  # blocks per plane the worker's mirror of the tables holds
 
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)

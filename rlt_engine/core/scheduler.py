@@ -1,33 +1,41 @@
-"""Loop-level continuous batching. One `schedule()` = one stage batch.
+"""Loop-level continuous batching, planned one window at a time.
 
-A RECURRENT batch is one traversal of the shared layer stack; its rows are (request, loop,
-positions) at mixed depths, since the weights are shared and only the KV plane differs. Decode
-rows always ride in every traversal, so prefill can never starve decode; prefill chunks fill
-the rest of the token budget in queue order.
-- refill: a token that exits gets its CODA (lm_head + sampling) in the next step and rejoins
-  at loop 0 right after, so nothing idles waiting for the slowest row.
-- no-refill: exited tokens wait until the whole decode cohort has exited.
+Decode belongs to the device: every decoding request sits in a slot of the worker's persistent
+batch, and one step runs `decode_window` traversals of the shared stack over all of them. A
+row's loop, its exit (the fp32 rule of `exit_rule.py`), lm_head, sampling and the next token's
+embedding happen there, so rows at different depths share every traversal and nothing waits
+for the host between loops.
+- refill: a token that exits is sampled in the same traversal and its successor enters loop 0
+  in the next one.
+- no-refill: an exited slot waits (on the device) until every decoding slot has exited.
+The host plans prefill (chunks through every loop, in queue order within a token budget),
+admission, growth and preemption, and learns each new token from the step's events.
 Memory and queue policies (admission, growth, priority, preemption) live in `admission.py`.
+
+KV for a window is reserved before it runs: a window of N traversals advances a slot by at
+most N positions (every token takes at least one traversal), so each decoding request's tables
+cover its current position + N (capped at its last position) before the plan leaves.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from rlt_engine.config import CacheConfig, SchedulerConfig
 from rlt_engine.core.admission import Admission
 from rlt_engine.core.block_manager import BlockManager
-from rlt_engine.core.exit_rule import ExitTracker
 from rlt_engine.core.plan import (
-    CodaRow,
-    KVCopy,
-    RecurrentRow,
+    BlockAppend,
+    PrefillChunk,
     Sample,
     Stage,
     StepPlan,
     StepResult,
 )
 from rlt_engine.core.request import Request
+
+StopCheck = Callable[[Request], bool]  # called after each accepted token; True = stop now
 
 
 class Scheduler(Admission):
@@ -37,147 +45,132 @@ class Scheduler(Admission):
         blocks: BlockManager,
         depth: int,
         cache: CacheConfig | None = None,
+        decode_window: int = 1,
     ) -> None:
         super().__init__(config, cache or CacheConfig(), blocks, depth)
+        self.decode_window = decode_window
         self.trace: list[StepPlan] | None = None  # set to [] to record every plan
-        self._planned: list[Request] = []  # requests behind the rows of the plan in flight
+        self._slot_owner: dict[int, Request] = {}  # slot -> request, as the plan in flight saw it
+        self._chunks: list[tuple[Request, PrefillChunk]] = []  # prefill of the plan in flight
         self._touched: list[Request] = []  # requests whose device state that plan changes
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         self.admit()
-        plan = self._coda_plan() or self._recurrent_plan()
-        if plan is not None and self.trace is not None:
+        planned: list[Request] = []
+        window = self.decode_window
+        for req in sorted(self.running, key=self.rank):  # best first: growth preempts the worst
+            if req.stage is not Stage.DECODE or req.snapshot is not None:
+                continue
+            if req in self.running and self.ensure_capacity(
+                req, self._window_end(req, window), planned=planned
+            ):
+                planned.append(req)
+        waves = self._prefill_waves(planned, window)
+        decoding = any(r.stage is Stage.DECODE for r in planned) or any(
+            c.last for wave in waves for c in wave
+        )
+        if not (waves or decoding):
+            return None  # pending bookkeeping rides with the next plan (or the idle flush)
+        plan = self._finish_plan(waves, window if decoding else 0, planned)
+        if self.trace is not None:
             self.trace.append(plan)
         return plan
 
     def bookkeeping_plan(self) -> StepPlan | None:
-        """A plan without rows carrying pending worker operations (slot frees, snapshot
+        """A plan without work carrying pending worker operations (slot frees, snapshot
         drops, ...) for when no further step will run."""
-        return self._finish_plan(Stage.RECURRENT, (), []) if self.has_pending_ops() else None
+        return self._finish_plan((), 0, []) if self.has_pending_ops() else None
 
-    def _coda_plan(self) -> StepPlan | None:
-        ready = [r for r in self.running if r.stage is Stage.CODA]
-        if not ready:
-            return None
-        if not self.config.refill and any(r.stage is Stage.RECURRENT for r in self.running):
-            return None  # no-refill: the cohort samples together once every token exited
-        rows = tuple(CodaRow(r.request_id, r.slot) for r in ready)  # type: ignore[arg-type]
-        return self._finish_plan(Stage.CODA, rows, ready)
+    @staticmethod
+    def _window_end(req: Request, window: int, position: int | None = None) -> int:
+        """KV positions a request may need by the end of a window of `window` traversals
+        whose in-flight token sits at `position` (default: its current one)."""
+        position = req.decode_position if position is None else position
+        return min(position + window, req.max_positions)
 
-    def _recurrent_plan(self) -> StepPlan | None:
-        rows: list[RecurrentRow] = []
-        owners: list[Request] = []
+    def _prefill_waves(
+        self, planned: list[Request], window: int
+    ) -> tuple[tuple[PrefillChunk, ...], ...]:
+        """Chunks in rank order within the token budget. LAST_EXITED: one chunk per request.
+        SHARED: a position must finish every loop before the next one reads it, so a request
+        advances one token per wave (several waves per step)."""
         budget = self.config.max_num_batched_tokens
-        # no-refill: a new token (PRELUDE) starts only when no cohort is between loops
-        cohort_busy = not self.config.refill and any(
-            r.stage is Stage.RECURRENT for r in self.running
-        )
-        # Best-first, so that growth preempts (worst-first) only requests not yet planned.
+        per_request: list[list[PrefillChunk]] = []
         for req in sorted(self.running, key=self.rank):
-            if req.finished or req.snapshot is not None:
+            if req.stage is not Stage.PREFILL or req.snapshot is not None or budget <= 0:
+                continue
+            if req not in self.running:
                 continue  # preempted while this plan was being built
-            ready = req.stage is Stage.RECURRENT or (req.stage is Stage.PRELUDE and not cohort_busy)
-            if ready and self.ensure_capacity(req, req.decode_position + 1, planned=owners):
-                rows.append(self._decode_row(req))
-                owners.append(req)
-                budget -= 1
-        for req in sorted(self.running, key=self.rank):
-            if req.stage is Stage.PREFILL and budget > 0 and req.snapshot is None:
-                row = self._prefill_row(req, budget, owners)
-                if row is not None:
-                    rows.append(row)
-                    owners.append(req)
-                    budget -= row.num_tokens
-        if not rows:
-            return None
-        return self._finish_plan(Stage.RECURRENT, tuple(rows), owners)
+            remaining = req.prompt_len - req.num_prefilled
+            size = min(self.config.prefill_chunk_size, remaining, budget)
+            end = req.num_prefilled + size
+            # the last chunk's slot decodes in this very window (its first token at prompt_len)
+            need = self._window_end(req, window, req.prompt_len) if end == req.prompt_len else end
+            if not self.ensure_capacity(req, need, planned=planned):
+                continue
+            step = 1 if self.shared else size
+            chunks = [
+                PrefillChunk(
+                    req.request_id,
+                    req.slot,  # type: ignore[arg-type]
+                    start,
+                    tuple(req.prompt_token_ids[start : start + step]),
+                    last=start + step == req.prompt_len,
+                )
+                for start in range(req.num_prefilled, end, step)
+            ]
+            req.num_prefilled = end
+            self._chunks.extend((req, c) for c in chunks)
+            per_request.append(chunks)
+            planned.append(req)
+            budget -= size
+        depth = max((len(c) for c in per_request), default=0)
+        return tuple(tuple(c[i] for c in per_request if i < len(c)) for i in range(depth))
 
-    def _finish_plan(self, stage: Stage, rows: tuple, owners: list[Request]) -> StepPlan:
-        self._planned = owners
-        copies = [*self._orphan_copies, *(c for r in self.running for c in r.pending_copies)]
-        # Everyone whose device state this plan touches, in case the step fails.
+    def _finish_plan(
+        self, waves: tuple[tuple[PrefillChunk, ...], ...], traversals: int, owners: list[Request]
+    ) -> StepPlan:
         swapped_in = {op.slot for op in self._swap_ins}
+        decoding = [r for r in self.running if r.stage is Stage.DECODE] if traversals else []
+        # Everyone whose device state this plan touches, in case the step fails.
         self._touched = [
             *owners,
-            *(r for r in self.running if r.pending_copies or r.slot in swapped_in),
+            *decoding,
+            *(r for r in self.running if r.slot in swapped_in),
             *self._preempted_since_plan,
         ]
-        for r in self.running:
-            r.pending_copies = []
+        self._slot_owner = {r.slot: r for r in self.running if r.slot is not None}
         plan = StepPlan(
-            stage,
-            rows,
-            kv_copies=tuple(copies),
             swap_outs=tuple(self._swap_outs),
             slot_frees=tuple(self._slot_frees),
+            snapshot_drops=tuple(self._snapshot_drops),
             slot_inits=tuple(self._slot_inits),
             swap_ins=tuple(self._swap_ins),
-            snapshot_drops=tuple(self._snapshot_drops),
+            block_appends=self._block_appends(),
+            prefill=waves,
+            decode_traversals=traversals,
         )
         self.clear_pending_ops()
         return plan
 
-    def _plane(self, loop: int) -> int:
-        return 0 if self.shared else loop
-
-    def _claim_writes(self, req: Request, loop: int, start: int, end: int) -> None:
-        """A row reads positions [0, end) of its plane and writes [start, end): every earlier
-        position must already hold K/V there (else the row would read an unwritten slot)."""
-        plane = self._plane(loop)
-        if req.written[plane] < start:
-            raise RuntimeError(
-                f"{req.request_id}: plane {plane} written up to {req.written[plane]}, "
-                f"a row at position {start} would read unwritten KV"
+    def _block_appends(self) -> tuple[BlockAppend, ...]:
+        """Blocks grown since the worker last heard about each running request's tables."""
+        appends = []
+        for req in self.running:
+            tables = req.block_tables
+            if tables is None or len(tables[0]) == req.blocks_sent:
+                continue
+            appends.append(
+                BlockAppend(req.slot, tuple(tuple(t[req.blocks_sent :]) for t in tables))  # type: ignore[arg-type]
             )
-        req.written[plane] = max(req.written[plane], end)
-
-    def _decode_row(self, req: Request) -> RecurrentRow:
-        if req.stage is Stage.PRELUDE:
-            req.stage, req.loop, req.tracker = Stage.RECURRENT, 0, ExitTracker(req.controls)
-        pos = req.decode_position
-        self._claim_writes(req, req.loop, pos, pos + 1)
-        return RecurrentRow(
-            request_id=req.request_id,
-            slot=req.slot,  # type: ignore[arg-type]
-            loop=req.loop,
-            start=pos,
-            num_tokens=1,
-            token_ids=(req.output_token_ids[-1],) if req.loop == 0 else None,
-            block_table=tuple(req.block_tables[self._plane(req.loop)]),  # type: ignore[index]
-            # The last allowed loop always exits: sample in the same step. Earlier exits are
-            # only known from the hazard, so they get a CODA step of their own.
-            sample=req.loop + 1 >= req.controls.max_loops,
-        )
-
-    def _prefill_row(
-        self, req: Request, budget: int, planned: list[Request]
-    ) -> RecurrentRow | None:
-        if req.chunk is None:
-            remaining = req.prompt_len - req.num_prefilled
-            # SHARED: a position must finish every loop before the next one reads it.
-            limit = 1 if self.shared else self.config.prefill_chunk_size
-            size = min(limit, remaining, budget)
-            req.chunk, req.loop = (req.num_prefilled, req.num_prefilled + size), 0
-        start, end = req.chunk
-        if end - start > budget or not self.ensure_capacity(req, end, planned=planned):
-            return None  # waits for a step with room for all its rows
-        self._claim_writes(req, req.loop, start, end)
-        return RecurrentRow(
-            request_id=req.request_id,
-            slot=req.slot,  # type: ignore[arg-type]
-            loop=req.loop,
-            start=start,
-            num_tokens=end - start,
-            token_ids=tuple(req.prompt_token_ids[start:end]) if req.loop == 0 else None,
-            block_table=tuple(req.block_tables[self._plane(req.loop)]),  # type: ignore[index]
-            sample=req.loop == self.depth - 1 and end == req.prompt_len,
-        )
+            req.blocks_sent = len(tables[0])
+        return tuple(appends)
 
     def fail_plan(self) -> list[Request]:
         """The worker raised while executing the last plan: its effects on device state are
         unknown, so every request it touched is aborted (and nothing else is)."""
-        touched, self._touched, self._planned = self._touched, [], []
+        touched, self._touched, self._chunks = self._touched, [], []
         failed = []
         for req in touched:
             if not req.finished and req not in failed:
@@ -186,73 +179,36 @@ class Scheduler(Admission):
         return failed
 
     # -- results -------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Apply a step's results. Returns requests that received a token this step."""
-        got_token = []
-        owners, self._planned = self._planned, []
-        for i, (row, req) in enumerate(zip(plan.rows, owners, strict=True)):
-            if req.finished:
-                continue  # aborted while the step ran: its result is stale
-            sample = result.samples[i]
-            if isinstance(row, CodaRow):
-                self._accept_token(req, sample, req.tracker.loops_done)  # type: ignore[union-attr]
-                got_token.append(req)
-            elif req.stage is Stage.PREFILL:
-                if self._advance_prefill(req, row, sample):
-                    got_token.append(req)
-            elif self._advance_decode(req, row, result.hazards[i], sample):
-                got_token.append(req)
-        return got_token
+    def update(
+        self, plan: StepPlan, result: StepResult, stop_check: StopCheck | None = None
+    ) -> list[Request]:
+        """Apply a step's token events. Returns the requests that received tokens, in the
+        order of their first event. `stop_check` sees every accepted token (stop strings)."""
+        chunks, self._chunks = self._chunks, []
+        for req, chunk in chunks:
+            if not req.finished:
+                end = chunk.start + len(chunk.token_ids)
+                self.blocks.commit_prefix(req.request_id, req.prompt_token_ids, end)
+        got_token: dict[str, Request] = {}
+        for event in result.events:
+            req = self._slot_owner.get(event.slot)
+            if req is None or req.finished or req.slot != event.slot:
+                continue  # finished while the step ran (or earlier in this window): stale
+            if req.stage is Stage.PREFILL:
+                req.stage, req.first_token_time = Stage.DECODE, time.monotonic()
+            self._accept_token(req, event.sample, event.exit_depth)
+            got_token.setdefault(req.request_id, req)
+            if stop_check is not None and stop_check(req):
+                if req.finished:  # the stop string landed on its last allowed token
+                    req.finish_reason = "stop"
+                self.finish(req, "stop")
+        return list(got_token.values())
 
-    def _advance_prefill(self, req: Request, row: RecurrentRow, sample: Sample | None) -> bool:
-        if row.loop + 1 < self.depth:
-            req.loop += 1
-            return False
-        req.num_prefilled, req.chunk, req.loop = row.start + row.num_tokens, None, 0
-        self.blocks.commit_prefix(req.request_id, req.prompt_token_ids, req.num_prefilled)
-        if req.num_prefilled < req.prompt_len:
-            return False
-        req.first_token_time = time.monotonic()
-        self._accept_token(req, sample, self.depth)
-        return True
-
-    def _advance_decode(
-        self, req: Request, row: RecurrentRow, hazard: float | None, sample: Sample | None
-    ) -> bool:
-        tracker = req.tracker
-        assert tracker is not None
-        if not tracker.step(hazard):
-            req.loop += 1
-            return False
-        exit_loop = tracker.loops_done - 1
-        if exit_loop + 1 < self.depth and not self.shared:
-            self._plan_exit_copy(req, row.start, exit_loop)
-        if sample is None:
-            req.stage = Stage.CODA
-            return False
-        self._accept_token(req, sample, tracker.loops_done)
-        return True
-
-    def _plan_exit_copy(self, req: Request, pos: int, exit_loop: int) -> None:
-        """LAST_EXITED: deeper loops read this token at its exit version."""
-        tables = req.block_tables
-        assert tables is not None
-        deeper = range(exit_loop + 1, self.depth)
-        for d in deeper:
-            req.written[d] = max(req.written[d], pos + 1)
-        req.pending_copies.append(
-            KVCopy(
-                self.blocks.slot(tables[exit_loop], pos),
-                tuple(self.blocks.slot(tables[d], pos) for d in deeper),
-            )
-        )
-
-    def _accept_token(self, req: Request, sample: Sample | None, depth: int) -> None:
-        assert sample is not None, "the worker did not sample a row the plan asked for"
+    def _accept_token(self, req: Request, sample: Sample, depth: int) -> None:
+        """The same rule the device applies to deactivate a slot."""
         req.output_token_ids.append(sample.token_id)
         req.exit_depths.append(depth)
         req.samples.append(sample)
-        req.stage = Stage.PRELUDE
         if sample.token_id in req.stop_token_ids:
             self.finish(req, "stop")
         elif len(req.output_token_ids) >= req.params.max_tokens:

@@ -1,200 +1,264 @@
-"""Executes `StepPlan`s: turns plain rows into tensors and runs prelude / recurrent / coda.
+"""Executes `StepPlan`s against the persistent slot batch.
 
-Per-slot device state (the hidden states of the unit in flight, the sampling generator) lives
-here; the scheduler only ever sees integers.
+Order per step: bookkeeping diffs (swap-outs, frees, inits, swap-ins, block appends), prefill
+waves (eager, host-planned chunks through every loop; a chunk that ends its prompt samples the
+first token and starts the slot decoding), then the decode window: `decode_traversals`
+traversals over slots [0, B), replayed from a CUDA graph per (padded B, flags) when graphs are
+on. Everything the host learns comes back in one read at the end of the step.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from rlt_engine.config import ExecutionConfig
 from rlt_engine.core.plan import (
-    CodaRow,
-    RecurrentRow,
+    PrefillChunk,
     Sample,
-    Stage,
     StepPlan,
     StepResult,
     SwapIn,
     SwapOut,
+    TokenEvent,
 )
 from rlt_engine.models.base import LoopedCausalLM
-from rlt_engine.sampling_params import SamplingParams
-from rlt_engine.worker.paged_attention import PagedKVCache, PagedMetadata
-from rlt_engine.worker.sampler import sample_rows
+from rlt_engine.worker.attention import PagedMetadata, TritonPagedAttention, attention_backend
+from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
+from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags
+from rlt_engine.worker.graphs import GraphCache
+from rlt_engine.worker.slot_batch import SlotBatch, SlotHost
+
+MAX_LOGPROBS = 20
 
 
 @dataclass
 class _Snapshot:
     k: torch.Tensor  # [layers, slots of every owned block, kv_heads, head_dim]
     v: torch.Tensor
-    hidden: torch.Tensor | None  # the unit in flight (prefill chunk or decode token)
-    params: SamplingParams
-    rng: torch.Tensor
+    slot: tuple[dict[str, torch.Tensor], SlotHost]
+
+
+@dataclass
+class _FirstTokens:
+    slots: list[int]
+    drawn: SampleOutput
 
 
 class ModelRunner:
-    def __init__(self, model: LoopedCausalLM, num_blocks: int, block_size: int) -> None:
-        cfg = model.config
-        self.model, self.block_size = model, block_size
+    def __init__(
+        self,
+        model: LoopedCausalLM,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_slots: int,
+        max_blocks: int,
+        num_planes: int,
+        refill: bool = True,
+        execution: ExecutionConfig | None = None,
+    ) -> None:
+        cfg, execution = model.config, execution or ExecutionConfig()
+        self.model, self.block_size, self.depth = model, block_size, model.num_loops
         self.device = model.lm_head.weight.device
-        self.kv = PagedKVCache(
+        self.dtype = model.lm_head.weight.dtype
+        self.shared, self.refill = num_planes == 1 and self.depth > 1, refill
+        backend = attention_backend(execution.attention_backend, self.device)
+        self.kv = backend(
             cfg.num_layers,
             num_blocks * block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.num_heads,
-            model.lm_head.weight.dtype,
+            block_size,
+            self.dtype,
             self.device,
         )
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.params: dict[int, SamplingParams] = {}
-        self.generators: dict[int, torch.Generator] = {}
+        self.slots = SlotBatch(
+            num_slots, num_planes, max_blocks, cfg.hidden_size, self.dtype, self.device
+        )
+        self.events = EventBuffers(execution.decode_window, num_slots, MAX_LOGPROBS, self.device)
+        self.traversal = DecodeTraversal(
+            model, self.kv, self.slots, self.events, refill=refill, shared=self.shared
+        )
+        capturable = isinstance(self.kv, TritonPagedAttention) and self.device.type == "cuda"
+        self.graphs = (
+            GraphCache(self.traversal, num_slots)
+            if (capturable and not execution.enforce_eager)
+            else None
+        )
         self.snapshots: dict[int, _Snapshot] = {}  # preempted requests, in host memory
 
-    def release(self, slots: list[int] | tuple[int, ...], snapshots: Iterable[int] = ()) -> None:
-        for slot in slots:
-            self.hidden.pop(slot, None)
-            self.params.pop(slot, None)
-            self.generators.pop(slot, None)
-        for snapshot in snapshots:
-            self.snapshots.pop(snapshot, None)
-
+    # -- the step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        if plan.kv_copies:
-            src = [c.src for c in plan.kv_copies for _ in c.dst]
-            dst = [d for c in plan.kv_copies for d in c.dst]
-            self.kv.copy_slots(self._tensor(src), self._tensor(dst))
         for out in plan.swap_outs:
             self._swap_out(out)
-        self.release(plan.slot_frees, plan.snapshot_drops)
+        for slot in plan.slot_frees:
+            self.slots.clear(slot)
+        for snapshot in plan.snapshot_drops:
+            self.snapshots.pop(snapshot, None)
         for init in plan.slot_inits:
-            self.params[init.slot] = init.params
-            self.generators[init.slot] = torch.Generator(self.device).manual_seed(init.seed)
+            self.slots.init(init, self.depth)
         for swap_in in plan.swap_ins:
             self._swap_in(swap_in)
-        if not plan.rows:
-            return StepResult(hazards=(), samples=())
-        if plan.stage is Stage.CODA:
-            return self._coda(plan.rows)  # type: ignore[arg-type]
-        return self._recurrent(plan.rows)  # type: ignore[arg-type]
+        for append in plan.block_appends:
+            self.slots.append(append.slot, append.blocks)
+        firsts = [self._prefill(wave) for wave in plan.prefill]
+        window = self._decode(plan.decode_traversals) if plan.decode_traversals else None
+        return self._read_back([f for f in firsts if f is not None], window)
+
+    def active_slots(self) -> list[int]:
+        """Slots with device state (for leak checks)."""
+        return sorted(self.slots.host)
+
+    # -- prefill -------------------------------------------------------------------------
+    def _prefill(self, wave: tuple[PrefillChunk, ...]) -> _FirstTokens | None:
+        """Chunks of several requests through every loop, as one batch per loop."""
+        dev, bs, s = self.device, self.block_size, self.slots
+        ids = [t for c in wave for t in c.token_ids]
+        counts = [len(c.token_ids) for c in wave]
+        firsts = list(itertools.accumulate(counts, initial=0))
+        ends = [c.start + n for c, n in zip(wave, counts, strict=True)]
+        positions = torch.tensor(
+            [p for c in wave for p in range(c.start, c.start + len(c.token_ids))]
+        )
+        row_seq = torch.repeat_interleave(torch.arange(len(wave)), torch.tensor(counts))
+        chunk_slots = torch.tensor([c.slot for c in wave])
+        host = torch.stack([positions, row_seq]).to(dev, non_blocking=True)
+        positions, row_seq = host[0], host[1]
+        slot_idx = chunk_slots.to(dev)
+        seq_lens = torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True)
+        query_start = torch.tensor(firsts, dtype=torch.int32).to(dev, non_blocking=True)
+        hidden = self.model.prelude(torch.tensor(ids).to(dev, non_blocking=True))
+        for loop in range(self.depth):
+            tables = s.block_tables[slot_idx, 0 if self.shared else loop]
+            own = tables[row_seq, positions // bs].long() * bs + positions % bs
+            meta = PagedMetadata(
+                positions=positions,
+                loop_indices=torch.full_like(positions, loop),
+                slot_mapping=own,
+                block_tables=tables,
+                seq_lens=seq_lens,
+                query_start=query_start,
+                max_query_len=max(counts),
+                max_seq_len=max(ends),
+                chunks=tuple(zip(firsts[:-1], counts, ends, strict=True)),
+            )
+            hidden = self.model.recurrent(hidden, meta, self.kv).hidden
+        last = [i for i, c in enumerate(wave) if c.last]
+        if not last:
+            return None
+        rows = torch.tensor([firsts[i + 1] - 1 for i in last]).to(dev, non_blocking=True)
+        slots = [wave[i].slot for i in last]
+        index = torch.tensor(slots).to(dev, non_blocking=True)
+        drawn = self._sample(self.model.coda(hidden[rows]), index, slots)
+        s.start_decode(index, drawn.token, [wave[i].start + counts[i] for i in last], self.refill)
+        return _FirstTokens(slots, drawn)
+
+    def _sample(self, logits: torch.Tensor, index: torch.Tensor, slots: list[int]) -> SampleOutput:
+        s = self.slots
+        params = [s.host[i].params for i in slots]
+        random_ = [p for p in params if not p.greedy]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return sample(
+            logits,
+            SamplingTensors(
+                s.temperature[index],
+                s.top_k[index],
+                s.top_p[index],
+                s.seed[index],
+                torch.zeros_like(index),  # the first output token has index 0
+            ),
+            any_random=bool(random_),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in random_),
+            num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+    # -- decode --------------------------------------------------------------------------
+    def _decode(self, traversals: int) -> tuple[int, int, Flags] | None:
+        b = self.slots.span()
+        if b == 0:
+            return None
+        flags = Flags(*self.slots.flags())
+        ev = self.events
+        if traversals > ev.window:
+            raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
+        ev.step.zero_()
+        ev.token[:traversals].fill_(-1)
+        if self.graphs is not None:
+            b = self.graphs.replay(b, flags, traversals)
+        else:
+            self.traversal.max_seq_len = self.slots.max_context(self.block_size)
+            for _ in range(traversals):
+                self.traversal(b, flags)
+        return traversals, b, flags
+
+    # -- the one read back ---------------------------------------------------------------
+    def _read_back(
+        self, firsts: list[_FirstTokens], window: tuple[int, int, Flags] | None
+    ) -> StepResult:
+        ev = self.events
+        tensors: list[torch.Tensor] = []
+        for f in firsts:
+            tensors.append(f.drawn.token)
+            if f.drawn.logprob is not None:
+                tensors += [f.drawn.logprob, f.drawn.top_ids, f.drawn.top_logprobs]
+        if window is not None:
+            n, b, flags = window
+            tensors += [ev.token[:n, :b], ev.depth[:n, :b]]
+            if flags.num_logprobs is not None:
+                k = flags.num_logprobs
+                tensors += [ev.logprob[:n, :b], ev.top_ids[:n, :b, :k], ev.top_logprobs[:n, :b, :k]]
+        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        it = iter(host)
+        events: list[TokenEvent] = []
+        for f in firsts:
+            tokens = next(it).tolist()
+            extra = (next(it), next(it), next(it)) if f.drawn.logprob is not None else None
+            for i, (slot, token) in enumerate(zip(f.slots, tokens, strict=True)):
+                events.append(TokenEvent(slot, self._as_sample(slot, token, extra, i), self.depth))
+        if window is not None:
+            tokens, depths = next(it), next(it)
+            extra = (next(it), next(it), next(it)) if window[2].num_logprobs is not None else None
+            for t, slot in (tokens >= 0).nonzero().tolist():
+                smp = self._as_sample(slot, int(tokens[t, slot]), extra, (t, slot))
+                events.append(TokenEvent(slot, smp, int(depths[t, slot])))
+        return StepResult(tuple(events))
 
     # -- preemption: every plane's pages and the slot's device state, exactly -----------
     def _block_slots(self, blocks: tuple[int, ...]) -> torch.Tensor:
-        offsets = torch.arange(self.block_size, device=self.device)
-        return (self._tensor(list(blocks))[:, None] * self.block_size + offsets).flatten()
+        offsets = torch.arange(self.block_size)
+        slots = (torch.tensor(list(blocks))[:, None] * self.block_size + offsets).flatten()
+        return slots.to(self.device)
 
     def _swap_out(self, op: SwapOut) -> None:
         slots = self._block_slots(op.blocks)
         self.snapshots[op.snapshot] = _Snapshot(
             k=self.kv.k[:, slots].to("cpu"),
             v=self.kv.v[:, slots].to("cpu"),
-            hidden=self.hidden[op.slot].to("cpu") if op.slot in self.hidden else None,
-            params=self.params[op.slot],
-            rng=self.generators[op.slot].get_state(),
+            slot=self.slots.snapshot(op.slot),
         )
-        self.release([op.slot])
+        self.slots.clear(op.slot)
 
     def _swap_in(self, op: SwapIn) -> None:
         snap = self.snapshots.pop(op.snapshot)
         slots = self._block_slots(op.blocks)
         self.kv.k[:, slots] = snap.k.to(self.device)
         self.kv.v[:, slots] = snap.v.to(self.device)
-        if snap.hidden is not None:
-            self.hidden[op.slot] = snap.hidden.to(self.device)
-        self.params[op.slot] = snap.params
-        self.generators[op.slot] = torch.Generator(self.device)
-        self.generators[op.slot].set_state(snap.rng)
+        self.slots.restore(op.slot, snap.slot, op.block_tables)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _coda(self, rows: tuple[CodaRow, ...]) -> StepResult:
-        last = torch.cat([self.hidden[r.slot][-1:] for r in rows])
-        samples = self._sample(last, [r.slot for r in rows])
-        return StepResult(hazards=(None,) * len(rows), samples=tuple(samples))
-
-    def _sample(self, hidden: torch.Tensor, slots: list[int]) -> list[Sample]:
-        logits = self.model.coda(hidden)
-        return sample_rows(
-            logits, [self.params[s] for s in slots], [self.generators[s] for s in slots]
-        )
-
-    def _recurrent(self, rows: tuple[RecurrentRow, ...]) -> StepResult:
-        hidden = self._inputs(rows)
-        meta = self._metadata(rows)
-        out = self.model.recurrent(hidden, meta, self.kv)
-        bounds = list(itertools.accumulate((r.num_tokens for r in rows), initial=0))
-        starts, ends = bounds[:-1], bounds[1:]  # each row's span in the batch
-        for r, s, e in zip(rows, starts, ends, strict=True):
-            self.hidden[r.slot] = out.hidden[s:e]
-        hazards: list[float | None] = [None] * len(rows)
-        if out.hazard is not None:
-            hazards = out.hazard[self._tensor(ends) - 1].tolist()
-        samples: list[Sample | None] = [None] * len(rows)
-        to_sample = [i for i, r in enumerate(rows) if r.sample]
-        if to_sample:
-            last = out.hidden[self._tensor([ends[i] - 1 for i in to_sample])]
-            drawn = self._sample(last, [rows[i].slot for i in to_sample])
-            for i, smp in zip(to_sample, drawn, strict=True):
-                samples[i] = smp
-        return StepResult(hazards=tuple(hazards), samples=tuple(samples))
-
-    def _inputs(self, rows: tuple[RecurrentRow, ...]) -> torch.Tensor:
-        ids = [t for r in rows if r.token_ids is not None for t in r.token_ids]
-        embedded = self.model.prelude(self._tensor(ids)) if ids else None
-        parts, offset = [], 0
-        for r in rows:
-            if r.token_ids is not None:  # loop 0: the prelude output is this row's input
-                parts.append(embedded[offset : offset + r.num_tokens])  # type: ignore[index]
-                offset += r.num_tokens
-            else:
-                parts.append(self.hidden[r.slot])
-        return torch.cat(parts)
-
-    def _metadata(self, rows: tuple[RecurrentRow, ...]) -> PagedMetadata:
-        """Per-row tensors; slots are computed from block tables on the device, so the host
-        work is per block, not per key position."""
-        bs = self.block_size
-        width = max(len(r.block_table) for r in rows)
-        tables = self._tensor([[*r.block_table, *[0] * (width - len(r.block_table))] for r in rows])
-        counts = [r.num_tokens for r in rows]
-        row_of = torch.repeat_interleave(
-            torch.arange(len(rows), device=self.device), self._tensor(counts)
-        )
-        positions = torch.cat([torch.arange(r.start, r.start + r.num_tokens) for r in rows])
-        positions = positions.to(self.device)
-
-        def slots(row_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            return tables[row_ids, torch.div(pos, bs, rounding_mode="floor")] * bs + pos % bs
-
-        ends = [r.start + r.num_tokens for r in rows]
-        firsts = list(itertools.accumulate(counts, initial=0))[:-1]  # each row's first index
-        single = [i for i, r in enumerate(rows) if r.num_tokens == 1]
-        single_rows = single_slots = single_lens = None
-        if single:
-            idx = self._tensor(single)
-            lens = self._tensor([ends[i] for i in single])
-            keys = torch.arange(int(max(ends[i] for i in single)), device=self.device)
-            # positions past a row's length read a padding slot; the mask hides them
-            single_slots = slots(idx[:, None], keys[None, :])
-            single_rows, single_lens = self._tensor([firsts[i] for i in single]), lens
-        chunks = []
-        for i, r in enumerate(rows):
-            if r.num_tokens > 1:
-                keys = torch.arange(ends[i], device=self.device)
-                chunks.append((firsts[i], r.num_tokens, slots(torch.full_like(keys, i), keys)))
-        return PagedMetadata(
-            positions=positions,
-            loop_indices=self._tensor([r.loop for r in rows])[row_of],
-            slot_mapping=slots(row_of, positions),
-            single_rows=single_rows,
-            single_slots=single_slots,
-            single_lens=single_lens,
-            chunks=chunks,
-        )
+    def _as_sample(
+        self, slot: int, token: int, extra: tuple | None, index: int | tuple[int, int]
+    ) -> Sample:
+        """A `Sample` from the read-back tensors, with the logprobs its request asked for."""
+        wanted = self.slots.host[slot].params.logprobs
+        if extra is None or wanted is None:
+            return Sample(token)
+        logprob, top_ids, top_logprobs = extra
+        ids, values = top_ids[index][:wanted].tolist(), top_logprobs[index][:wanted].tolist()
+        return Sample(token, float(logprob[index]), tuple(zip(ids, values, strict=True)))

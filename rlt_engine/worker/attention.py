@@ -1,0 +1,171 @@
+"""Attention backends over the paged, depth-aware KV cache.
+
+The cache holds K and V as [layers, num_slots + 1, kv_heads, head_dim] (flat slots; slot =
+block * block_size + offset). The extra last slot is a trash slot: rows that must not write
+(idle rows of a fixed-shape decode batch) write there, so no traversal needs a data-dependent
+shape. Every sequence of a call reads through ONE block table — the plane its loop selects —
+so the depth dimension never reaches the kernels.
+
+- `torch`: the reference, any device; eager only (its gather width follows the host's bound).
+- `triton`: `kernels/paged_attention.py`, fp32 online softmax, split-K, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlt_engine.models.attention import AttentionMetadata
+
+
+@dataclass
+class PagedMetadata(AttentionMetadata):
+    slot_mapping: torch.Tensor  # [rows] int64: slot each row writes (the trash slot if idle)
+    block_tables: torch.Tensor  # [seqs, width] int32: the table of the plane each seq reads
+    seq_lens: torch.Tensor  # [seqs] int32: keys visible to the seq's last query
+    query_start: torch.Tensor  # [seqs + 1] int32: seq s owns rows [start[s], start[s+1])
+    max_query_len: int  # host bound (1 for decode)
+    max_seq_len: int  # host bound on seq_lens (the torch backend's gather width)
+    # prefill only, for the torch backend: (first row, rows, keys) per sequence, host ints
+    chunks: tuple[tuple[int, int, int], ...] = ()
+
+
+class PagedKVCache:
+    """Owns the K/V pool; `attend` is implemented by the backends below."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_heads: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.trash_slot = num_slots
+        self.block_size = block_size
+        self.group = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """K/V of every layer from slots `src` to slots `dst` (exit copies into deeper planes)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
+        self.k[layer, meta.slot_mapping] = k
+        self.v[layer, meta.slot_mapping] = v
+
+
+class TorchPagedAttention(PagedKVCache):
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(meta, PagedMetadata)
+        self.write(layer, k, v, meta)
+        if meta.max_query_len == 1:
+            return self._decode(layer, q, meta)
+        out = torch.empty_like(q)
+        for seq, (first, n, ctx) in enumerate(meta.chunks):
+            slots = self._slots(meta.block_tables[seq : seq + 1], ctx)[0]
+            keys, vals = self.k[layer, slots][None], self.v[layer, slots][None]
+            # row i of the chunk sits at position ctx - n + i and sees keys [0, ctx - n + i]
+            visible = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+            out[first : first + n] = self._attend(
+                q[None, first : first + n], keys, vals, visible[None]
+            )[0]
+        return out
+
+    def _slots(self, tables: torch.Tensor, ctx: int) -> torch.Tensor:
+        """[seqs, ctx] flat slots of key positions [0, ctx) through each seq's table."""
+        bs = self.block_size
+        blocks = -(-ctx // bs)
+        offsets = torch.arange(bs, device=tables.device)
+        slots = tables[:, :blocks].long()[:, :, None] * bs + offsets
+        return slots.flatten(1)[:, :ctx]
+
+    def _decode(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        """One query per sequence (rows = seqs), batched, padded to the host's bound."""
+        ctx = max(meta.max_seq_len, 1)
+        slots = self._slots(meta.block_tables, ctx)
+        keys, vals = self.k[layer, slots], self.v[layer, slots]  # [n, ctx, kvh, d]
+        visible = torch.arange(ctx, device=q.device)[None, :] < meta.seq_lens[:, None]
+        return self._attend(q.unsqueeze(1), keys, vals, visible[:, None, :])[:, 0]
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """q [b, n, h, d]; keys/vals [b, ctx, kvh, d]; visible [b, n, ctx] -> [b, n, h, d].
+        Softmax statistics in fp32."""
+        if self.group > 1:
+            keys = keys.repeat_interleave(self.group, dim=2)
+            vals = vals.repeat_interleave(self.group, dim=2)
+        scores = torch.einsum("bnhd,bchd->bhnc", q.float(), keys.float()) * self.scale
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        return torch.einsum("bhnc,bchd->bnhd", probs, vals.float()).to(q.dtype)
+
+
+class TritonPagedAttention(PagedKVCache):
+    """The Triton kernel: reads K/V through the tables on the device, capturable."""
+
+    num_splits = 1  # split-K over the context for decode; set by the runner per batch
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        from rlt_engine.kernels.paged_attention import paged_attention
+
+        assert isinstance(meta, PagedMetadata)
+        self.write(layer, k, v, meta)
+        return paged_attention(
+            q,
+            self.k[layer],
+            self.v[layer],
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start,
+            block_size=self.block_size,
+            scale=self.scale,
+            max_query_len=meta.max_query_len,
+            num_splits=self.num_splits if meta.max_query_len == 1 else 1,
+        )
+
+
+def attention_backend(name: str, device: torch.device) -> type[PagedKVCache]:
+    """Resolve `--attention-backend`: auto = triton on CUDA, torch elsewhere. An explicit
+    choice that cannot run here is an error, never a silent fallback."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchPagedAttention
+    if name == "triton":
+        from rlt_engine.kernels.paged_attention import supported
+
+        ok, why = supported(device)
+        if not ok:
+            raise ValueError(f"attention_backend=triton cannot run on {device}: {why}")
+        return TritonPagedAttention
+    if name == "flash":
+        raise ValueError(
+            "attention_backend=flash needs the flash-attn package's paged KV-cache API, "
+            "which this build does not wire up yet; use triton or torch"
+        )
+    raise ValueError(f"unknown attention backend {name!r}")

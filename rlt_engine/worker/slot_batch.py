@@ -1,0 +1,186 @@
+"""The persistent slot batch: every running request's decode state on the device, at fixed
+addresses indexed by slot (so a traversal over slots [0, B) is one fixed-shape function that a
+CUDA graph can capture).
+
+Slot identity is not request identity: a preempted request's row travels with its snapshot and
+lands in whatever slot it resumes into. The host keeps a small mirror of what it needs to pick
+static variants (sampling flags, early exits) and the tables' lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlt_engine.core.plan import SlotInit, Tables
+from rlt_engine.sampling_params import SamplingParams
+
+MAX_STOP_IDS = 32  # stop token ids per request the device checks
+
+
+@dataclass
+class SlotHost:
+    """What the host remembers of a slot: sampling parameters and its tables' length."""
+
+    params: SamplingParams
+    early_exit: bool  # may leave before the model depth (exit copies needed)
+    blocks: int  # blocks per plane in its tables
+
+
+class SlotBatch:
+    # per-slot device tensors, in snapshot order
+    FIELDS = (
+        "token",
+        "hidden",
+        "loop",
+        "remaining",
+        "position",
+        "generated",
+        "active",
+        "parked",
+        "min_loops",
+        "max_loops",
+        "threshold",
+        "max_tokens",
+        "stop_ids",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+    )
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_planes: int,
+        max_blocks: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        def zeros(*shape: int, dt: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        n = num_slots
+        self.num_slots, self.max_blocks, self.device = n, max_blocks, device
+        self.token = zeros(n)  # the token to embed at loop 0
+        self.hidden = zeros(n, hidden_size, dt=dtype)  # input of the next loop (loop > 0)
+        self.loop = zeros(n)  # loops finished by the token in flight
+        self.remaining = torch.ones(n, dtype=torch.float32, device=device)  # exit mass R
+        self.position = zeros(n)  # position of the token in flight
+        self.generated = zeros(n)  # tokens emitted so far = RNG counter of the next one
+        self.active = zeros(n, dt=torch.bool)  # decoding on the device
+        self.parked = zeros(n, dt=torch.bool)  # no-refill: exited, waits for the cohort
+        self.min_loops = zeros(n)
+        self.max_loops = zeros(n)
+        self.threshold = torch.ones(n, dtype=torch.float32, device=device)
+        self.max_tokens = zeros(n)
+        self.stop_ids = torch.full((n, MAX_STOP_IDS), -1, dtype=torch.long, device=device)
+        self.temperature = zeros(n, dt=torch.float32)
+        self.top_k = zeros(n)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.seed = zeros(n)
+        self.block_tables = zeros(n, num_planes, max_blocks, dt=torch.int32)
+        self.host: dict[int, SlotHost] = {}
+
+    # -- diffs from the plan -------------------------------------------------------------
+    def init(self, op: SlotInit, depth: int) -> None:
+        s, p, c = op.slot, op.params, op.controls
+        if len(op.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request")
+        self.clear(s)
+        self.min_loops[s], self.max_loops[s] = c.min_loops, c.max_loops
+        # fixed depth as an unreachable threshold, so the device needs no `< 1` test
+        self.threshold[s] = c.exit_threshold if c.exit_threshold < 1.0 else 2.0
+        self.max_tokens[s] = p.max_tokens
+        self.stop_ids[s, : len(op.stop_token_ids)] = torch.tensor(op.stop_token_ids)
+        self.temperature[s] = 0.0 if p.greedy else p.temperature
+        self.top_k[s], self.top_p[s] = p.top_k, p.top_p
+        self.seed[s] = _int64(op.seed)
+        early = c.max_loops < depth or c.exit_threshold < 1.0
+        self.host[s] = SlotHost(p, early, 0)
+        self.append(s, op.block_tables)
+
+    def append(self, slot: int, blocks: Tables) -> None:
+        host = self.host[slot]
+        n = len(blocks[0])
+        if host.blocks + n > self.max_blocks:
+            raise RuntimeError(f"slot {slot}: block table longer than {self.max_blocks} blocks")
+        if n:
+            new = torch.tensor(blocks, dtype=torch.int32)
+            self.block_tables[slot, :, host.blocks : host.blocks + n] = new.to(self.device)
+        host.blocks += n
+
+    def clear(self, slot: int) -> None:
+        """Back to the idle state: an idle slot writes nothing and emits nothing."""
+        self.active[slot] = False
+        self.parked[slot] = False
+        self.loop[slot] = 0
+        self.position[slot] = 0
+        self.generated[slot] = 0
+        self.remaining[slot] = 1.0
+        self.stop_ids[slot] = -1
+        self.host.pop(slot, None)
+
+    def start_decode(
+        self, slots: torch.Tensor, tokens: torch.Tensor, prompt_lens: list[int], refill: bool
+    ) -> None:
+        """Prefill ended for `slots` with first tokens `tokens`: they decode from now on,
+        unless that token already ends them (a stop id, or max_tokens == 1)."""
+        pos = torch.tensor(prompt_lens, dtype=torch.long).to(self.device, non_blocking=True)
+        self.token[slots] = tokens
+        self.position[slots] = pos
+        self.loop[slots] = 0
+        self.remaining[slots] = 1.0
+        self.generated[slots] = 1
+        self.active[slots] = ~self.finishes(slots, tokens, self.generated[slots])
+        self.parked[slots] = not refill
+
+    def finishes(
+        self, slots: torch.Tensor | slice, tokens: torch.Tensor, generated: torch.Tensor
+    ) -> torch.Tensor:
+        """The host's rule (`Scheduler._accept_token`): a stop id, or max_tokens reached."""
+        stop = (tokens[:, None] == self.stop_ids[slots]).any(dim=1)
+        return stop | (generated >= self.max_tokens[slots])
+
+    # -- preemption ----------------------------------------------------------------------
+    def snapshot(self, slot: int) -> tuple[dict[str, torch.Tensor], SlotHost]:
+        state = {name: getattr(self, name)[slot].to("cpu", copy=True) for name in self.FIELDS}
+        return state, self.host[slot]
+
+    def restore(
+        self, slot: int, saved: tuple[dict[str, torch.Tensor], SlotHost], tables: Tables
+    ) -> None:
+        state, host = saved
+        for name in self.FIELDS:
+            getattr(self, name)[slot] = state[name].to(self.device)
+        self.host[slot] = SlotHost(host.params, host.early_exit, 0)
+        self.append(slot, tables)
+
+    # -- static variants of a window -----------------------------------------------------
+    def span(self) -> int:
+        """Slots [0, span) cover every slot in use."""
+        return max(self.host, default=-1) + 1
+
+    def flags(self) -> tuple[bool, bool, int | None, bool]:
+        """(any random, any top-k/top-p, logprobs width, any early exit) over slots in use."""
+        params = [h.params for h in self.host.values()]
+        random_ = [p for p in params if not p.greedy]
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return (
+            bool(random_),
+            any(p.top_k > 0 or p.top_p < 1.0 for p in random_),
+            max(logprobs) if logprobs else None,
+            any(h.early_exit for h in self.host.values()),
+        )
+
+    def max_context(self, block_size: int) -> int:
+        """Keys any slot can see in this window: its tables' capacity."""
+        return max((h.blocks for h in self.host.values()), default=0) * block_size
+
+
+def _int64(value: int) -> int:
+    """Wrap a seed into the signed 64-bit range a tensor holds."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
