@@ -1,55 +1,68 @@
 import json
+from pathlib import Path
 
 import pytest
 
 from rlt_engine.models.configs import ConfigError, load_config, parse_config
 from rlt_engine.models.registry import ALIASES, resolve_model_name
+from rlt_engine.models.resolve import KNOWN_CONFIGS
 
-REAL_OURO = "rlt_engine/models/known_configs/ouro-1.4b.json"
+# The published config.json files, copied verbatim (see tests/fixtures/README.md).
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+REAL_OURO = FIXTURES / "ouro-1.4b" / "config.json"
+REAL_NANBEIGE = FIXTURES / "nanbeige4.2-3b" / "config.json"
 
 
 def _ouro_raw() -> dict:
-    with open(REAL_OURO) as f:
-        return json.load(f)
+    return json.loads(REAL_OURO.read_text())
 
 
 def _nanbeige_raw() -> dict:
-    return {
-        "model_type": "nanbeige",
-        "vocab_size": 166144,
-        "hidden_size": 3072,
-        "intermediate_size": 10752,
-        "num_hidden_layers": 22,
-        "num_attention_heads": 48,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "num_loops": 2,
-        "rope_theta": 70000000.0,
-        "rms_norm_eps": 1e-5,
-        "bos_token_id": 166100,
-        "eos_token_id": 166101,
-        "tie_word_embeddings": False,
-        "skip_loop_final_norm": False,
-        "rope_scaling": None,
-    }
+    return json.loads(REAL_NANBEIGE.read_text())
+
+
+def test_the_packaged_ouro_config_is_the_published_one():
+    assert json.loads((KNOWN_CONFIGS / "ouro-1.4b.json").read_text()) == _ouro_raw()
 
 
 def test_real_ouro_config_parses_to_design_facts():
-    cfg = parse_config(_ouro_raw())
-    assert (cfg.hidden_size, cfg.num_layers, cfg.num_loops) == (2048, 24, 4)
+    cfg = load_config(REAL_OURO.parent)
+    assert cfg.model_type == "ouro"
+    assert (cfg.hidden_size, cfg.intermediate_size) == (2048, 5632)
+    assert (cfg.num_layers, cfg.num_loops, cfg.vocab_size) == (24, 4, 49152)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (16, 16, 128)
     assert cfg.has_exit_gate and cfg.sandwich_norm and cfg.early_exit_threshold == 1.0
-    assert cfg.eos_token_ids == (0,) and cfg.rope_theta == 1e6
+    assert (cfg.rope_theta, cfg.rms_norm_eps) == (1e6, 1e-6)
+    assert cfg.norm_every_loop and cfg.max_position_embeddings == 65536
+    # bos = eos = 0 (<|endoftext|>); <|im_end|> = 2 is added from the tokenizer, not the config
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (0, (0,))
     # DESIGN §4: 3 MiB per 16-token block and 192 KiB per token per plane in bf16.
     assert cfg.kv_bytes_per_token(2) == 192 * 1024
     assert cfg.kv_slots == 96
 
 
+def test_real_nanbeige_config_parses_to_design_facts():
+    cfg = load_config(REAL_NANBEIGE.parent)
+    assert cfg.model_type == "nanbeige"
+    assert (cfg.hidden_size, cfg.intermediate_size) == (3072, 10752)
+    assert (cfg.num_layers, cfg.num_loops, cfg.vocab_size) == (22, 2, 166144)
+    assert (cfg.num_heads, cfg.num_kv_heads) == (48, 8)
+    assert (cfg.rope_theta, cfg.rms_norm_eps) == (7e7, 1e-5)
+    assert not cfg.has_exit_gate and not cfg.sandwich_norm and cfg.norm_every_loop
+    # bos <|im_start|> 166100, eos <|im_end|> 166101; the third stop token (166102, <|endoftext|>)
+    # comes from the tokenizer (tests/models/test_tokenizer.py), not from config.json
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (166100, (166101,))
+    assert cfg.kv_slots == 44  # one per (loop, layer)
+    # K and V of 22 layers x 8 KV heads x 128 dims in bf16, per token and plane
+    assert cfg.kv_bytes_per_token(2) == 2 * 22 * 8 * 128 * 2
+    raw = _nanbeige_raw()
+    assert raw["tie_word_embeddings"] is False and raw["torch_dtype"] == "bfloat16"
+    assert raw["kv_channels"] == raw["head_dim"] == cfg.head_dim
+
+
 def test_nanbeige_head_dim_comes_from_config_not_hidden_over_heads():
     cfg = parse_config(_nanbeige_raw())
     assert cfg.head_dim == 128 and cfg.hidden_size // cfg.num_heads == 64
-    assert cfg.num_loops == 2 and not cfg.has_exit_gate and cfg.kv_slots == 44
-    assert cfg.norm_every_loop
     assert not parse_config({**_nanbeige_raw(), "skip_loop_final_norm": True}).norm_every_loop
 
 
