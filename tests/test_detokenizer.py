@@ -56,7 +56,20 @@ def test_multibyte_characters_are_never_split(tokenizer, text):
     assert all("\ufffd" not in p for p in pieces), pieces
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == text
     assert detok.text == text
-    assert any(p == "" for p in pieces) or len(ids) == len(text)  # held back mid-character
+    *per_token, flush = pieces
+    assert flush == ""  # no stop strings: nothing is held once the last character is complete
+    # After every token the text handed out so far is exactly the decoded prefix, except that a
+    # token ending inside a character emits nothing and leaves that character for later.
+    held = 0
+    for i, piece in enumerate(per_token):
+        prefix = tokenizer.decode(ids[: i + 1])
+        emitted = "".join(per_token[: i + 1])
+        if prefix.endswith("\ufffd"):
+            held += 1
+            assert piece == "" and prefix.startswith(emitted), (i, piece, prefix)
+        else:
+            assert emitted == prefix, (i, emitted, prefix)
+    assert held > 0  # the sample really ends some tokens mid-character
 
 
 def test_special_tokens_emit_no_text(tokenizer):

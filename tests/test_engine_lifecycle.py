@@ -289,23 +289,23 @@ def test_outputs_come_back_in_input_order(llm):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "match"),
     [
-        dict(max_tokens=0),
-        dict(temperature=-0.1),
-        dict(top_k=-1),
-        dict(top_p=0.0),
-        dict(top_p=1.5),
-        dict(logprobs=21),
-        dict(stop=[""]),
-        dict(min_loops=0),
-        dict(max_loops=0),
-        dict(exit_threshold=1.5),
-        dict(exit_threshold=-0.1),
+        (dict(max_tokens=0), r"max_tokens must be a positive integer, got 0"),
+        (dict(temperature=-0.1), r"temperature must be >= 0, got -0\.1"),
+        (dict(top_k=-1), r"top_k must be >= 0 \(0 disables it\), got -1"),
+        (dict(top_p=0.0), r"top_p must lie in \(0, 1\], got 0\.0"),
+        (dict(top_p=1.5), r"top_p must lie in \(0, 1\], got 1\.5"),
+        (dict(logprobs=21), r"logprobs must lie in \[0, 20\], got 21"),
+        (dict(stop=[""]), r"stop strings must be non-empty"),
+        (dict(min_loops=0), r"min_loops must be >= 1, got 0"),
+        (dict(max_loops=0), r"max_loops must be >= 1, got 0"),
+        (dict(exit_threshold=1.5), r"exit_threshold must lie in \[0, 1\], got 1\.5"),
+        (dict(exit_threshold=-0.1), r"exit_threshold must lie in \[0, 1\], got -0\.1"),
     ],
 )
-def test_bad_sampling_params_raise(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_sampling_params_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
 
 
@@ -359,17 +359,20 @@ def test_request_that_can_never_fit_is_rejected(ckpt):
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "match"),
     [
-        dict(block_size=0),
-        dict(num_blocks=0),
-        dict(max_num_seqs=0),
-        dict(max_num_seqs=8, max_num_batched_tokens=4),
-        dict(prefill_chunk_size=0),
-        dict(dtype="float64"),
-        dict(no_such_option=1),
+        (dict(block_size=0), r"block_size must be >= 1, got 0"),
+        (dict(num_blocks=0), r"num_blocks must be >= 1, got 0"),
+        (dict(max_num_seqs=0), r"max_num_seqs must be >= 1, got 0"),
+        (
+            dict(max_num_seqs=8, max_num_batched_tokens=4),
+            r"max_num_batched_tokens must be >= max_num_seqs",
+        ),
+        (dict(prefill_chunk_size=0), r"prefill_chunk_size must be >= 1, got 0"),
+        (dict(dtype="float64"), r"dtype must be one of .*, got 'float64'"),
+        (dict(no_such_option=1), r"unknown engine option\(s\): no_such_option"),
     ],
 )
-def test_bad_engine_options_raise(ckpt, options):
-    with pytest.raises(ValueError):
+def test_bad_engine_options_raise(ckpt, options, match):
+    with pytest.raises(ValueError, match=match):
         LLM(str(ckpt), device="cpu", **options)

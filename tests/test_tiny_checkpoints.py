@@ -3,37 +3,106 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from tiny_checkpoints import write_tiny_nanbeige, write_tiny_ouro
+from tiny_checkpoints import tiny_nanbeige_config, write_tiny_nanbeige, write_tiny_ouro
 
 from rlt_engine.models.configs import load_config
-from rlt_engine.models.registry import model_class
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+OURO_OFFICIAL = FIXTURES / "ouro-tiny-official"  # written by the official Ouro code
+OURO_1_4B_CONFIG = FIXTURES / "ouro-1.4b" / "config.json"
+OURO_1_4B_TENSORS = 269  # DESIGN §2: the published model.safetensors of Ouro-1.4B
+OURO_1_4B_BYTES = 2_869_336_434
 
 
-def _module_state(model_dir: Path) -> dict[str, torch.Tensor]:
-    config = load_config(model_dir)
-    return model_class(config.model_type)(config).state_dict()
+def hf_layout(raw: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a checkpoint in Hugging Face layout, from config.json alone.
+
+    Written from DESIGN §2, not from our modules: Llama-style projections and SwiGLU MLP without
+    biases, Ouro's four sandwich norms per layer and its exit gate, Nanbeige's two pre-norms,
+    untied lm_head, no rotary buffer.
+    """
+    hidden, inter, vocab = raw["hidden_size"], raw["intermediate_size"], raw["vocab_size"]
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    head_dim = raw.get("head_dim") or hidden // heads
+    ouro = raw["model_type"] == "ouro"
+    norms = ("input_layernorm", "post_attention_layernorm")
+    if ouro:
+        norms += ("input_layernorm_2", "post_attention_layernorm_2")
+    layout = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(raw["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layout[p + "self_attn.q_proj.weight"] = (heads * head_dim, hidden)
+        layout[p + "self_attn.k_proj.weight"] = (kv_heads * head_dim, hidden)
+        layout[p + "self_attn.v_proj.weight"] = (kv_heads * head_dim, hidden)
+        layout[p + "self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        layout[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        layout[p + "mlp.up_proj.weight"] = (inter, hidden)
+        layout[p + "mlp.down_proj.weight"] = (hidden, inter)
+        layout.update({f"{p}{norm}.weight": (hidden,) for norm in norms})
+    layout["model.norm.weight"] = (hidden,)
+    if ouro:
+        layout["model.early_exit_gate.weight"] = (1, hidden)
+        layout["model.early_exit_gate.bias"] = (1,)
+    layout["lm_head.weight"] = (vocab, hidden)
+    return layout
+
+
+def _file_layout(path: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(path, "pt") as f:
+        names = list(f.keys())  # a safetensors handle, not a dict
+        return {name: tuple(f.get_slice(name).get_shape()) for name in names}
+
+
+def test_the_layout_spec_is_what_the_official_ouro_code_writes() -> None:
+    raw = json.loads((OURO_OFFICIAL / "config.json").read_text())
+    assert hf_layout(raw) == _file_layout(OURO_OFFICIAL / "model.safetensors")
+
+
+def test_the_layout_spec_accounts_for_the_published_ouro_1_4b_file() -> None:
+    layout = hf_layout(json.loads(OURO_1_4B_CONFIG.read_text()))
+    assert len(layout) == OURO_1_4B_TENSORS
+    weight_bytes = 2 * sum(math.prod(shape) for shape in layout.values())  # bf16
+    header = OURO_1_4B_BYTES - weight_bytes  # 8-byte length + JSON header of 269 entries
+    assert 8 < header < 64 * 1024, header
+
+
+def test_the_nanbeige_layout_spec_is_a_llama_layout() -> None:
+    """Nanbeige's layers are Llama's (DESIGN §2): transformers' Llama has the same tensors."""
+    transformers = pytest.importorskip("transformers")
+    raw = tiny_nanbeige_config(vocab_size=512, bos=509, eos=510)
+    llama = transformers.LlamaConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"],
+        head_dim=raw["head_dim"],
+        tie_word_embeddings=False,
+    )
+    state = transformers.LlamaForCausalLM(llama).state_dict()
+    assert hf_layout(raw) == {k: tuple(v.shape) for k, v in state.items() if "rotary" not in k}
 
 
 @pytest.mark.parametrize("fixture", ["tiny_ouro_dir", "tiny_nanbeige_dir"])
-def test_safetensors_match_the_module(fixture: str, request: pytest.FixtureRequest) -> None:
+def test_safetensors_are_in_hf_layout(fixture: str, request: pytest.FixtureRequest) -> None:
     model_dir: Path = request.getfixturevalue(fixture)
+    raw = json.loads((model_dir / "config.json").read_text())
+    assert _file_layout(model_dir / "model.safetensors") == hf_layout(raw)
     weights = load_file(model_dir / "model.safetensors")
-    expected = _module_state(model_dir)
-    assert set(weights) == set(expected)
-    for name, tensor in weights.items():
-        assert tensor.shape == expected[name].shape, name
-        assert tensor.dtype == torch.float32, name
+    assert {t.dtype for t in weights.values()} == {torch.float32}
 
 
-def test_tiny_ouro_config(tiny_ouro_dir: Path, ouro_real_dir: Path) -> None:
+def test_tiny_ouro_config(tiny_ouro_dir: Path) -> None:
     raw = json.loads((tiny_ouro_dir / "config.json").read_text())
-    real = json.loads((ouro_real_dir / "config.json").read_text())
+    real = json.loads(OURO_1_4B_CONFIG.read_text())
     assert set(raw) == set(real)
     config = load_config(tiny_ouro_dir)
     assert (config.model_type, config.num_loops, config.num_layers) == ("ouro", 4, 2)

@@ -112,7 +112,7 @@ def test_missing_tokenizer_files(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(TokenizerError, match="no tokenizer files"):
         load_tokenizer(tmp_path)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"model directory .*absent does not exist"):
         load_tokenizer(tmp_path / "absent")
 
 
@@ -131,7 +131,7 @@ def test_no_chat_template(tmp_path: Path, tiny_nanbeige_dir: Path) -> None:
 
 
 def test_bad_messages(nanbeige_tok) -> None:
-    with pytest.raises(TokenizerError):
+    with pytest.raises(TokenizerError, match="at least one message"):
         render_chat(nanbeige_tok, [])
     with pytest.raises(TokenizerError, match="'role' and 'content'"):
         render_chat(nanbeige_tok, [{"content": "hi"}])
