@@ -52,10 +52,16 @@ def _build(name: str, seed: int = 2) -> LoopedCausalLM:
     return model
 
 
+# fp32 modules vs the fp32 oracle: the largest error measured over this file, relative to
+# max(1, max |expected|), is 2.1e-6 (hidden states, logits and hazards, every model and path).
+# 6e-6 is ~3x that; 1e-5 allowed ~5x.
+REL_TOL = 6e-6
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     scale = max(1.0, float(expected.abs().max()))
     err = float((actual.float() - expected).abs().max())
-    assert err <= 1e-5 * scale, f"max abs error {err:.3g} (scale {scale:.3g})"
+    assert err <= REL_TOL * scale, f"max abs error {err:.3g} (scale {scale:.3g})"
 
 
 def _meta(positions: list[int], loops: list[int], seqs: list[int]) -> ContiguousMetadata:

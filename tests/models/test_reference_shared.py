@@ -48,10 +48,15 @@ def _build(raw: dict, seed: int = 5) -> LoopedCausalLM:
     return model
 
 
+# SHARED oracle vs the reference oracle and vs the modules: the largest error measured over this
+# file, relative to max(1, max |expected|), is 6.2e-7. 2e-6 is ~3x that; 1e-5 allowed ~16x.
+REL_TOL = 2e-6
+
+
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     scale = max(1.0, float(expected.abs().max()))
     err = float((actual.float() - expected).abs().max())
-    assert err <= 1e-5 * scale, f"max abs error {err:.3g} (scale {scale:.3g})"
+    assert err <= REL_TOL * scale, f"max abs error {err:.3g} (scale {scale:.3g})"
 
 
 def _close_outputs(a: ReferenceOutput, b: ReferenceOutput) -> None:
