@@ -22,6 +22,15 @@ class _NullWriter:
         pass
 
 
+class _SilentTqdm(tqdm):
+    """Counts like tqdm and draws nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("name", None)  # huggingface_hub's own tqdm takes a group name
+        kwargs.update(disable=True)
+        super().__init__(*args, **kwargs)
+
+
 def rich_tqdm_class(progress: Progress) -> type[tqdm]:
     """A tqdm subclass whose every bar is mirrored as a task of `progress` (thread-safe)."""
 
@@ -73,8 +82,8 @@ def rich_tqdm_class(progress: Progress) -> type[tqdm]:
 @contextmanager
 def download_progress(console: Console, *, enabled: bool) -> Iterator[type[tqdm] | None]:
     """A live rich display for a download; yields the tqdm class to hand to huggingface_hub."""
-    if not enabled:
-        yield None
+    if not enabled:  # None would give huggingface_hub's own bars, drawn on stderr anyway
+        yield _SilentTqdm
         return
     columns = (
         SpinnerColumn(),

@@ -10,8 +10,10 @@ Importable without typer or rich; huggingface_hub's errors become one-line `HubE
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
@@ -155,8 +157,9 @@ def download_model(
             f"HF_HUB_OFFLINE is set and no complete local copy of {_where(repo_id, revision)} "
             f"exists{detail}; unset HF_HUB_OFFLINE or pass --local-dir with a complete copy"
         )
-    remote = _probe_hub(repo_id, revision, token)
-    path = _fetch(repo_id, revision, local_dir, cache_dir, token, progress)
+    with _quiet_retries():
+        remote = _probe_hub(repo_id, revision, token)
+        path = _fetch(repo_id, revision, local_dir, cache_dir, token, progress)
     commit = remote.commit or revision
     problems = verify_model_dir(path, repo_id=repo_id, revision=commit, expected=remote.sizes)
     if problems:
@@ -252,6 +255,32 @@ def _wanted(filename: str) -> bool:
 # ---------------------------------------------------------------------------- network
 
 
+# huggingface_hub logs every retry of a transient failure ("Retrying in 4s", "Trying to resume
+# download...") straight to stderr; the outcome is reported once, as a HubError, instead.
+_RETRY_LOGGERS = ("huggingface_hub.utils._http", "huggingface_hub.file_download")
+_RETRY_NOTICES = ("Retrying in ", "Rate limited.", "Error while downloading from ")
+
+
+class _RetryNoticeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        retry = message.startswith(_RETRY_NOTICES) or " thrown while requesting " in message
+        return not retry
+
+
+@contextmanager
+def _quiet_retries() -> Iterator[None]:
+    quiet = _RetryNoticeFilter()
+    loggers = [logging.getLogger(name) for name in _RETRY_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
 def _offline() -> bool:
     is_offline = getattr(constants, "is_offline_mode", None)
     return bool(is_offline() if callable(is_offline) else constants.HF_HUB_OFFLINE)
@@ -322,6 +351,10 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 def _hub_error(exc: BaseException, repo_id: str, revision: str | None) -> HubError | None:
     """Translate huggingface_hub / HTTP client errors into one-line `HubError`s."""
     where, endpoint = _where(repo_id, revision), constants.ENDPOINT
+    if isinstance(exc, LocalEntryNotFoundError) and isinstance(exc.__cause__, HfHubHTTPError):
+        # hf_hub_download wraps an HTTP error answer to a file's metadata request (a 403, a 5xx
+        # after its retries) in "not in the local cache": the Hub answered, report its answer.
+        return _hub_error(exc.__cause__, repo_id, revision)
     if isinstance(exc, GatedRepoError):
         return HubAccessError(f"{repo_id} is gated: accept its terms on the Hub and pass --token")
     if isinstance(exc, RepositoryNotFoundError):

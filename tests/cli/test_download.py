@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -192,6 +192,8 @@ class FakeHub:
     def __init__(self, files: dict[str, bytes]) -> None:
         self.files = files
         self.requests: list[str] = []
+        # Set by a test to answer some requests itself: fault(request, path, body) -> handled
+        self.fault: Callable[[BaseHTTPRequestHandler, str, bool], bool] | None = None
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -213,6 +215,8 @@ class FakeHub:
     def handle(self, request: BaseHTTPRequestHandler, *, body: bool) -> None:
         path = unquote(urlsplit(request.path).path)
         self.requests.append(f"{request.command} {path}")
+        if self.fault is not None and self.fault(request, path, body):
+            return None
         api = f"/api/models/{FAKE_REPO}"
         if path.startswith("/api/models/") and path != api and not path.startswith(api + "/"):
             return self.reply(request, 404, b"{}", {"X-Error-Code": "RepoNotFound"}, body)
@@ -303,3 +307,187 @@ def test_revision_not_found(tmp_path: Path, fake_hub: FakeHub) -> None:
     args = (FAKE_REPO, "--revision", "f" * 40)
     result, _ = run_rlt(*args, hf_home=tmp_path, endpoint=fake_hub.url)
     assert_one_error_line(result, "revision", "not found in acme/tiny-looped")
+
+
+# ------------------------------------------------------------------------ Hub failures over HTTP
+
+BIG_WEIGHTS = "model.safetensors"  # replaced by a 1 MiB file for the failure tests
+
+
+def big_safetensors() -> bytes:
+    import torch
+    from safetensors.torch import save
+
+    return save({"lm_head.weight": torch.ones(8, 32768)})
+
+
+def answer(status: int, *, on: str, method: str | None = None, **headers: str):
+    """A fault: reply `status` (with X-Error-* headers) to the API (on="api") or to one file."""
+
+    def fault(request: BaseHTTPRequestHandler, path: str, body: bool) -> bool:
+        if method is not None and request.command != method:
+            return False
+        hit = (
+            path.startswith("/api/")
+            if on == "api"
+            else path.endswith(f"/resolve/{FAKE_COMMIT}/{on}")
+        )
+        if hit:
+            names = {"error_code": "X-Error-Code", "error_message": "X-Error-Message"}
+            FakeHub.reply(request, status, b"{}", {names[k]: v for k, v in headers.items()}, body)
+        return hit
+
+    return fault
+
+
+def drop_mid_file(hub: FakeHub, name: str, *, then: str):
+    """A fault: the first GET of `name` announces its full Content-Length, sends half of it and
+    closes the connection. Later GETs (huggingface_hub retries, with a Range header if it kept
+    part of the file) are dropped before any response (then="refuse") or served (then="resume")."""
+    state = {"dropped": False}
+
+    def close(request: BaseHTTPRequestHandler) -> None:
+        request.wfile.flush()
+        request.close_connection = True
+        request.connection.shutdown(socket.SHUT_RDWR)
+
+    def fault(request: BaseHTTPRequestHandler, path: str, body: bool) -> bool:
+        if request.command != "GET" or not path.endswith(f"/{name}"):
+            return False
+        data = hub.files[name]
+        headers = {"X-Repo-Commit": FAKE_COMMIT, "ETag": f'"{hub.blob_id(name)}"'}
+        if not state["dropped"]:
+            state["dropped"] = True
+            request.send_response(200)
+            for key, value in {**headers, "Content-Length": str(len(data))}.items():
+                request.send_header(key, value)
+            request.end_headers()
+            request.wfile.write(data[: len(data) // 2])
+            close(request)
+            return True
+        if then == "refuse":
+            close(request)
+            return True
+        # huggingface_hub resumes from the last chunk it kept (it may have kept none: no Range)
+        asked = request.headers.get("Range")
+        start = int(asked.removeprefix("bytes=").partition("-")[0]) if asked else 0
+        request.send_response(206 if asked else 200)
+        if asked:
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        for key, value in {**headers, "Content-Length": str(len(data) - start)}.items():
+            request.send_header(key, value)
+        request.end_headers()
+        request.wfile.write(data[start:])
+        return True
+
+    return fault
+
+
+def assert_no_partial_files(root: Path, hub: FakeHub, absent: str) -> None:
+    """Under `root` (a --local-dir or the repo's cache folder): no temporary download, every
+    checkpoint file and every content-addressed blob is whole, and `absent` is nowhere."""
+    assert root.is_dir()
+    for path in root.rglob("*"):
+        assert not path.name.endswith(".incomplete"), path
+        assert path.name != absent, path
+        if path.is_file() and path.name in hub.files:  # local-dir files and snapshot links
+            assert path.read_bytes() == hub.files[path.name], path
+        if path.parent.name == "blobs":  # named by the ETag, the sha1 of the whole file
+            assert hashlib.sha1(path.read_bytes()).hexdigest() == path.name, path
+
+
+def _download(tmp_path: Path, hub: FakeHub, mode: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run `rlt download` into the HF cache or a --local-dir; returns the target folder."""
+    if mode == "cache":
+        target = tmp_path / "hf" / "hub" / "models--acme--tiny-looped"
+        result, _ = run_rlt(FAKE_REPO, hf_home=tmp_path / "hf", endpoint=hub.url)
+    else:
+        target = tmp_path / "dest"
+        args = (FAKE_REPO, "--local-dir", str(target))
+        result, _ = run_rlt(*args, hf_home=tmp_path / "hf", endpoint=hub.url)
+    return result, target
+
+
+@pytest.mark.parametrize(
+    ("fault", "needles"),
+    [
+        (
+            answer(403, on="api", error_code="GatedRepo"),
+            ["acme/tiny-looped is gated", "--token"],
+        ),
+        (answer(401, on="api"), ["access to acme/tiny-looped denied (HTTP 401)", "--token"]),
+        (answer(403, on="api"), ["access to acme/tiny-looped denied (HTTP 403)", "--token"]),
+        (answer(500, on="api"), ["the Hub at http://127.0.0.1:", "failed for", "(HTTP 500)"]),
+    ],
+    ids=["gated", "401", "403", "500"],
+)
+def test_the_hub_refusing_the_repository(tmp_path: Path, fake_hub: FakeHub, fault, needles):
+    fake_hub.fault = fault
+    result, target = _download(tmp_path, fake_hub, "cache")
+    assert_one_error_line(result, *needles)
+    assert not target.exists() or not any(target.rglob("*.safetensors"))
+
+
+GATED_FILE = answer(
+    403,
+    on=BIG_WEIGHTS,
+    error_code="GatedRepo",
+    error_message="Access to model acme/tiny-looped is restricted.",
+)
+
+
+@pytest.mark.parametrize("mode", ["cache", "local-dir"])
+@pytest.mark.parametrize(
+    ("fault", "needles"),
+    [
+        (GATED_FILE, ["acme/tiny-looped is gated", "--token"]),
+        (answer(401, on=BIG_WEIGHTS), ["access to acme/tiny-looped denied (HTTP 401)"]),
+        (answer(403, on=BIG_WEIGHTS), ["access to acme/tiny-looped denied (HTTP 403)"]),
+        (answer(503, on=BIG_WEIGHTS, method="GET"), ["failed for", "(HTTP 503)"]),
+    ],
+    ids=["gated", "401", "403", "503"],
+)
+def test_the_hub_refusing_the_weights_leaves_no_partial_file(
+    tmp_path: Path, fake_hub: FakeHub, fault, needles, mode: str
+) -> None:
+    """The repository answers, but the weights file does not (other files may download)."""
+    fake_hub.files[BIG_WEIGHTS] = big_safetensors()
+    fake_hub.fault = fault
+    result, target = _download(tmp_path, fake_hub, mode)
+    assert_one_error_line(result, *needles)
+    assert_no_partial_files(target, fake_hub, absent=BIG_WEIGHTS)
+
+
+@pytest.mark.parametrize("mode", ["cache", "local-dir"])
+def test_a_connection_dropped_mid_file_leaves_no_partial_file(
+    tmp_path: Path, fake_hub: FakeHub, mode: str
+) -> None:
+    fake_hub.files[BIG_WEIGHTS] = big_safetensors()
+    fake_hub.fault = drop_mid_file(fake_hub, BIG_WEIGHTS, then="refuse")
+    result, target = _download(tmp_path, fake_hub, mode)  # ~5 s: huggingface_hub retries
+    assert_one_error_line(result, "cannot reach the Hub", "RemoteProtocolError", FAKE_REPO)
+    assert_no_partial_files(target, fake_hub, absent=BIG_WEIGHTS)
+    gets = [
+        r for r in fake_hub.requests if r == f"GET /{FAKE_REPO}/resolve/{FAKE_COMMIT}/{BIG_WEIGHTS}"
+    ]
+    assert len(gets) > 1  # it did try to resume
+
+    fake_hub.fault = None  # the Hub is back: the same command completes the copy
+    result, target = _download(tmp_path, fake_hub, mode)
+    assert result.returncode == 0, result.stderr
+    assert "downloaded and verified" in result.stdout and result.stderr == ""
+    assert len(list(target.rglob(BIG_WEIGHTS))) == 1
+    for path in target.rglob(BIG_WEIGHTS):
+        assert path.read_bytes() == fake_hub.files[BIG_WEIGHTS]
+
+
+def test_a_dropped_connection_that_resumes_gives_the_exact_file(
+    tmp_path: Path, fake_hub: FakeHub
+) -> None:
+    fake_hub.files[BIG_WEIGHTS] = big_safetensors()
+    fake_hub.fault = drop_mid_file(fake_hub, BIG_WEIGHTS, then="resume")
+    result, target = _download(tmp_path, fake_hub, "local-dir")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # the retry is not reported: it succeeded
+    assert (target / BIG_WEIGHTS).read_bytes() == fake_hub.files[BIG_WEIGHTS]
+    assert_no_partial_files(target, fake_hub, absent="none")
