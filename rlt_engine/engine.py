@@ -103,7 +103,8 @@ class LLMEngine:
         slot with every sampling variant on)."""
         sched = self.config.scheduler
         rows, block_size = sched.max_num_batched_tokens, self.config.cache.block_size
-        num_blocks = self.model_config.num_loops * -(-rows // block_size)
+        # the decode traversal after the full prefill writes position `rows`: one more slot
+        num_blocks = self.model_config.num_loops * -(-(rows + 1) // block_size)
 
         def run_max_step() -> None:
             runner = self._make_runner(num_blocks)

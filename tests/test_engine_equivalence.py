@@ -26,7 +26,6 @@ from engine_helpers import (
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
-from rlt_engine.core.plan import Stage
 from rlt_engine.models.contiguous_kv import greedy_decode
 from rlt_engine.models.reference import reference_forward, reference_greedy
 
@@ -181,40 +180,47 @@ def test_logprobs_match_the_dense_oracle(llm):
 # -- loop-level batching trace ----------------------------------------------------------------
 
 
-def test_trace_rows_at_different_depths_share_one_recurrent_batch(llm):
-    sched = llm.engine.scheduler
-    sched.trace = []
+def _traversals(llm, prompts, params) -> list[tuple[list[int], list[bool], list[bool]]]:
+    """Generate, recording each decode traversal's (loop, running, exits) per slot."""
+    traversal = llm.engine.runner.traversal
+    traversal.trace = []
     try:
-        params = [params_for(i) for i in range(len(PROMPTS))]
-        outs = llm.generate(PROMPTS, params)
-        trace = sched.trace
+        outs = llm.generate(prompts, params)
+        trace = traversal.trace
     finally:
-        sched.trace = None
-    check_against_serial(llm, outs, PROMPTS, params)
-    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
-    mixed = []
-    for plan in trace:
-        if plan.stage is not Stage.RECURRENT:
-            continue
-        decode_loops = {r.loop for r in plan.rows if r.start >= prompt_len[r.request_id]}
-        if len(decode_loops) > 1:
-            mixed.append(plan)
-    assert mixed, "no RECURRENT batch held decode rows at different loop indices"
-    assert any(0 in {r.loop for r in p.rows} and max(r.loop for r in p.rows) >= 2 for p in mixed)
-    assert any(p.stage is Stage.CODA for p in trace)  # adaptive exits get their own CODA step
+        traversal.trace = None
+    check_against_serial(llm, outs, prompts, params)
+    return trace
+
+
+def test_trace_rows_at_different_depths_share_one_traversal(llm):
+    params = [params_for(i) for i in range(len(PROMPTS))]
+    trace = _traversals(llm, PROMPTS, params)
+    mixed = [
+        loops
+        for loops, running, _ in trace
+        if len({lp for lp, r in zip(loops, running, strict=True) if r}) > 1
+    ]
+    assert mixed, "no traversal held decode rows at different loop indices"
+    assert any(0 in loops and max(loops) >= 2 for loops in mixed)
+    # an adaptive exit is sampled in its own traversal: the slot is at loop 0 in the next one
+    early = [
+        (t, slot)
+        for t, (loops, _, exits) in enumerate(trace[:-1])
+        for slot, (lp, ex) in enumerate(zip(loops, exits, strict=True))
+        if ex and lp + 1 < DEPTH
+    ]
+    assert early, "no early exit happened"
+    assert all(trace[t + 1][0][slot] == 0 for t, slot in early)
 
 
 def test_trace_no_refill_decode_rows_share_one_loop(ckpt):
     llm = make_llm(ckpt, refill=False)
-    llm.engine.scheduler.trace = []
     params = [params_for(i) for i in range(len(PROMPTS))]
-    outs = llm.generate(PROMPTS, params)
-    check_against_serial(llm, outs, PROMPTS, params)
-    prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
-    for plan in llm.engine.scheduler.trace:
-        if plan.stage is Stage.RECURRENT:
-            loops = {r.loop for r in plan.rows if r.start >= prompt_len[r.request_id]}
-            assert len(loops) <= 1, plan
+    trace = _traversals(llm, PROMPTS, params)
+    assert trace
+    for loops, running, _ in trace:
+        assert len({lp for lp, r in zip(loops, running, strict=True) if r}) <= 1, loops
 
 
 # -- sampling ---------------------------------------------------------------------------------

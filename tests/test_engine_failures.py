@@ -36,7 +36,7 @@ def test_failed_step_aborts_only_touched_requests(llm, monkeypatch):
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == [waiting]
     assert len(outs[0].token_ids) == 6
-    assert engine.blocks.num_used == 0 and not engine.runner.hidden
+    assert engine.blocks.num_used == 0 and not engine.runner.active_slots()
 
 
 def test_interrupted_generate_frees_everything(llm, monkeypatch):

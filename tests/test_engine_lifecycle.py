@@ -68,35 +68,53 @@ def _find(llm: LLM, rid: str):
     return next((r for r in (*sched.waiting, *sched.running) if r.request_id == rid), None)
 
 
+def _device_loop(llm: LLM, r) -> int:
+    """Loops the request's in-flight token has finished on the device."""
+    return int(llm.engine.runner.slots.loop[r.slot])
+
+
 STAGE_REACHED = {
-    "waiting": lambda r: r is not None and r.stage is Stage.WAITING,
-    "prefill_mid_chunk": lambda r: (
-        r is not None and r.stage is Stage.PREFILL and r.num_prefilled > 0 and r.loop > 0
+    "waiting": lambda llm, r: r is not None and r.stage is Stage.WAITING,
+    "prefill_between_chunks": lambda llm, r: (
+        r is not None and r.stage is Stage.PREFILL and 0 < r.num_prefilled < r.prompt_len
     ),
-    "recurrent_mid_loop": lambda r: r is not None and r.stage is Stage.RECURRENT and r.loop > 0,
-    "coda_pending": lambda r: r is not None and r.stage is Stage.CODA,
-    "finished": lambda r: r is None,
+    "decode_mid_token": lambda llm, r: (
+        r is not None and r.stage is Stage.DECODE and _device_loop(llm, r) > 0
+    ),
+    "decode_between_tokens": lambda llm, r: (
+        r is not None
+        and r.stage is Stage.DECODE
+        and len(r.output_token_ids) > 1
+        and _device_loop(llm, r) == 0
+    ),
+    "finished": lambda llm, r: r is None,
 }
 
 
 @pytest.mark.parametrize("stage", list(STAGE_REACHED))
 def test_abort_at_every_stage_frees_everything(ckpt, stage):
+    # a window of 3 traversals against depth 4 ends mid-token: every stage is reachable
     llm = make_llm(
-        ckpt, block_size=2, max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=3
+        ckpt,
+        block_size=2,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,
+        prefill_chunk_size=3,
+        decode_window=3,
     )
     engine = llm.engine
     neighbour = SamplingParams(max_tokens=5, ignore_eos=True, exit_threshold=0.5)
     engine.add_request(PROMPTS[3], neighbour, request_id="n")
     if stage == "waiting":  # a third request waits behind max_num_seqs
         engine.add_request(PROMPTS[2], neighbour, request_id="m")
-    victim = SamplingParams(max_tokens=4, ignore_eos=True, exit_threshold=0.0, min_loops=1)
-    if stage == "recurrent_mid_loop":
+    victim = SamplingParams(max_tokens=8, ignore_eos=True, exit_threshold=0.0, min_loops=1)
+    if stage == "decode_mid_token":
         victim = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request(PROMPTS[6], victim, request_id="v")
     finals = {}
     engine.step()
     for _ in range(500):
-        if STAGE_REACHED[stage](_find(llm, "v")):
+        if STAGE_REACHED[stage](llm, _find(llm, "v")):
             break
         for out in engine.step():
             if out.finished:

@@ -26,7 +26,7 @@ from engine_helpers import oracle_greedy
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
-from rlt_engine.core.plan import RecurrentRow, Stage
+from rlt_engine.core.plan import PrefillChunk, StepPlan
 from rlt_engine.models.contiguous_kv import greedy_decode
 from rlt_engine.models.reference import reference_greedy
 from rlt_engine.models.reference_shared import shared_greedy
@@ -51,11 +51,14 @@ def assert_nothing_left(llm: LLM) -> None:
     assert engine.blocks.num_used == 0, "KV blocks leaked"
     assert not engine.has_unfinished_requests()
     assert engine.runner.snapshots == {}, "host snapshots leaked"
-    assert engine.runner.hidden == {}, "per-slot device state leaked"
+    assert engine.runner.active_slots() == [], "per-slot device state leaked"
 
 
 def make_llm(path: Path, register: bool = True, **options: Any) -> LLM:
-    llm = LLM(str(path), dtype="float32", device="cpu", **{"num_blocks": 512, **options})
+    # These tests time arrivals and aborts in steps: one traversal per step by default (the
+    # golden and equivalence suites cover longer windows).
+    defaults = {"num_blocks": 512, "decode_window": 1}
+    llm = LLM(str(path), dtype="float32", device="cpu", **{**defaults, **options})
     if register:
         _ENGINES.append(llm)
     return llm
@@ -133,15 +136,17 @@ def swap_outs(llm: LLM) -> int:
     return sum(len(plan.swap_outs) for plan in llm.engine.scheduler.trace)
 
 
-def prefill_rows(llm: LLM, out: RequestOutput) -> list[RecurrentRow]:
-    """The request's prompt rows at loop 0 (one per prefill chunk), in trace order."""
-    prompt_len = len(out.prompt_token_ids)
+def chunks(plan: StepPlan) -> list[PrefillChunk]:
+    return [c for wave in plan.prefill for c in wave]
+
+
+def prefill_rows(llm: LLM, out: RequestOutput) -> list[PrefillChunk]:
+    """The request's prefill chunks (each runs every loop), in trace order."""
     return [
-        row
+        c
         for plan in llm.engine.scheduler.trace
-        if plan.stage is Stage.RECURRENT
-        for row in plan.rows
-        if row.request_id == out.request_id and row.loop == 0 and row.start < prompt_len
+        for c in chunks(plan)
+        if c.request_id == out.request_id
     ]
 
 
@@ -238,16 +243,13 @@ def test_shared_prefill_runs_position_by_position_in_waves(ckpt):
     waves = 0
     order: dict[str, list[tuple[int, int]]] = {rid: [] for rid in prompt_len}
     for plan in llm.engine.scheduler.trace:
-        if plan.stage is not Stage.RECURRENT:
-            continue
-        prefilling = {r.request_id for r in plan.rows if r.start < prompt_len[r.request_id]}
-        waves += len(prefilling) > 1
-        for row in plan.rows:
-            if row.start < prompt_len[row.request_id]:
-                assert row.num_tokens == 1, "SHARED prefill must advance one position at a time"
-                order[row.request_id].append((row.start, row.loop))
-    for rid, n in prompt_len.items():  # each position runs every loop before the next one
-        assert order[rid] == [(pos, loop) for pos in range(n) for loop in range(DEPTH)]
+        for wave in plan.prefill:  # a wave runs every loop before the next wave starts
+            waves += len({c.request_id for c in wave}) > 1
+            for c in wave:
+                assert len(c.token_ids) == 1, "SHARED prefill must advance one position at a time"
+                order[c.request_id].append(c.start)
+    for rid, n in prompt_len.items():  # each position finishes every loop before the next
+        assert order[rid] == list(range(n))
     assert waves, "prefill waves must be batched across requests"
 
 
@@ -283,7 +285,7 @@ def test_prefix_hits_change_no_output_and_skip_the_cached_prefill(ckpt):
     for out, skip in zip(cached_outs, cached, strict=True):
         rows = prefill_rows(cached_llm, out)
         assert rows[0].start == skip  # the first prefill row starts after the cached prefix
-        assert sum(r.num_tokens for r in rows) == len(out.prompt_token_ids) - skip
+        assert sum(len(r.token_ids) for r in rows) == len(out.prompt_token_ids) - skip
     for out in plain_outs:
         assert prefill_rows(plain, out)[0].start == 0
     stats = cached_llm.engine.cache_stats()
@@ -391,6 +393,8 @@ def test_tight_pools_match_unconstrained_serial_runs(ckpt, options, spare):
         max_num_batched_tokens=6,
         prefill_chunk_size=3,
         watermark=0.0,
+        # a window reserves KV for its traversals ahead: short windows keep the pool tight
+        decode_window=2,
         **options,
     )
     engine = llm.engine
@@ -570,7 +574,7 @@ def test_priority_order_in_a_trace(ckpt, policy, max_num_seqs):
     finals, first = run_stepwise(llm, {0: reqs})
     seen: list[str] = []
     for plan in llm.engine.scheduler.trace:
-        for row in plan.rows:
+        for row in chunks(plan):
             if row.request_id not in seen:
                 seen.append(row.request_id)
     if policy == "priority":
@@ -613,9 +617,9 @@ def test_bounded_bypass_under_a_stream_of_urgent_arrivals(ckpt, max_bypass, pree
                 finals[out.request_id] = out
         if "low" in finals:
             break
-    order = []  # request ids in order of their first row in the trace
+    order = []  # request ids in order of their first prefill chunk in the trace
     for plan in engine.scheduler.trace:
-        order += [r.request_id for r in plan.rows if r.request_id not in order]
+        order += [r.request_id for r in chunks(plan) if r.request_id not in order]
     admitted_before = order[: order.index("low")] if "low" in order else order
     while engine.has_unfinished_requests():  # the stream stops: drain
         for out in engine.step():

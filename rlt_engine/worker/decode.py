@@ -64,6 +64,8 @@ class DecodeTraversal:
         self.query_start = torch.arange(slots.num_slots + 1, dtype=torch.int32, device=device)
         self.deeper = torch.arange(1, self.depth, device=device)  # planes an exit may copy to
         self.max_seq_len = 0  # host bound for the torch backend (eager only)
+        # tests: set to [] to record (loop, running, exits) of slots [0, B) per eager traversal
+        self.trace: list[tuple[list[int], list[bool], list[bool]]] | None = None
 
     @torch.inference_mode()
     def __call__(self, b: int, flags: Flags) -> None:
@@ -79,7 +81,9 @@ class DecodeTraversal:
         plane = torch.zeros_like(loop) if self.shared else loop
         width = s.max_blocks
         tables = s.block_tables[:b].gather(1, plane[:, None, None].expand(b, 1, width))[:, 0]
-        block, offset = pos // bs, pos % bs
+        # an idle row's position may sit one past its tables (its last token never runs):
+        # clamp so the gather stays in bounds; such rows write only the trash slot
+        block, offset = (pos // bs).clamp(max=width - 1), pos % bs
         own = tables.gather(1, block[:, None])[:, 0].long() * bs + offset
         slot_mapping = torch.where(run, own, trash)
         meta = PagedMetadata(
@@ -115,6 +119,8 @@ class DecodeTraversal:
         if flags.early_exits and not self.shared and self.depth > 1:
             self._exit_copies(b, exits, loop, block, offset, slot_mapping)
         self._record(b, exits, done, drawn)
+        if self.trace is not None:
+            self.trace.append((loop.tolist(), run.tolist(), exits.tolist()))
         # advance every running row; rows that exited start their next token at loop 0
         s.hidden[:b] = torch.where(run[:, None], out.hidden, s.hidden[:b])
         s.token[:b] = torch.where(exits, drawn.token, s.token[:b])
