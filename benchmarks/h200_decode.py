@@ -1,0 +1,246 @@
+"""Device-resident decode on a GPU: exactness across modes, then the DESIGN §9 benchmarks.
+
+    python benchmarks/h200_decode.py --out $OUT            # everything
+    python benchmarks/h200_decode.py --only bench --out X  # one part
+
+Parts (each writes <part>.json under --out):
+- exact:   fp32, the official-code golden checkpoint at every depth and a gated tiny Ouro with
+           adaptive exits: torch eager = triton eager = triton graphs = CPU (tokens and depths).
+- agree:   Ouro-1.4B dummy bf16: token agreement of triton+graphs with the eager torch path.
+- bench:   committed decode tok/s (DESIGN §9: from every request's first token to the last
+           completion), 64-token prompts, 32 outputs, fixed depth, c = 1/8/64/256, plus eager,
+           window sizes, adaptive exit (max_loops drawn from {2,3,4}), 1k prompts, Nanbeige.
+- profile: torch.profiler over decode at c=8: GPU-busy share of the decode wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from rlt_engine import LLM, SamplingParams  # noqa: E402
+
+OURO = ROOT / "tests" / "fixtures" / "ouro-1.4b"
+NANBEIGE = ROOT / "tests" / "fixtures" / "nanbeige4.2-3b"
+
+
+def _outs(llm: LLM, prompts, params) -> list:
+    return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
+
+
+def exact(tmp: Path) -> dict:
+    import golden
+    import tiny_checkpoints
+
+    modes = {
+        "cpu-torch": dict(device="cpu", attention_backend="torch"),
+        "cuda-torch-eager": dict(device="cuda", attention_backend="torch"),
+        "cuda-triton-eager": dict(device="cuda", attention_backend="triton", enforce_eager=True),
+        "cuda-triton-graphs": dict(device="cuda", attention_backend="triton"),
+        "cuda-triton-graphs-w3": dict(device="cuda", attention_backend="triton", decode_window=3),
+    }
+    report: dict = {"golden": {}, "adaptive": {}}
+    for depth in range(1, golden.DEPTH + 1):
+        path = golden.golden_dir(tmp, depth)
+        p = SamplingParams(max_tokens=golden.new_tokens(), ignore_eos=True)
+        for name, opts in modes.items():
+            llm = LLM(str(path), dtype="float32", block_size=4, num_blocks=256, **opts)
+            got = [t for t, _ in _outs(llm, golden.prompts(), p)]
+            report["golden"][f"d{depth}-{name}"] = got == golden.greedy(depth)
+    ckpt = tiny_checkpoints.write_tiny_ouro(tmp / "tiny", tokenizer_from=None)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 3, 5, 8, 13, 21)]
+    for th in (1.0, 0.6, 0.3):
+        params = [
+            SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=th, max_loops=m)
+            for m in (4, 3, 4, 2, 4, 4)
+        ]
+        want = None
+        for name, opts in modes.items():
+            llm = LLM(str(ckpt), dtype="float32", block_size=4, num_blocks=512, **opts)
+            got = _outs(llm, prompts, params)
+            want = want or got
+            report["adaptive"][f"t{th}-{name}"] = got == want
+    report["all_exact"] = all(report["golden"].values()) and all(report["adaptive"].values())
+    return report
+
+
+def _engine(model: Path, **opts) -> LLM:
+    return LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda", **opts)
+
+
+def agree() -> dict:
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 49152) for _ in range(64)] for _ in range(8)]
+    p = SamplingParams(max_tokens=32, ignore_eos=True)
+    ref = _outs(_engine(OURO, attention_backend="torch", max_num_seqs=8), prompts, p)
+    fast = _outs(_engine(OURO, attention_backend="triton", max_num_seqs=8), prompts, p)
+    same = sum(
+        a == b for (x, _), (y, _) in zip(ref, fast, strict=True) for a, b in zip(x, y, strict=True)
+    )
+    prefix = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+        for (x, _), (y, _) in zip(ref, fast, strict=True)
+    ]
+    return {"tokens": 8 * 32, "same_position": same, "first_divergence": prefix}
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """Committed decode tok/s: from every request's first token to the last completion."""
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(prompt, p, request_id=f"b{i}")
+    t0 = time.perf_counter()
+    first, tokens, done = {}, {}, 0
+    start = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter())
+            tokens[out.request_id] = len(out.token_ids)
+            done += out.finished
+        if start is None and len(first) == len(prompts):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            at_start = sum(tokens.values())
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    committed = sum(tokens.values()) - at_start
+    return {
+        "decode_tok_s": committed / (end - start) if end > start else float("nan"),
+        "committed": committed,
+        "ttft_ms_max": (max(first.values()) - t0) * 1e3,
+        "e2e_s": end - t0,
+    }
+
+
+def _workload(c: int, prompt_len: int, out_len: int, seed: int = 2, max_loops=None):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 49152) for _ in range(prompt_len)] for _ in range(c)]
+    params = [
+        SamplingParams(
+            max_tokens=out_len,
+            ignore_eos=True,
+            max_loops=None if max_loops is None else max_loops(i),
+        )
+        for i in range(c)
+    ]
+    return prompts, params
+
+
+def _median_rate(llm: LLM, c: int, prompt_len=64, out_len=32, repeats=3, max_loops=None) -> dict:
+    prompts, params = _workload(c, prompt_len, out_len, max_loops=max_loops)
+    decode_rate(llm, prompts, params)  # warm-up: graphs captured, kernels compiled
+    runs = [decode_rate(llm, prompts, params) for _ in range(repeats)]
+    rates = [r["decode_tok_s"] for r in runs]
+    return {
+        "concurrency": c,
+        "prompt_len": prompt_len,
+        "output_len": out_len,
+        "decode_tok_s_median": statistics.median(rates),
+        "decode_tok_s_runs": rates,
+        "ttft_ms_max_median": statistics.median(r["ttft_ms_max"] for r in runs),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+def bench() -> dict:
+    rows = []
+
+    def run(label: str, llm: LLM, cs, **kw):
+        for c in cs:
+            torch.cuda.reset_peak_memory_stats()
+            r = {"config": label, **_median_rate(llm, c, **kw)}
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+
+    big = _engine(OURO, max_num_seqs=256, gpu_memory_utilization=0.85)
+    run("triton+graphs w8", big, (1, 8, 64, 256))
+    draw = random.Random(3)
+    depths = [draw.choice((2, 3, 4)) for _ in range(256)]
+    run("adaptive max_loops~{2,3,4} w8", big, (8, 64), max_loops=lambda i: depths[i])
+    run("triton+graphs w8 1k prompts", big, (1, 32), prompt_len=1024)
+    del big
+    torch.cuda.empty_cache()
+    for window in (4, 16):
+        llm = _engine(OURO, max_num_seqs=8, decode_window=window)
+        run(f"triton+graphs w{window}", llm, (8,))
+        del llm
+    llm = _engine(OURO, max_num_seqs=8, enforce_eager=True)
+    run("triton eager w8", llm, (1, 8), repeats=1)
+    del llm
+    torch.cuda.empty_cache()
+    llm = _engine(NANBEIGE, max_num_seqs=8)
+    run("nanbeige triton+graphs w8", llm, (8,))
+    return {"rows": rows}
+
+
+def profile() -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    llm = _engine(OURO, max_num_seqs=8)
+    prompts, params = _workload(8, 64, 32)
+    decode_rate(llm, prompts, params)
+    runner = llm.engine.runner
+    spans: list[tuple[float, float]] = []
+    real = runner._decode
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = real(n)
+        torch.cuda.synchronize()
+        spans.append((t, time.perf_counter()))
+        return out
+
+    runner._decode = timed
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = decode_rate(llm, prompts, params)
+    runner._decode = real
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy_us = sum(e.device_time for e in kernels)
+    window_s = sum(b - a for a, b in spans)
+    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
+    return {
+        "decode_tok_s": r["decode_tok_s"],
+        "windows": len(spans),
+        "decode_window_wall_s": window_s,
+        "gpu_kernel_time_s": busy_us / 1e6,
+        "gpu_busy_share_of_window_wall": busy_us / 1e6 / window_s if window_s else None,
+        "kernel_launches": len(kernels),
+        "top_kernels": [(e.key, e.device_time_total / 1e3, e.count) for e in top],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", nargs="*", default=["exact", "agree", "bench", "profile"])
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for part in args.only:
+        t = time.perf_counter()
+        try:
+            result = exact(args.out / "tmp") if part == "exact" else globals()[part]()
+        except Exception as exc:  # record and go on: one failed part must not lose the rest
+            import traceback
+
+            result = {"error": repr(exc), "traceback": traceback.format_exc()}
+        result = {**meta, "seconds": time.perf_counter() - t, **result}
+        (args.out / f"{part}.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(part, json.dumps(result)[:2000], flush=True)
+
+
+if __name__ == "__main__":
+    main()
