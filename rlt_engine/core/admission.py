@@ -228,7 +228,6 @@ class Admission:
         self.blocks.free(victim.request_id)
         heapq.heappush(self._free_slots, victim.slot)  # type: ignore[arg-type]
         self.running.remove(victim)
-        self._preempted_since_plan.append(victim)
         if pending_init:  # never ran: back to the queue, nothing to snapshot
             self._slot_inits.remove(pending_init[0])
             self._requeue_unstarted(victim)
@@ -241,6 +240,7 @@ class Admission:
         else:
             victim.snapshot, victim.snapshot_tokens = next(self._snapshots), capacity
             self._swap_outs.append(SwapOut(victim.snapshot, victim.slot, _flat(tables)))  # type: ignore[arg-type]
+            self._preempted_since_plan.append(victim)  # the plan touches its device state
         victim.slot, victim.block_tables = None, None
         self.swapped.append(victim)
 

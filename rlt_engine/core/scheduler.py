@@ -67,8 +67,9 @@ class Scheduler(Admission):
             ):
                 planned.append(req)
         waves = self._prefill_waves(planned, window)
+        # a last chunk starts decoding unless its first token is also its last
         decoding = any(r.stage is Stage.DECODE for r in planned) or any(
-            c.last for wave in waves for c in wave
+            c.last and r.params.max_tokens > 1 for r, c in self._chunks
         )
         if not (waves or decoding):
             return None  # pending bookkeeping rides with the next plan (or the idle flush)
@@ -131,13 +132,14 @@ class Scheduler(Admission):
     def _finish_plan(
         self, waves: tuple[tuple[PrefillChunk, ...], ...], traversals: int, owners: list[Request]
     ) -> StepPlan:
-        swapped_in = {op.slot for op in self._swap_ins}
+        # slots this plan creates (inits, resumes), with or without work for them this step
+        started = {op.slot for op in (*self._slot_inits, *self._swap_ins)}
         decoding = [r for r in self.running if r.stage is Stage.DECODE] if traversals else []
         # Everyone whose device state this plan touches, in case the step fails.
         self._touched = [
             *owners,
             *decoding,
-            *(r for r in self.running if r.slot in swapped_in),
+            *(r for r in self.running if r.slot in started),
             *self._preempted_since_plan,
         ]
         self._slot_owner = {r.slot: r for r in self.running if r.slot is not None}

@@ -1,10 +1,13 @@
-"""Scheduler unit tests, pure Python: stage transitions, KV copies and refill versus no-refill.
+"""Scheduler unit tests, pure Python: stage transitions, decode windows, token events, exit
+copies, refill versus no-refill.
 
-Hand-built StepResults, no torch, no model: `scheduler_helpers.FakeWorker` plays the model.
+No torch, no model: `scheduler_helpers.FakeWorker` plays the device (slot batch, prefill
+chunks, decode windows with the real exit rule) and checks every KV read.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -13,14 +16,14 @@ from scheduler_helpers import (
     DEPTH,
     FakeWorker,
     assert_clean,
-    drain,
+    check_outputs,
     expected_outputs,
     make_request,
     make_scheduler,
     token_for,
 )
 
-from rlt_engine.core.plan import CodaRow, KVCopy, Stage
+from rlt_engine.core.plan import Sample, Stage, StepResult, TokenEvent
 from rlt_engine.core.request import Request
 
 # -- stage transitions --------------------------------------------------------------------
@@ -34,102 +37,123 @@ def test_scheduler_never_imports_torch():
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
-def test_fixed_depth_stage_transitions_and_no_coda_steps():
-    sched = make_scheduler()
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_fixed_depth_stage_transitions_and_one_token_per_depth_traversals(window):
+    sched = make_scheduler(decode_window=window)
     worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 0.9)  # ignored at threshold 1.0
-    req = worker.track(make_request("a", prompt_len=3, max_tokens=3))
+    req = worker.track(make_request("a", 3, 3))
     sched.add(req)
     assert req.stage is Stage.WAITING
-    for loop in range(DEPTH):
-        plan = sched.schedule()
-        assert plan is not None and plan.stage is Stage.RECURRENT
-        (row,) = plan.rows
-        assert (row.loop, row.start, row.num_tokens) == (loop, 0, 3)
-        assert req.stage is Stage.PREFILL
-        got = sched.update(plan, worker.execute(plan))
-        assert got == ([req] if loop == DEPTH - 1 else [])
-    assert req.stage is Stage.PRELUDE and req.exit_depths == [DEPTH]
-    assert req.first_token_time is not None
-    for _ in range(2):  # each token: D traversals, sampled in the last one, never a CODA step
-        for loop in range(DEPTH):
-            plan = sched.schedule()
-            assert plan.stage is Stage.RECURRENT and plan.rows[0].loop == loop
-            sched.update(plan, worker.execute(plan))
-    assert req.finished and req.finish_reason == "length"
-    assert req.output_token_ids == expected_outputs(worker, req)[0]
-    assert req.exit_depths == [DEPTH] * 3
-    assert all(p.stage is Stage.RECURRENT for p in worker.plans)
-    assert sched.schedule() is None
-    assert_clean(sched)
-
-
-def test_adaptive_exit_gets_a_coda_step_and_kv_copies_into_deeper_planes():
-    sched = make_scheduler(block_size=2)
-    # token at position 3 exits after loop 2 (hazard 0.6 -> CDF 0.6 < 0.7, then 0.84 >= 0.7)
-    worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 0.6)
-    req = worker.track(make_request("a", prompt_len=3, max_tokens=2, threshold=0.7))
-    sched.add(req)
-    for _ in range(DEPTH):  # prefill
-        plan = sched.schedule()
-        sched.update(plan, worker.execute(plan))
-    assert req.stage is Stage.PRELUDE and req.written == [3] * DEPTH
-    for loop in range(2):
-        plan = sched.schedule()
-        (row,) = plan.rows
-        assert row.loop == loop and row.start == 3 and not row.sample
-        sched.update(plan, worker.execute(plan))
-    assert req.stage is Stage.CODA
-    tables = req.block_tables
-    # the token exited at loop index 1: its K/V must reach planes 2 and 3 before anyone reads
-    assert req.written == [4, 4, 4, 4]
     plan = sched.schedule()
-    assert plan.stage is Stage.CODA and plan.rows == (CodaRow("a", req.slot),)
-    assert plan.kv_copies == (
-        KVCopy(tables[1][1] * 2 + 1, (tables[2][1] * 2 + 1, tables[3][1] * 2 + 1)),
-    )
-    sched.update(plan, worker.execute(plan))
+    assert req.stage is Stage.PREFILL
+    ((chunk,),) = plan.prefill  # the whole prompt through every loop, in one step
+    assert (chunk.request_id, chunk.start, chunk.last) == ("a", 0, True)
+    assert chunk.token_ids == (10, 11, 12)
+    assert plan.decode_traversals == window  # the first token decodes in this very step
+    result = worker.execute(plan)
+    assert result.events[0] == TokenEvent(req.slot, Sample(token_for("a", 2)), DEPTH)
+    assert sched.update(plan, result) == [req]
+    assert req.stage is Stage.DECODE and req.first_token_time is not None
+    worker.drain()
     assert req.finished and req.finish_reason == "length"
-    assert req.exit_depths == [DEPTH, 2]
-    assert_clean(sched)
+    assert (req.output_token_ids, req.exit_depths) == expected_outputs(worker, req)
+    assert req.exit_depths == [DEPTH] * 3
+    # two decode tokens of DEPTH traversals each, `window` traversals per step
+    work, idle = worker.plans[:-1], worker.plans[-1]
+    assert len(work) == math.ceil(2 * DEPTH / window)
+    assert all(p.decode_traversals == window for p in work)
+    assert all(not p.prefill for p in work[1:])
+    assert not idle.has_work and idle.slot_frees == (0,)  # the idle flush frees the slot
+    # the traversal that finishes a token samples it: no step without a loop
+    assert sum(len(r.events) for r in worker.results) == 3
+    assert sched.schedule() is None
+    assert_clean(worker)
 
 
-@pytest.mark.parametrize(("exit_after", "deeper"), [(1, (1, 2, 3)), (3, (3,)), (4, ())])
-def test_kv_copy_targets_exactly_the_planes_deeper_than_the_exit(exit_after, deeper):
+def test_a_token_arrives_in_the_step_of_the_traversal_it_exits_in():
+    sched = make_scheduler(decode_window=1)
+    worker = FakeWorker(sched)
+    req = worker.track(make_request("a", 2, 3))
+    sched.add(req)
+    worker.drain()
+    # plan 0: prefill (+ loop 0 of position 2); loops 1..3 in plans 1..3; then position 3
+    got = [[e.exit_depth for e in r.events] for r in worker.results]
+    assert got == [[DEPTH], [], [], [DEPTH], [], [], [], [DEPTH], []]  # + the idle flush
+    rows = [[(r.rid, r.loop, r.position) for r in t] for t in worker.traversals]
+    assert rows == [[("a", loop, pos)] for pos in (2, 3) for loop in range(DEPTH)]
+    assert_clean(worker)
+
+
+def _plane_versions(worker: FakeWorker, req: Request, pos: int) -> list[tuple | None]:
+    tables, bs = worker.tables_seen[req.request_id], worker.bs
+    return [worker.kv.get(t[pos // bs] * bs + pos % bs) for t in tables]
+
+
+def test_adaptive_exit_copies_its_kv_into_the_deeper_planes():
+    sched = make_scheduler(block_size=2)
+    # every decode token exits after loop 2 (hazard 0.6 -> CDF 0.6 < 0.7, then 0.84 >= 0.7)
+    worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 0.6)
+    req = worker.track(make_request("a", 3, 3, threshold=0.7))
+    sched.add(req)
+    worker.drain()
+    assert req.exit_depths == [DEPTH, 2, 2] and req.finish_reason == "length"
+    for pos in (3, 4):  # the last sampled token (position 5) is never run
+        assert _plane_versions(worker, req, pos) == [("a", pos, min(d, 1)) for d in range(DEPTH)]
+    assert_clean(worker)
+
+
+@pytest.mark.parametrize("exit_after", [1, 3, 4])
+def test_exit_copies_target_exactly_the_planes_deeper_than_the_exit(exit_after):
     sched = make_scheduler(block_size=3)
     hazard = 1.0 if exit_after < DEPTH else 0.0
     worker = FakeWorker(
         sched, hazard=lambda rid, loop, pos: hazard if loop == exit_after - 1 else 0.0
     )
-    req = worker.track(make_request("a", prompt_len=4, max_tokens=3, threshold=0.5))
+    req = worker.track(make_request("a", 4, 3, threshold=0.5))
     sched.add(req)
-    drain(worker)
+    worker.drain()
     assert req.exit_depths == [DEPTH, exit_after, exit_after]
-    copies = [c for p in worker.plans for c in p.kv_copies]
-    if not deeper:
-        assert copies == []
-        return
-    assert len(copies) == 2  # positions 4 and 5 (the last sampled token is never run)
-    for copy, pos in zip(copies, (4, 5), strict=True):
-
-        def slot(plane: int, pos: int = pos) -> int:
-            table = worker.tables[("a", plane)]
-            return table[pos // 3] * 3 + pos % 3
-
-        assert copy.src == slot(exit_after - 1)
-        assert copy.dst == tuple(slot(d) for d in deeper)
+    e = exit_after - 1
+    for pos in (4, 5):
+        # planes 0..e hold their own loop's version, the deeper ones the copy of version e
+        assert _plane_versions(worker, req, pos) == [("a", pos, min(d, e)) for d in range(DEPTH)]
+    assert_clean(worker)
 
 
-def test_max_loops_below_depth_exits_in_step_and_copies():
+def test_a_deeper_token_reads_an_early_exit_through_its_copies():
+    # position 3 exits after loop 0; positions 4.. run all loops and read it on planes 1..3
+    sched = make_scheduler()
+    worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 1.0 if pos == 3 else 0.0)
+    req = worker.track(make_request("a", 3, 4, threshold=0.5))
+    sched.add(req)
+    worker.drain()  # the ledger checks every read
+    assert req.exit_depths == [DEPTH, 1, DEPTH, DEPTH]
+    assert_clean(worker)
+
+
+def test_the_ledger_catches_missing_exit_copies():
+    sched = make_scheduler()
+    worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 1.0 if pos == 3 else 0.0)
+    worker.exit_copies = False  # a device that forgets them
+    worker.add(make_request("a", 3, 4, threshold=0.5))
+    with pytest.raises(AssertionError, match="at loop 1, position 4 reads position 3"):
+        worker.drain()
+
+
+def test_max_loops_below_depth_exits_early_in_the_traversal():
     sched = make_scheduler()
     worker = FakeWorker(sched)
-    req = worker.track(make_request("a", prompt_len=2, max_tokens=3, max_loops=2))
+    req = worker.track(make_request("a", 2, 3, max_loops=2))
     sched.add(req)
-    drain(worker)
+    worker.drain()
     assert req.exit_depths == [DEPTH, 2, 2]
-    assert all(p.stage is Stage.RECURRENT for p in worker.plans)  # exit known ahead: no CODA
-    # position 2's copy rides on the next plan; position 3's is dropped: the request finished
-    assert [len(c.dst) for p in worker.plans for c in p.kv_copies] == [2]
-    assert_clean(sched)
+    assert [(r.loop, r.position) for t in worker.traversals for r in t] == [
+        (0, 2),
+        (1, 2),
+        (0, 3),
+        (1, 3),
+    ]
+    assert_clean(worker)
 
 
 def test_min_loops_holds_back_an_early_exit():
@@ -137,78 +161,224 @@ def test_min_loops_holds_back_an_early_exit():
     worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 0.99)
     req = worker.track(make_request("a", max_tokens=3, min_loops=3, threshold=0.5))
     sched.add(req)
-    drain(worker)
+    worker.drain()
     assert req.exit_depths == [DEPTH, 3, 3]
+    assert_clean(worker)
 
 
-def test_stop_token_finishes_with_stop():
-    sched = make_scheduler()
-    worker = FakeWorker(sched)
-    req = worker.track(make_request("a", prompt_len=3, max_tokens=10))
-    req.stop_token_ids = frozenset({token_for("a", 4)})  # the third token
+@pytest.mark.parametrize("window", [1, 5])
+def test_stop_token_finishes_with_stop_and_the_slot_stops_itself(window):
+    sched = make_scheduler(decode_window=window)
+    # one token per traversal: a window of 5 would emit 5, the device stops at the stop id
+    worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 1.0)
+    req = worker.track(make_request("a", 3, 10, threshold=0.5, stop=(token_for("a", 4),)))
     sched.add(req)
-    drain(worker)
+    worker.drain()
     assert req.finish_reason == "stop" and len(req.output_token_ids) == 3
-    assert_clean(sched)
+    assert sum(len(r.events) for r in worker.results) == 3  # nothing after the stop id
+    check_outputs(worker, [req])
+    assert_clean(worker)
+
+
+def test_a_first_token_that_finishes_never_decodes():
+    sched = make_scheduler(decode_window=5)
+    worker = FakeWorker(sched)
+    stop = worker.track(make_request("s", 3, 10, stop=(token_for("s", 2),)))
+    one = worker.track(make_request("one", 2, 1))
+    sched.add(stop)
+    sched.add(one)
+    worker.drain()
+    assert (stop.finish_reason, one.finish_reason) == ("stop", "length")
+    assert stop.output_token_ids == [token_for("s", 2)] and len(one.output_token_ids) == 1
+    assert worker.traversals == [[]] * len(worker.traversals)  # no row ever decoded
+    assert_clean(worker)
+
+
+# -- decode windows and token events ------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_several_tokens_per_window_come_back_in_traversal_order(window):
+    sched = make_scheduler(decode_window=window)
+    worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 1.0)  # exit after every loop
+    a = worker.track(make_request("a", 2, 12, threshold=0.5))
+    b = worker.track(make_request("b", 3, 12, threshold=0.5))
+    sched.add(a)
+    sched.add(b)
+    worker.step()  # both prefilled, then a full window
+    first = worker.results[0].events
+    assert [e.slot for e in first] == [a.slot, b.slot] * (1 + window)  # first tokens, then
+    assert [e.exit_depth for e in first] == [DEPTH, DEPTH] + [1] * 2 * window  # per traversal
+    assert len(a.output_token_ids) == 1 + window
+    worker.step()
+    assert [e.slot for e in worker.results[1].events] == [a.slot, b.slot] * window
+    worker.drain()
+    check_outputs(worker, [a, b])
+    assert_clean(worker)
+
+
+def test_decode_traversals_is_zero_when_nothing_decodes():
+    sched = make_scheduler(prefill_chunk_size=2, decode_window=4)
+    worker = FakeWorker(sched)
+    req = worker.track(make_request("a", 5, 2))
+    sched.add(req)
+    for _ in range(2):
+        worker.step()
+        plan = worker.plans[-1]
+        assert plan.prefill and not plan.prefill[-1][-1].last
+        assert plan.decode_traversals == 0 and worker.results[-1].events == ()
+    worker.step()
+    assert worker.plans[2].prefill[0][0].last and worker.plans[2].decode_traversals == 4
+    worker.drain()
+    assert len(worker.plans) == 4 and not worker.plans[3].has_work  # the idle flush
+    check_outputs(worker, [req])
+    assert_clean(worker)
+
+
+def test_a_last_chunk_with_a_single_output_token_opens_no_window():
+    sched = make_scheduler(decode_window=4)
+    worker = FakeWorker(sched)
+    req = worker.add(make_request("a", 3, 1))
+    worker.drain()
+    assert [p.decode_traversals for p in worker.plans] == [0, 0]  # the step, then a free
+    check_outputs(worker, [req])
+    assert_clean(worker)
+
+
+def test_stale_events_for_finished_or_foreign_slots_are_ignored():
+    sched = make_scheduler(decode_window=2)
+    worker = FakeWorker(sched)
+    a = worker.add(make_request("a", 2, 1))
+    b = worker.add(make_request("b", 2, 8))
+    worker.step()
+    a_slot = worker.plans[0].slot_inits[0].slot
+    assert a.finished and not b.finished and a_slot != b.slot
+    plan = sched.schedule()
+    result = worker.execute(plan)
+    stale = StepResult(
+        (
+            TokenEvent(a_slot, Sample(1), 1),  # a finished: its old slot is nobody's now
+            TokenEvent(7, Sample(2), 1),  # a slot nobody holds
+            *result.events,
+        )
+    )
+    before = list(b.output_token_ids)
+    assert sched.update(plan, stale) == [b]
+    assert a.output_token_ids == [token_for("a", 1)]
+    assert b.output_token_ids == before + [e.sample.token_id for e in result.events]
+    worker.drain()
+    check_outputs(worker, [a, b])
+    assert_clean(worker)
+
+
+def test_stop_check_finishing_mid_window_drops_its_later_events():
+    sched = make_scheduler(decode_window=5)
+    worker = FakeWorker(sched, hazard=lambda rid, loop, pos: 1.0)  # a token per traversal
+    a = worker.add(make_request("a", 2, 12, threshold=0.5))
+    b = worker.add(make_request("b", 2, 12, threshold=0.5))
+    seen: list[tuple[str, int]] = []
+
+    def stop_check(req: Request) -> bool:
+        seen.append((req.request_id, req.output_token_ids[-1]))
+        return req is a and len(req.output_token_ids) == 3
+
+    got = worker.step(stop_check)
+    assert got == [a, b]
+    assert a.finished and a.finish_reason == "stop" and len(a.output_token_ids) == 3
+    assert len(b.output_token_ids) == 6  # b keeps every token of the window
+    # the callback saw every accepted token, in event order, and none of a's after the stop
+    assert [rid for rid, _ in seen] == ["a", "b", "a", "b", "a", "b", "b", "b", "b"]
+    a_events = [e for e in worker.results[0].events if e.slot == worker.plans[0].slot_inits[0].slot]
+    assert len(a_events) == 6  # the device ran a's whole window: the host dropped 3
+    worker.step(stop_check)
+    assert a.slot is None and worker.plans[-1].slot_frees == (0,)
+    assert 0 not in worker.slots  # the freed slot no longer runs
+    worker.drain(stop_check=stop_check)
+    assert (a.output_token_ids, a.exit_depths) == tuple(x[:3] for x in expected_outputs(worker, a))
+    check_outputs(worker, [b])
+    assert_clean(worker)
+
+
+def test_stop_check_on_the_last_allowed_token_reports_stop():
+    sched = make_scheduler(decode_window=3)
+    worker = FakeWorker(sched)
+    req = worker.add(make_request("a", 2, 3))
+    worker.drain(stop_check=lambda r: len(r.output_token_ids) == 3)
+    assert req.finish_reason == "stop" and len(req.output_token_ids) == 3
+    assert_clean(worker)
 
 
 # -- refill versus no-refill ----------------------------------------------------------------
 
 
-def _two_request_trace(refill: bool) -> tuple[FakeWorker, Request, Request]:
-    sched = make_scheduler(refill=refill)
+def _two_request_trace(refill: bool, window: int = 1) -> tuple[FakeWorker, Request, Request]:
+    sched = make_scheduler(refill=refill, decode_window=window)
 
     def hazard(rid: str, loop: int, pos: int) -> float:
         return 1.0 if rid == "early" else 0.0
 
     worker = FakeWorker(sched, hazard)
-    early = worker.track(make_request("early", prompt_len=2, max_tokens=4, threshold=0.5))
-    late = worker.track(make_request("late", prompt_len=2, max_tokens=4, threshold=0.5))
-    sched.add(early)
-    sched.add(late)
-    drain(worker)
+    early = worker.add(make_request("early", 2, 4, threshold=0.5))
+    late = worker.add(make_request("late", 2, 4, threshold=0.5))
+    worker.drain()
     return worker, early, late
 
 
-def test_refill_mixes_depths_in_one_traversal():
-    worker, early, late = _two_request_trace(refill=True)
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_refill_mixes_depths_in_one_traversal(window):
+    worker, early, late = _two_request_trace(refill=True, window=window)
     assert early.exit_depths == [DEPTH, 1, 1, 1] and late.exit_depths == [DEPTH] * 4
-    mixed = [
-        p for p in worker.plans if p.stage is Stage.RECURRENT and len({r.loop for r in p.rows}) > 1
-    ]
+    mixed = [t for t in worker.traversals if len({r.loop for r in t}) > 1]
     assert mixed, "refill must let the early exiter rejoin while the other is mid-loop"
-    # the early exiter never waits: every CODA step holds it right after its exit
-    assert early.output_token_ids == expected_outputs(worker, early)[0]
-    assert late.output_token_ids == expected_outputs(worker, late)[0]
-    assert_clean(worker.sched)
+    # the early exiter never waits: it runs in every traversal until it is done
+    runs = [any(r.rid == "early" for r in t) for t in worker.traversals]
+    assert runs[:3] == [True] * 3 and not any(runs[3:])
+    check_outputs(worker, [early, late])
+    assert_clean(worker)
 
 
-def test_no_refill_cohort_waits_for_its_slowest_token():
-    worker, early, late = _two_request_trace(refill=False)
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_no_refill_cohort_waits_for_its_slowest_token(window):
+    worker, early, late = _two_request_trace(refill=False, window=window)
     assert early.exit_depths == [DEPTH, 1, 1, 1] and late.exit_depths == [DEPTH] * 4
-    for plan in worker.plans:
-        if plan.stage is Stage.RECURRENT:
-            assert len({r.loop for r in plan.rows}) == 1, plan
-    # the early token's CODA is deferred until the late one exits: both then sample together
-    codas = [p for p in worker.plans if p.stage is Stage.CODA]
-    assert codas and all(p.rows == (CodaRow("early", p.rows[0].slot),) for p in codas)
-    for i, plan in enumerate(worker.plans):
-        if plan.stage is Stage.CODA:
-            prev = worker.plans[i - 1]
-            assert prev.stage is Stage.RECURRENT and [r.loop for r in prev.rows] == [DEPTH - 1]
-    assert_clean(worker.sched)
+    for t in worker.traversals:
+        assert len({r.loop for r in t}) <= 1, t
+    # the early token is sampled when it exits, but its successor waits for the late one:
+    # the cohort (both at loop 0) starts every DEPTH traversals
+    starts = [i for i, t in enumerate(worker.traversals) if any(r.rid == "early" for r in t)]
+    assert starts == [0, DEPTH, 2 * DEPTH]
+    for i in starts:
+        assert sorted((r.rid, r.loop) for r in worker.traversals[i]) == [
+            ("early", 0),
+            ("late", 0),
+        ]
+    check_outputs(worker, [early, late])
+    assert_clean(worker)
 
 
 def test_no_refill_max_loops_exit_also_waits_for_the_cohort():
-    sched = make_scheduler(refill=False)
+    sched = make_scheduler(refill=False, decode_window=3)
     worker = FakeWorker(sched)
-    short = worker.track(make_request("short", prompt_len=2, max_tokens=3, max_loops=2))
-    full = worker.track(make_request("full", prompt_len=2, max_tokens=3))
-    sched.add(short)
-    sched.add(full)
-    drain(worker)
-    for plan in worker.plans:
-        if plan.stage is Stage.RECURRENT:
-            assert len({r.loop for r in plan.rows}) == 1, [
-                (r.request_id, r.loop) for r in plan.rows
-            ]
+    short = worker.add(make_request("short", 2, 3, max_loops=2))
+    full = worker.add(make_request("full", 2, 3))
+    worker.drain()
+    for t in worker.traversals:
+        assert len({r.loop for r in t}) <= 1, t
+    check_outputs(worker, [short, full])
+    assert_clean(worker)
+
+
+def test_no_refill_a_late_prefill_joins_at_the_next_cohort():
+    sched = make_scheduler(refill=False, decode_window=2)
+    worker = FakeWorker(sched)
+    first = worker.add(make_request("first", 2, 4))
+    worker.step()  # prefill, then loops 0 and 1 of position 2
+    assert worker.slots[first.slot].loop == 2
+    second = worker.add(make_request("second", 2, 4))  # its prefill ends mid-token
+    worker.drain()
+    for t in worker.traversals:
+        assert len({r.loop for r in t}) <= 1, t
+    joined = next(i for i, t in enumerate(worker.traversals) if any(r.rid == "second" for r in t))
+    assert joined % DEPTH == 0  # at a cohort boundary
+    check_outputs(worker, [first, second])
+    assert_clean(worker)
