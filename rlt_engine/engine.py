@@ -20,6 +20,7 @@ from rlt_engine.models.resolve import default_model, resolve_model_dir
 from rlt_engine.models.tokenizer import TokenizerError, load_tokenizer, stop_token_ids
 from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.worker.decode import Flags
 from rlt_engine.worker.memory_plan import (
     DEFAULT_CUDA_RESERVE_BYTES,
     profile_kv_budget,
@@ -122,7 +123,9 @@ class LLMEngine:
                 ),
             )
             chunk = PrefillChunk("profile", 0, 0, (0,) * rows, last=True)
-            runner.execute(StepPlan(slot_inits=(init,), prefill=((chunk,),), decode_traversals=1))
+            runner.execute(StepPlan(slot_inits=(init,), prefill=((chunk,),)))
+            # the widest decode traversal: every slot, every sampling variant, exit copies
+            runner.traversal(runner.slots.num_slots, Flags(True, True, 20, True))
 
         return profile_kv_budget(
             self.device,
