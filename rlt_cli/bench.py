@@ -1,10 +1,17 @@
 """`rlt bench`: offline, in-process decode benchmark (DESIGN.md §9) over several batch sizes.
 
-Random token-id prompts (seeded), so tokenizer-less dummy models work too. Per concurrency:
-committed decode tokens/s (median over repeats, rlt_engine/bench/throughput.py), TTFT p50/p90,
-TPOT p50, E2E p50 and the exit-depth histogram of every output token. Human output: a table on
-stdout, notices and progress on stderr. `--json`: one JSON object on stdout, nothing else.
-The engine flags are those of `rlt generate` (rlt_cli/options.py). torch loads only when run.
+Random token-id prompts of exactly `--prompt-len` tokens (seeded), so tokenizer-less dummy
+models work too. Per concurrency: committed decode tokens/s (median over repeats,
+rlt_engine/bench/throughput.py), TTFT p50/p90, TPOT p50, E2E p50, the exit-depth histogram of
+every output token, the peak GPU memory (CUDA) and the share of the weight-bandwidth floor
+(rlt_engine/bench/floor.py: the model's weight bytes per token step over a copy bandwidth
+measured on the device at start, or `--bandwidth-gbs`). Human output: a table on stdout,
+notices and progress on stderr. `--json`: one JSON object on stdout, nothing else.
+
+The engine flags are those of `rlt generate` (rlt_cli/options.py), except that
+`--max-num-seqs` defaults to enough slots for the largest `--concurrency`. The workload, loop
+and engine flags are shared with `rlt profile` (rlt_cli/profile.py builds on this module).
+torch loads only when run.
 """
 
 from __future__ import annotations
@@ -22,68 +29,138 @@ from rich.table import Table
 from rlt_cli.command import callback, keyword
 from rlt_cli.options import engine_fields, engine_parameters, to_field_values
 from rlt_cli.output import check_device, status_spinner, stderr, stdout
-from rlt_engine.config import EngineConfig
+from rlt_engine.config import EngineConfig, SchedulerConfig
 from rlt_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from rlt_engine.engine import LLMEngine
     from rlt_engine.llm import LLM
 
 HELP = "Benchmark offline decode throughput and latency (tok/s, TTFT, TPOT) in-process."
 DEFAULT_CONCURRENCY = (1, 8)
+DEFAULT_MAX_NUM_SEQS = SchedulerConfig.max_num_seqs
 
 
 @dataclass(frozen=True)
-class BenchRun:
+class Workload:
+    """What `rlt bench` and `rlt profile` share: the engine, the requests, the output mode."""
+
     engine_options: dict[str, Any]
     concurrency: tuple[int, ...]
     prompt_len: int
     output_len: int
-    repeats: int
     warmup: int
     params: SamplingParams  # loop controls; greedy, ignore_eos, max_tokens = output_len
     json_output: bool
 
 
+@dataclass(frozen=True)
+class BenchRun(Workload):
+    repeats: int = 3
+    bandwidth_gbs: float | None = None  # None: measure on CUDA, n/a on CPU
+
+
 def bench_command() -> Callable[..., None]:
     """The Typer callback: the engine flags are built from the config dataclasses."""
-    parameters = [*_WORKLOAD, *engine_parameters(), *_LOOPS, *_FRONT_END]
+    parameters = [
+        *workload_parameters(
+            "Requests run at once: repeat the flag or give a comma list, e.g. -c 1 -c 8 or "
+            "-c 1,8,64,256 (default: 1 and 8).",
+            repeats=True,
+        ),
+        _BANDWIDTH,
+        *engine_flags(),
+        *LOOP_PARAMETERS,
+        JSON_PARAMETER,
+    ]
     return callback(lambda values: _bench(_parse(values)), parameters, HELP)
 
 
-def _option(name: str, kind: type, default: Any, help: str, panel: str) -> inspect.Parameter:
+# -- flags shared with `rlt profile` ------------------------------------------------------
+def option(name: str, kind: Any, default: Any, help: str, panel: str) -> inspect.Parameter:
     flag = typer.Option("--" + name.replace("_", "-"), help=help, rich_help_panel=panel)
     return keyword(name, Annotated[kind, flag], default)
 
 
-_WORKLOAD = [
-    keyword(
+def _concurrency_list(values: list[str] | None) -> list[int] | None:
+    """`-c 1 -c 8` and `-c 1,8,64` alike (a bad value is a usage error naming the flag)."""
+    if not values:
+        return None
+    out = []
+    for value in values:
+        for part in value.split(","):
+            try:
+                out.append(int(part.strip()))
+            except ValueError:
+                raise typer.BadParameter(f"{part.strip()!r} is not an integer") from None
+    return out
+
+
+def workload_parameters(concurrency_help: str, *, repeats: bool) -> list[inspect.Parameter]:
+    concurrency = keyword(
         "concurrency",
         Annotated[
-            list[int] | None,
+            list[str] | None,
             typer.Option(
                 "--concurrency",
                 "-c",
-                help="Requests run at once (repeatable; default: 1 and 8).",
+                help=concurrency_help,
                 rich_help_panel="Workload",
+                callback=_concurrency_list,
+                metavar="N[,N...]",
             ),
         ],
         None,
-    ),
-    _option("prompt_len", int, 64, "Prompt tokens per request (random ids).", "Workload"),
-    _option("output_len", int, 32, "Output tokens per request (ignore_eos), >= 2.", "Workload"),
-    _option("repeats", int, 3, "Measured runs per concurrency (median reported).", "Workload"),
-    _option("warmup", int, 1, "Discarded runs per concurrency before measuring.", "Workload"),
-]
-_LOOPS = [
-    _option(
+    )
+    out = [
+        concurrency,
+        option("prompt_len", int, 64, "Prompt tokens per request (random ids).", "Workload"),
+        option("output_len", int, 32, "Output tokens per request (ignore_eos), >= 2.", "Workload"),
+    ]
+    if repeats:
+        out.append(
+            option(
+                "repeats", int, 3, "Measured runs per concurrency (median reported).", "Workload"
+            )
+        )
+    out.append(
+        option(
+            "warmup",
+            int,
+            1,
+            "Discarded (and unprofiled) runs per concurrency before measuring.",
+            "Workload",
+        )
+    )
+    return out
+
+
+def engine_flags() -> list[inspect.Parameter]:
+    """The engine flags of `rlt generate`, with --max-num-seqs following --concurrency."""
+    out = []
+    for p in engine_parameters():
+        if p.name == "max_num_seqs":
+            flag = typer.Option(
+                "--max-num-seqs",
+                help=f"Most requests running at once (default: the largest --concurrency, "
+                f"at least {DEFAULT_MAX_NUM_SEQS}).",
+                rich_help_panel="Engine",
+            )
+            p = keyword("max_num_seqs", Annotated[int | None, flag], None)
+        out.append(p)
+    return out
+
+
+LOOP_PARAMETERS = [
+    option(
         "exit_threshold",
         float,
         1.0,
         "Exit once the gate's cumulative exit probability reaches this, in 0..1; 1 = fixed depth.",
         "Loop controls",
     ),
-    _option("min_loops", int | None, None, "Least loops per token (default 1).", "Loop controls"),
-    _option(
+    option("min_loops", int | None, None, "Least loops per token (default 1).", "Loop controls"),
+    option(
         "max_loops",
         int | None,
         None,
@@ -91,23 +168,31 @@ _LOOPS = [
         "Loop controls",
     ),
 ]
-_FRONT_END = [
-    keyword(
-        "json_output",
-        Annotated[bool, typer.Option("--json", help="Print one JSON object; no table.")],
-        False,
-    ),
-]
+JSON_PARAMETER = keyword(
+    "json_output",
+    Annotated[bool, typer.Option("--json", help="Print one JSON object; no table.")],
+    False,
+)
+_BANDWIDTH = option(
+    "bandwidth_gbs",
+    float | None,
+    None,
+    "Device copy bandwidth in GB/s (read + write) for the weight-bandwidth floor "
+    "(default: measured on CUDA at start; without it the floor is n/a on CPU).",
+    "Workload",
+)
 
 
 # -- parsing and validation (no torch) ----------------------------------------------------
-def _parse(values: dict[str, Any]) -> BenchRun:
-    engine_options = to_field_values(values, [f.name for f in engine_fields()])
-    config = EngineConfig.from_options(**dict(engine_options))  # fail fast, before torch
-    concurrency = tuple(values["concurrency"] or DEFAULT_CONCURRENCY)
+def parse_workload(values: dict[str, Any], default_concurrency: tuple[int, ...]) -> Workload:
+    concurrency = tuple(values["concurrency"] or default_concurrency)
     for c in concurrency:
         if c < 1:
             raise ValueError(f"--concurrency must be >= 1, got {c}")
+    if values["max_num_seqs"] is None:
+        values = {**values, "max_num_seqs": max(DEFAULT_MAX_NUM_SEQS, *concurrency)}
+    engine_options = to_field_values(values, [f.name for f in engine_fields()])
+    config = EngineConfig.from_options(**dict(engine_options))  # fail fast, before torch
     max_seqs = config.scheduler.max_num_seqs
     if max(concurrency) > max_seqs:
         raise ValueError(
@@ -115,7 +200,7 @@ def _parse(values: dict[str, Any]) -> BenchRun:
             "would not all run at once"
         )
     for name, least in (("prompt_len", 1), ("output_len", 2), ("repeats", 1), ("warmup", 0)):
-        if values[name] < least:
+        if name in values and values[name] < least:
             flag = "--" + name.replace("_", "-")
             why = " (decode time starts after the first token)" if name == "output_len" else ""
             raise ValueError(f"{flag} must be >= {least}{why}, got {values[name]}")
@@ -129,43 +214,118 @@ def _parse(values: dict[str, Any]) -> BenchRun:
     lo, hi = params.min_loops, params.max_loops
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"min_loops ({lo}) must be <= max_loops ({hi})")
-    return BenchRun(
+    return Workload(
         engine_options=engine_options,
         concurrency=tuple(dict.fromkeys(concurrency)),  # in order, without repeats
         prompt_len=values["prompt_len"],
         output_len=values["output_len"],
-        repeats=values["repeats"],
         warmup=values["warmup"],
         params=params,
         json_output=values["json_output"],
     )
 
 
+def _parse(values: dict[str, Any]) -> BenchRun:
+    w = parse_workload(values, DEFAULT_CONCURRENCY)
+    bandwidth = values["bandwidth_gbs"]
+    if bandwidth is not None and not bandwidth > 0:
+        raise ValueError(f"--bandwidth-gbs must be > 0, got {bandwidth}")
+    return BenchRun(**vars(w), repeats=values["repeats"], bandwidth_gbs=bandwidth)
+
+
 # -- running ------------------------------------------------------------------------------
-def _bench(run: BenchRun) -> None:
-    check_device(run.engine_options.get("device", "auto"))
-    from rlt_engine.bench.throughput import benchmark
+def load_engine(w: Workload) -> LLM:
+    """Load the model and check the workload against it (loop controls, context)."""
     from rlt_engine.core.exit_rule import LoopControls
     from rlt_engine.llm import LLM
 
     with status_spinner("loading model"):
-        llm = LLM(**run.engine_options)
+        llm = LLM(**w.engine_options)
     engine = llm.engine
     if engine.notice:
         stderr.print(f"[dim]{escape(engine.notice)}[/]")
     depth = engine.model_config.num_loops
-    p = run.params
+    p = w.params
     LoopControls(
         min_loops=p.min_loops if p.min_loops is not None else 1,
         max_loops=p.max_loops if p.max_loops is not None else depth,
         exit_threshold=p.exit_threshold if p.exit_threshold is not None else 1.0,
     ).validate(depth)
     context = engine.model_config.max_position_embeddings
-    if run.prompt_len + run.output_len > context:
+    if w.prompt_len + w.output_len > context:
         raise ValueError(
-            f"--prompt-len {run.prompt_len} + --output-len {run.output_len} exceeds the "
+            f"--prompt-len {w.prompt_len} + --output-len {w.output_len} exceeds the "
             f"model's context of {context} positions"
         )
+    return llm
+
+
+def engine_summary(engine: LLMEngine, w: Workload) -> dict[str, Any]:
+    """The report header: model, device and the execution settings that actually run."""
+    import torch
+
+    execution = engine.config.execution
+    kv = getattr(engine.runner, "kv", None)
+    impl = type(kv).__name__.removesuffix("PagedAttention").lower() if kv is not None else None
+    p = w.params
+    return {
+        "model": str(engine.model_dir),
+        "device": str(engine.device),
+        "device_name": _device_name(engine),
+        "torch": torch.__version__,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "num_loops": engine.model_config.num_loops,
+        "num_blocks": engine.num_blocks,
+        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "attention_backend": execution.attention_backend,  # as asked (auto, torch, ...)
+        "attention_impl": impl,  # what runs
+        "enforce_eager": execution.enforce_eager,
+        "cuda_graphs": getattr(engine.runner, "graphs", None) is not None,
+        "decode_window": execution.decode_window,
+        "prompt_len": w.prompt_len,
+        "output_len": w.output_len,
+        "warmup": w.warmup,
+        "min_loops": p.min_loops,
+        "max_loops": p.max_loops,
+        "exit_threshold": p.exit_threshold,
+    }
+
+
+def _device_name(engine: LLMEngine) -> str:
+    if engine.device.type != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(engine.device)
+
+
+def _engine_device(options: dict[str, Any]) -> Any:
+    import torch
+
+    device = options.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def _bench(run: BenchRun) -> None:
+    check_device(run.engine_options.get("device", "auto"))
+    from rlt_engine.bench.floor import measure_copy_bandwidth, weight_bytes
+    from rlt_engine.bench.throughput import benchmark
+
+    bandwidth, source = None, None
+    if run.bandwidth_gbs is not None:
+        bandwidth, source = run.bandwidth_gbs * 1e9, "given"
+    elif _engine_device(run.engine_options).type == "cuda":
+        with status_spinner("measuring copy bandwidth"):  # before the KV pool takes memory
+            bandwidth, source = (
+                measure_copy_bandwidth(_engine_device(run.engine_options)),
+                "measured",
+            )
+    llm = load_engine(run)
+    engine = llm.engine
+    depth = engine.model_config.num_loops
+    weights = weight_bytes(engine.model)
 
     results = []
     with status_spinner("benchmarking") as status:
@@ -183,23 +343,52 @@ def _bench(run: BenchRun) -> None:
                 run.output_len,
                 run.repeats,
                 run.warmup,
-                p,
+                run.params,
                 on_run,
                 seed=10_000 * c,
             )
-            results.append(_result(r, depth))
+            results.append(_result(r, depth, run.params, weights, bandwidth))
 
-    report = _report(llm, run, results)
+    report = {
+        **engine_summary(engine, run),
+        "repeats": run.repeats,
+        "bandwidth_gbs": bandwidth / 1e9 if bandwidth is not None else None,
+        "bandwidth_source": source,  # measured | given | None
+        "weight_bytes": {
+            "layer_stack": weights.layer_stack,
+            "coda": weights.coda,
+            "embedding_row": weights.embedding_row,
+            "per_token_step_at_full_depth": weights.per_token_step(depth),
+        },
+        "results": results,
+    }
     if run.json_output:
         typer.echo(json.dumps(report))
         return
     stdout.print(_table(report))
 
 
-def _result(r: dict[str, Any], depth: int) -> dict[str, Any]:
+def floor_loops(exit_depths: dict[int, int], depth: int, params: SamplingParams) -> float:
+    """Traversals per token step the floor assumes: the fixed depth (--max-loops or the
+    model's) at exit threshold 1, else the measured mean exit depth."""
+    threshold = params.exit_threshold if params.exit_threshold is not None else 1.0
+    if threshold >= 1 or not exit_depths:
+        return float(params.max_loops or depth)
+    return sum(d * n for d, n in exit_depths.items()) / sum(exit_depths.values())
+
+
+def _result(
+    r: dict[str, Any], depth: int, params: SamplingParams, weights: Any, bandwidth: float | None
+) -> dict[str, Any]:
+    from rlt_engine.bench.floor import floor_tokens_per_s
+
+    loops = floor_loops(r["exit_depths"], depth, params)
+    step_bytes = weights.per_token_step(loops)
+    floor = floor_tokens_per_s(r["concurrency"], step_bytes, bandwidth) if bandwidth else None
+    rate = r["decode_tokens_per_s_median"]
     return {
         "concurrency": r["concurrency"],
-        "decode_tokens_per_s": r["decode_tokens_per_s_median"],
+        "decode_tokens_per_s": rate,
         "decode_tokens_per_s_all": r["decode_tokens_per_s_all"],
         "ttft_ms_p50": r["ttft_ms_p50"],
         "ttft_ms_p90": r["ttft_ms_p90"],
@@ -207,48 +396,62 @@ def _result(r: dict[str, Any], depth: int) -> dict[str, Any]:
         "e2e_ms_p50": r["e2e_ms_p50"],
         "steps_per_run": r["steps_per_run"],
         "exit_depths": {str(d): r["exit_depths"].get(d, 0) for d in range(1, depth + 1)},
-    }
-
-
-def _report(llm: LLM, run: BenchRun, results: list[dict[str, Any]]) -> dict[str, Any]:
-    engine = llm.engine
-    p = run.params
-    return {
-        "model": str(engine.model_dir),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "num_loops": engine.model_config.num_loops,
-        "num_blocks": engine.num_blocks,
-        "prompt_len": run.prompt_len,
-        "output_len": run.output_len,
-        "repeats": run.repeats,
-        "warmup": run.warmup,
-        "min_loops": p.min_loops,
-        "max_loops": p.max_loops,
-        "exit_threshold": p.exit_threshold,
-        "results": results,
+        "memory_start_bytes": r.get("memory_start_bytes"),
+        "peak_memory_bytes": r.get("peak_memory_bytes"),
+        "floor_loops": loops,
+        "bytes_per_token_step": step_bytes,
+        "floor_tokens_per_s": floor,
+        "floor_share": rate / floor if floor else None,
     }
 
 
 # -- rendering ----------------------------------------------------------------------------
+def execution_text(report: dict[str, Any]) -> str:
+    graphs = "CUDA graphs" if report["cuda_graphs"] else "eager"
+    if report["enforce_eager"]:
+        graphs += " (--enforce-eager)"
+    backend = report["attention_impl"] or report["attention_backend"]
+    if report["attention_backend"] == "auto":
+        backend += " (auto)"
+    return f"attention {backend}, {graphs}, decode window {report['decode_window']}"
+
+
 def _table(report: dict[str, Any]) -> Table:
     depth = report["num_loops"]
+    bw = report["bandwidth_gbs"]
+    floor_note = (
+        f"floor: weight-bandwidth floor at {bw:,.0f} GB/s ({report['bandwidth_source']}), "
+        f"{report['weight_bytes']['per_token_step_at_full_depth'] / 1e9:.3g} GB per token "
+        f"step at depth {depth}"
+        if bw
+        else "floor: n/a (no CUDA; give --bandwidth-gbs)"
+    )
     caption = (
-        f"{report['model']} ({report['device']}, {report['dtype']}): "
+        f"{report['model']} ({report['device_name']}, {report['dtype']}; "
+        f"{execution_text(report)}; max {report['max_num_seqs']} seqs): "
         f"{report['prompt_len']}-token prompts, {report['output_len']} output tokens, "
         f"{_loops(report)}. "
         f"tok/s: committed decode tokens/s, median of {report['repeats']} run(s) "
-        f"(first token and prefill excluded). dK: output tokens by exit depth K, "
-        f"K = 1..{depth}"
+        f"(first token and prefill excluded). {floor_note}. peak: max GPU memory allocated. "
+        f"dK: output tokens by exit depth K, K = 1..{depth}"
     )
     table = Table(caption=caption, caption_justify="left", box=None, pad_edge=False)
-    for name in ("concurrency", "tok/s", "TTFT p50", "TTFT p90", "TPOT p50", "E2E p50"):
+    columns = ("concurrency", "tok/s", "floor", "% floor", "TTFT p50", "TTFT p90", "TPOT p50")
+    for name in (*columns, "E2E p50", "peak"):
         table.add_column(name, justify="right")
     for d in range(1, depth + 1):
         table.add_column(f"d{d}", justify="right")
     for r in report["results"]:
-        cells = [str(r["concurrency"]), f"{r['decode_tokens_per_s']:.1f}"]
+        floor, share = r["floor_tokens_per_s"], r["floor_share"]
+        cells = [
+            str(r["concurrency"]),
+            f"{r['decode_tokens_per_s']:.1f}",
+            f"{floor:,.0f}" if floor else "n/a",
+            f"{100 * share:.1f}%" if share is not None else "n/a",
+        ]
         cells += [_ms(r[k]) for k in ("ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "e2e_ms_p50")]
+        peak = r["peak_memory_bytes"]
+        cells.append(f"{peak / 2**30:.2f} GiB" if peak is not None else "n/a")
         counts = [r["exit_depths"][str(d)] for d in range(1, depth + 1)]
         table.add_row(*cells, *(str(n) if n else "[dim]0[/]" for n in counts))
     return table

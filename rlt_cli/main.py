@@ -18,6 +18,8 @@ from rlt_cli.download import download
 from rlt_cli.generate import HELP as GENERATE_HELP
 from rlt_cli.generate import generate_command
 from rlt_cli.output import fail
+from rlt_cli.profile import HELP as PROFILE_HELP
+from rlt_cli.profile import profile_command
 from rlt_engine import __version__
 
 app = typer.Typer(
@@ -31,7 +33,6 @@ app = typer.Typer(
 # Subcommands that exist in the plan but not yet in code: (one-line help, what they will do).
 PLANNED: dict[str, tuple[str, str]] = {
     "serve": ("Serve an OpenAI-compatible HTTP API.", "FastAPI server over the async engine"),
-    "profile": ("Profile one engine step per stage and kernel.", "profiler driver"),
     "eval": ("Evaluate accuracy on a task such as gsm8k.", "evaluation driver"),
     "pd-launch": ("Launch disaggregated prefill/decode workers.", "prefill/decode launcher"),
 }
@@ -57,6 +58,7 @@ def main(
 app.command("download")(download)
 app.command("generate", help=GENERATE_HELP, cls=OneLineUsageErrors)(generate_command())
 app.command("bench", help=BENCH_HELP, cls=OneLineUsageErrors)(bench_command())
+app.command("profile", help=PROFILE_HELP, cls=OneLineUsageErrors)(profile_command())
 
 
 def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:

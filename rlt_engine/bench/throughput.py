@@ -3,7 +3,8 @@
 Committed decode tokens/s = (output_len - 1) x concurrency / decode seconds, where decode time
 runs from the moment every request has its first token to the last completion, with the device
 synchronized at both ends. Prefill, the first token and HTTP are excluded. Per-request latency
-(TTFT, TPOT, E2E) percentiles and the exit-depth histogram of every output token come with it.
+(TTFT, TPOT, E2E) percentiles, the exit-depth histogram of every output token and, on CUDA, the
+peak memory allocated while the runs of one concurrency were going come with it.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ def benchmark(
     Run i draws its random prompts from `seed + i` (warmup runs from `seed + 1000 + i`).
     """
     params = replace(params or SamplingParams(), max_tokens=output_len, ignore_eos=True)
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    start_bytes = torch.cuda.memory_allocated(engine.device) if cuda else None
     for i in range(warmup):
         if on_run is not None:
             on_run("warmup", i + 1, warmup)
@@ -135,6 +141,7 @@ def benchmark(
         if on_run is not None:
             on_run("run", i + 1, repeats)
         runs.append(run_once(engine, concurrency, prompt_len, output_len, params, seed=seed + i))
+    peak_bytes = torch.cuda.max_memory_allocated(engine.device) if cuda else None
     rates = [r.decode_tokens_per_s for r in runs]
     ttfts = [t for r in runs for t in r.ttft_ms]
     e2es = [t for r in runs for t in r.e2e_ms]
@@ -157,5 +164,9 @@ def benchmark(
         "e2e_ms_p50": percentile(e2es, 50),
         "exit_depths": dict(sorted(depths.items())),
         "steps_per_run": runs[0].steps,
+        # CUDA only (None on CPU): bytes allocated at the start (weights, KV pool, buffers) and
+        # the peak over warm-up and measured runs (reset per call)
+        "memory_start_bytes": start_bytes,
+        "peak_memory_bytes": peak_bytes,
         "runs": [asdict(r) for r in runs],
     }

@@ -1,0 +1,221 @@
+"""`rlt profile`: one decode workload under torch.profiler, summarised by engine phase.
+
+Same workload, loop and engine flags as `rlt bench` (rlt_cli/bench.py), one concurrency. The
+driver (rlt_engine/profile/driver.py) runs `--warmup` unprofiled runs, then one profiled run with
+the engine's phases marked, writes the Chrome trace (`--trace-out`; open it in
+chrome://tracing or https://ui.perfetto.dev) and summarises it (rlt_engine/profile/trace.py):
+wall time by phase, GPU time launched by each phase, GPU-busy share of the decode windows,
+kernel launches and host syncs per token step, and the top kernels (CPU ops on CPU).
+Human output: tables on stdout, progress on stderr. `--json`: one JSON object on stdout.
+torch loads only when run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from rlt_cli.bench import (
+    JSON_PARAMETER,
+    LOOP_PARAMETERS,
+    Workload,
+    engine_flags,
+    engine_summary,
+    execution_text,
+    load_engine,
+    option,
+    parse_workload,
+    workload_parameters,
+)
+from rlt_cli.command import callback
+from rlt_cli.output import check_device, status_spinner, stdout
+
+HELP = "Profile a decode workload by engine phase and kernel (torch.profiler, Chrome trace)."
+DEFAULT_CONCURRENCY = (8,)
+TRACE_DIR = Path("rlt-profile")
+PHASE_HELP = {
+    "schedule": "Scheduler.schedule: admission, KV reservation, the step plan",
+    "bookkeeping": "runner.execute's own time: slot inits/frees, block appends, swaps (copies in)",
+    "prefill": "prefill waves through every loop (eager)",
+    "sampling": "the sampler on the host (prefill; eager decode; in-graph sampling is decode)",
+    "decode_window": "the decode window: traversals or CUDA graph replays",
+    "read_back": "the one device-to-host read per step, with its sync",
+    "update": "Scheduler.update: token events into requests",
+    "detokenize": "incremental detokenization and stop strings",
+    "add_requests": "LLMEngine.add_request",
+    "host_gaps": "wall time no phase claims: the driver loop, building outputs",
+}
+
+
+@dataclass(frozen=True)
+class ProfileRun(Workload):
+    trace_out: Path | None = None
+    top: int = 15
+
+
+def profile_command() -> Callable[..., None]:
+    parameters = [
+        *workload_parameters("Requests run at once (one value; default 8).", repeats=False),
+        option(
+            "trace_out",
+            Path | None,
+            None,
+            f"Chrome trace file to write (.json, or .json.gz compressed; default: "
+            f"./{TRACE_DIR}/<model>-c<N>-<time>.json).",
+            "Profile",
+        ),
+        option("top", int, 15, "Kernels (CPU ops on CPU) in the top list.", "Profile"),
+        *engine_flags(),
+        *LOOP_PARAMETERS,
+        JSON_PARAMETER,
+    ]
+    return callback(lambda values: _profile(_parse(values)), parameters, HELP)
+
+
+def _parse(values: dict[str, Any]) -> ProfileRun:
+    w = parse_workload(values, DEFAULT_CONCURRENCY)
+    if len(w.concurrency) != 1:
+        raise ValueError(
+            f"--concurrency: rlt profile runs one workload, got {len(w.concurrency)} values "
+            "(profile each concurrency separately)"
+        )
+    if values["top"] < 1:
+        raise ValueError(f"--top must be >= 1, got {values['top']}")
+    trace_out = values["trace_out"]
+    if trace_out is not None and trace_out.is_dir():
+        raise ValueError(f"--trace-out {trace_out} is a directory; give a file name")
+    return ProfileRun(**vars(w), trace_out=trace_out, top=values["top"])
+
+
+def _profile(run: ProfileRun) -> None:
+    check_device(run.engine_options.get("device", "auto"))
+    from rlt_engine.profile.driver import Workload as DriverWorkload
+    from rlt_engine.profile.driver import profile_workload
+
+    llm = load_engine(run)
+    engine = llm.engine
+    (c,) = run.concurrency
+    trace_out = run.trace_out or _default_trace(engine.model_dir, c)
+    with status_spinner("profiling") as status:
+
+        def on_phase(text: str) -> None:
+            if status is not None:
+                status.update(f"concurrency {c}: {text}")
+
+        summary = profile_workload(
+            engine,
+            DriverWorkload(c, run.prompt_len, run.output_len, run.warmup, run.params),
+            trace_out,
+            top=run.top,
+            on_phase=on_phase,
+        )
+    report = {**engine_summary(engine, run), "concurrency": c, **summary}
+    if run.json_output:
+        typer.echo(json.dumps(report))
+        return
+    _render(report)
+
+
+def _default_trace(model_dir: Path, concurrency: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return TRACE_DIR / f"{Path(model_dir).name or 'model'}-c{concurrency}-{stamp}.json"
+
+
+# -- rendering ----------------------------------------------------------------------------
+def _render(report: dict[str, Any]) -> None:
+    gpu = report["gpu"]
+    stdout.print(
+        f"[bold]{escape(report['model'])}[/] ({report['device_name']}, {report['dtype']}; "
+        f"{execution_text(report)}): concurrency {report['concurrency']}, "
+        f"{report['prompt_len']}-token prompts, {report['output_len']} output tokens, "
+        f"{report['engine_steps']} engine steps, {report['decode_traversals']} decode "
+        f"traversals; {report['decode_tokens_per_s']:.1f} decode tok/s under the profiler"
+    )
+    stdout.print(_phase_table(report))
+    if gpu["available"]:
+        stdout.print(
+            f"GPU busy: {_pct(gpu['busy_share_decode_window'])} of the decode windows "
+            f"({gpu['decode_window_busy_ms']:.1f} of {gpu['decode_window_ms']:.1f} ms), "
+            f"{_pct(gpu['busy_share_decode_steps'])} of the decode steps, "
+            f"{_pct(gpu['busy_share_wall'])} of wall time"
+        )
+        stdout.print(
+            f"Per token step: {_num(gpu['kernels_per_token_step'])} kernels "
+            f"({_num(gpu['kernels_per_traversal'])} per traversal), "
+            f"{_num(gpu['launch_calls_per_token_step'])} host launch calls, "
+            f"{_num(gpu['syncs_per_token_step'])} host syncs"
+        )
+    else:
+        stdout.print("GPU busy: n/a (CPU run); kernels per token step: n/a")
+    if report["missing_markers"]:
+        stdout.print(
+            f"[yellow]not marked (the engine has no such method): "
+            f"{escape(', '.join(report['missing_markers']))}[/]"
+        )
+    stdout.print(_top_table(report))
+    stdout.print(f"trace: {escape(report['trace'])}")
+
+
+def _phase_table(report: dict[str, Any]) -> Table:
+    cuda = report["gpu"]["available"]
+    table = Table(
+        title=f"wall time by phase ({report['wall_ms']:.1f} ms profiled)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    table.add_column("phase")
+    for name in ("ms", "% wall", "calls", *(("GPU ms",) if cuda else ())):
+        table.add_column(name, justify="right")
+    table.add_column("what", style="dim")
+    for row in report["phases"]:
+        cells = [
+            row["phase"],
+            f"{row['ms']:.2f}",
+            f"{100 * row['share']:.1f}%",
+            "" if row["calls"] is None else str(row["calls"]),
+        ]
+        if cuda:
+            cells.append(f"{row['gpu_ms']:.2f}")
+        table.add_row(*cells, PHASE_HELP.get(row["phase"], ""))
+    return table
+
+
+def _top_table(report: dict[str, Any]) -> Table:
+    top = report["top"]
+    kind = "kernels by device time" if top["kind"] == "cuda_kernels" else "CPU ops by self time"
+    table = Table(
+        title=f"top {len(top['items'])} {kind} ({top['total_ms']:.1f} ms in all)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    for name, justify in (("total ms", "right"), ("%", "right"), ("calls", "right")):
+        table.add_column(name, justify=justify)
+    table.add_column("mean us", justify="right")
+    table.add_column("name", overflow="ellipsis", no_wrap=True, max_width=100)
+    for item in top["items"]:
+        table.add_row(
+            f"{item['total_ms']:.2f}",
+            f"{100 * item['share']:.1f}%",
+            str(item["calls"]),
+            f"{item['mean_us']:.1f}",
+            escape(item["name"]),
+        )
+    return table
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.1f}"

@@ -1,0 +1,131 @@
+"""`rlt profile` on the bundled demo model, in-process through typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner, Result
+
+from rlt_cli.main import app
+from rlt_cli.output import stdout
+from rlt_engine.profile.trace import load_trace
+
+CPU = ("--model", "demo", "--dtype", "float32", "--device", "cpu", "--num-blocks", "128")
+TINY = ("-c", "2", "--prompt-len", "6", "--output-len", "5", "--warmup", "1")
+PHASES = (
+    "schedule", "bookkeeping", "prefill", "sampling", "decode_window", "read_back", "update",
+    "detokenize", "add_requests", "host_gaps",
+)  # fmt: skip
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(app, ["profile", *args])
+
+
+def test_json_phases_and_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "out" / "demo.json"
+    result = invoke(*CPU, *TINY, "--trace-out", str(trace), "--top", "5", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)  # stdout holds the JSON object and nothing else
+    assert data["trace"] == str(trace)
+    events = load_trace(trace)["traceEvents"]
+    assert any(e.get("name") == "rlt.decode_window" for e in events)
+    assert data["concurrency"] == 2 and data["prompt_len"] == 6 and data["output_len"] == 5
+    assert data["attention_impl"] == "torch" and data["decode_window"] == 8
+    phases = {p["phase"]: p for p in data["phases"]}
+    assert list(phases) == list(PHASES)
+    assert data["phases_ms"] <= data["wall_ms"]
+    assert sum(p["ms"] for p in data["phases"]) == pytest.approx(data["wall_ms"])
+    assert data["host_gaps_ms"] == pytest.approx(data["wall_ms"] - data["phases_ms"])
+    for name in ("decode_window", "prefill", "schedule", "read_back", "update", "detokenize"):
+        assert phases[name]["ms"] > 0 and phases[name]["calls"] > 0, name
+    assert all(0 <= p["share"] <= 1 for p in data["phases"])
+    assert phases["decode_window"]["ms"] > phases["schedule"]["ms"]
+    # the profiled run alone: 4 token steps x 4 loops need at least 16 traversals
+    assert data["token_steps"] == 4 and data["decode_traversals"] >= 16
+    assert data["engine_steps"] >= 1 and data["steps"] == data["engine_steps"]
+    assert data["missing_markers"] == []
+    assert data["decode_tokens_per_s"] > 0
+    gpu = data["gpu"]
+    assert gpu["available"] is False
+    assert gpu["busy_share_decode_window"] is None and gpu["kernels_per_token_step"] is None
+    top = data["top"]
+    assert top["kind"] == "cpu_ops" and 1 <= len(top["items"]) <= 5
+    assert all(item["name"].startswith("aten::") for item in top["items"])
+
+
+def test_human_summary_and_default_trace_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(stdout, "_width", 200)
+    result = invoke(*CPU, *TINY)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "wall time by phase" in out and "decode_window" in out and "host_gaps" in out
+    assert "GPU busy: n/a" in out and "CPU ops by self time" in out
+    traces = list((tmp_path / "rlt-profile").glob("ouro-gsm8k-tiny-c2-*.json"))
+    assert len(traces) == 1 and f"trace: {Path('rlt-profile') / traces[0].name}" in out
+
+
+def assert_one_error_line(result: Result, *needles: str) -> None:
+    assert result.exit_code not in (0, None), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (("-c", "1,2"), ("--concurrency", "one workload")),
+        (("-c", "0"), ("--concurrency must be >= 1",)),
+        (("-c", "x"), ("--concurrency", "rlt profile --help")),
+        (("--output-len", "1"), ("--output-len must be >= 2",)),
+        (("--prompt-len", "0"), ("--prompt-len must be >= 1",)),
+        (("--warmup", "-1"), ("--warmup must be >= 0",)),
+        (("--top", "0"), ("--top must be >= 1",)),
+        (("--repeats", "2"), ("--repeats",)),  # a bench flag profile does not take
+        (("--no-such-flag",), ("--no-such-flag",)),
+        (("--decode-window", "0"), ("decode_window must be >= 1",)),
+        (("--max-loops", "9"), ("model depth (4)",)),
+        (("--prompt-len", "4000"), ("context",)),
+    ],
+)
+def test_bad_flags_fail_with_one_line(args: tuple, needles: tuple) -> None:
+    assert_one_error_line(invoke(*CPU, *TINY, *args), *needles)
+
+
+def test_trace_out_must_be_a_file(tmp_path: Path) -> None:
+    assert_one_error_line(invoke(*CPU, *TINY, "--trace-out", str(tmp_path)), "--trace-out")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("eager", [False, True])
+def test_profile_on_cuda_reports_kernels_and_gpu_busy(
+    ckpt: Path, tmp_path: Path, eager: bool
+) -> None:
+    args = ["--model", str(ckpt), "--device", "cuda", "--dtype", "bfloat16", *TINY]
+    args += ["--trace-out", str(tmp_path / "t.json.gz"), "--json"]
+    result = invoke(*args, *(["--enforce-eager"] if eager else []))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    gpu = data["gpu"]
+    assert gpu["available"] is True and gpu["kernels"] >= gpu["decode_kernels"] > 0
+    assert 0 < gpu["busy_share_decode_window"] <= 1 and 0 < gpu["busy_share_wall"] <= 1
+    assert gpu["kernels_per_token_step"] > 0 and gpu["launch_calls"] > 0
+    phases = {p["phase"]: p for p in data["phases"]}
+    assert phases["decode_window"]["gpu_ms"] > 0
+    assert data["top"]["kind"] == "cuda_kernels" and data["top"]["items"]
+    assert data["phases_ms"] <= data["wall_ms"]

@@ -1,0 +1,206 @@
+"""The `rlt profile` summary on hand-built Chrome traces: nesting, phases, GPU busy, launches."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlt_engine.profile.trace import (
+    HOST_GAPS,
+    PHASES,
+    analyze,
+    exclusive_segments,
+    load_trace,
+    union_length,
+)
+
+MAIN = {"pid": 1, "tid": 7}
+
+
+def mark(name: str, ts: float, dur: float, **where: Any) -> dict[str, Any]:
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur,
+            **(where or MAIN)}  # fmt: skip
+
+
+def launch(ts: float, corr: int, name: str = "cudaLaunchKernel") -> dict[str, Any]:
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 2.0,
+            "args": {"correlation": corr}, **MAIN}  # fmt: skip
+
+
+def kernel(name: str, ts: float, dur: float, corr: int, cat: str = "kernel") -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+            "args": {"correlation": corr}, "pid": 0, "tid": 7}  # fmt: skip
+
+
+def test_exclusive_segments_partition_nested_ranges() -> None:
+    ranges = [(0, 100, "a"), (10, 40, "b"), (20, 30, "c"), (50, 120, "d"), (200, 210, "e")]
+    segments = exclusive_segments(ranges)
+    assert segments == [
+        (0, 10, "a"), (10, 20, "b"), (20, 30, "c"), (30, 40, "b"), (40, 50, "a"),
+        (50, 100, "d"),  # d pokes out of a: clipped to it
+        (200, 210, "e"),
+    ]  # fmt: skip
+    assert union_length([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+
+
+def gpu_trace() -> dict[str, Any]:
+    """One 1,000 us workload: a prefill step, then a decode step whose window launches three
+    kernels that run on past the window into the read back."""
+    events = [
+        mark("rlt.workload", 0, 1000),
+        mark("rlt.add_request", 5, 10),
+        mark("rlt.step", 20, 380),  # step 1: prefill + a first window
+        mark("rlt.schedule", 25, 15),
+        mark("rlt.execute", 40, 320),
+        mark("rlt.prefill", 50, 100),
+        mark("rlt.sample", 120, 20),
+        mark("rlt.decode_window", 150, 50),
+        mark("rlt.read_back", 200, 150),
+        mark("rlt.update", 360, 30),
+        mark("rlt.detokenize", 370, 10),
+        mark("rlt.step", 420, 560),  # step 2: decode only
+        mark("rlt.schedule", 420, 20),
+        mark("rlt.execute", 440, 500),
+        mark("rlt.decode_window", 450, 100),
+        mark("rlt.read_back", 550, 380),
+        mark("rlt.update", 940, 30),
+        # a marker on another thread is not the engine's
+        mark("rlt.prefill", 0, 999, pid=1, tid=8),
+        launch(60, 1),
+        kernel("prefill_gemm", 70, 100, 1),  # 70..170
+        launch(125, 2),
+        kernel("sampler", 175, 10, 2),  # 175..185
+        launch(160, 3, "cudaGraphLaunch"),
+        kernel("decode_gemm", 190, 100, 3),  # 190..290 (window span 150..360)
+        launch(460, 4, "cuLaunchKernel"),
+        kernel("decode_gemm", 470, 300, 4),  # 470..770
+        launch(470, 5),
+        kernel("attention", 770, 80, 5),  # 770..850
+        launch(560, 6, "cudaMemcpyAsync"),
+        kernel("Memcpy DtoH", 880, 10, 6, cat="gpu_memcpy"),  # 880..890
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaStreamSynchronize",
+            "ts": 890,
+            "dur": 30,
+            "args": {},
+            **MAIN,
+        },
+        {
+            "ph": "X",
+            "cat": "gpu_user_annotation",
+            "name": "rlt.decode_window",
+            "ts": 450,
+            "dur": 500,
+            "pid": 0,
+            "tid": 7,
+        },
+        {"ph": "M", "name": "process_name", "pid": 1, "tid": 0},
+    ]
+    return {"traceEvents": events}
+
+
+def test_phases_partition_the_wall_time() -> None:
+    s = analyze(gpu_trace(), token_steps=4, traversals=16, top=3)
+    phases = {p["phase"]: p for p in s["phases"]}
+    assert [p["phase"] for p in s["phases"]] == [*(name for name, _ in PHASES), HOST_GAPS]
+    assert s["wall_ms"] == 1.0 and s["steps"] == 2
+    expected_us = {
+        "schedule": 35,
+        "bookkeeping": (320 - 100 - 50 - 150) + (500 - 100 - 380),  # execute's own time
+        "prefill": 100 - 20,
+        "sampling": 20,
+        "decode_window": 150,
+        "read_back": 530,
+        "update": 20 + 30,
+        "detokenize": 10,
+        "add_requests": 10,
+    }
+    for name, us in expected_us.items():
+        assert phases[name]["ms"] == pytest.approx(us / 1e3), name
+    assert phases["read_back"]["calls"] == 2 and phases["detokenize"]["calls"] == 1
+    assert s["phases_ms"] == pytest.approx(sum(expected_us.values()) / 1e3)
+    assert s["host_gaps_ms"] == pytest.approx(1.0 - s["phases_ms"])
+    assert phases[HOST_GAPS]["ms"] == s["host_gaps_ms"]
+    # device time goes to the phase that launched it
+    assert phases["prefill"]["gpu_ms"] == pytest.approx(0.1)
+    assert phases["sampling"]["gpu_ms"] == pytest.approx(0.01)
+    assert phases["decode_window"]["gpu_ms"] == pytest.approx(0.48)
+    assert phases["read_back"]["gpu_ms"] == pytest.approx(0.01)
+
+
+def test_gpu_busy_share_of_the_decode_windows() -> None:
+    gpu = analyze(gpu_trace(), token_steps=4, traversals=16)["gpu"]
+    # window spans run to the end of their execute: 150..360 and 450..940 = 700 us; device
+    # activity inside: 150..170 (prefill's gemm still running) + 175..185 + 190..290
+    # + 470..850 + 880..890 = 520 us
+    assert gpu["decode_window_ms"] == pytest.approx(0.7)
+    assert gpu["decode_window_busy_ms"] == pytest.approx(0.52)
+    assert gpu["busy_share_decode_window"] == pytest.approx(520 / 700)
+    # the decode-only step 420..980 holds 470..850 + 880..890
+    assert gpu["decode_steps_ms"] == pytest.approx(0.56)
+    assert gpu["busy_share_decode_steps"] == pytest.approx(390 / 560)
+    # 70..170 + 175..185 + 190..290 + 470..850 + 880..890
+    assert gpu["busy_ms"] == pytest.approx(0.6)
+    assert gpu["busy_share_wall"] == pytest.approx(0.6)
+    # kernels launched inside a window: decode_gemm x2 + attention (the sampler was launched
+    # from prefill's sampling, the memcpy is no kernel)
+    assert (gpu["kernels"], gpu["decode_kernels"]) == (5, 3)
+    assert gpu["kernels_per_token_step"] == pytest.approx(3 / 4)
+    assert gpu["kernels_per_traversal"] == pytest.approx(3 / 16)
+    assert (gpu["launch_calls"], gpu["decode_launch_calls"]) == (5, 3)
+    assert gpu["syncs"] == 1 and gpu["syncs_per_token_step"] == pytest.approx(1 / 4)
+
+
+def test_top_kernels_by_device_time() -> None:
+    top = analyze(gpu_trace(), token_steps=4, traversals=16, top=2)["top"]
+    assert top["kind"] == "cuda_kernels" and top["total_ms"] == pytest.approx(0.59)
+    assert [(k["name"], k["calls"]) for k in top["items"]] == [
+        ("decode_gemm", 2),
+        ("prefill_gemm", 1),
+    ]
+    assert top["items"][0]["total_ms"] == pytest.approx(0.4)
+    assert top["items"][0]["mean_us"] == pytest.approx(200)
+    assert top["items"][0]["share"] == pytest.approx(0.4 / 0.59)
+
+
+def test_cpu_trace_has_no_gpu_numbers_and_ranks_cpu_ops_by_self_time() -> None:
+    op = {"ph": "X", "cat": "cpu_op", **MAIN}
+    trace = {
+        "traceEvents": [
+            mark("rlt.workload", 0, 100),
+            mark("rlt.step", 0, 90),
+            mark("rlt.decode_window", 10, 60),
+            {**op, "name": "aten::linear", "ts": 10, "dur": 50},
+            {**op, "name": "aten::mm", "ts": 15, "dur": 40},
+            {**op, "name": "aten::add", "ts": 60, "dur": 5},
+        ]
+    }
+    s = analyze(trace, token_steps=1, traversals=4)
+    assert s["gpu"]["available"] is False and s["gpu"]["busy_share_decode_window"] is None
+    assert all(p["gpu_ms"] is None for p in s["phases"])
+    top = s["top"]
+    assert top["kind"] == "cpu_ops"
+    assert [(k["name"], k["total_ms"]) for k in top["items"]] == [
+        ("aten::mm", pytest.approx(0.04)),
+        ("aten::linear", pytest.approx(0.01)),
+        ("aten::add", pytest.approx(0.005)),
+    ]
+
+
+def test_a_trace_without_the_workload_marker_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"rlt\.workload"):
+        analyze({"traceEvents": [mark("rlt.step", 0, 1)]}, token_steps=1, traversals=1)
+
+
+def test_load_trace_reads_plain_and_gzipped(tmp_path: Path) -> None:
+    trace = gpu_trace()
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    with gzip.open(tmp_path / "t.json.gz", "wt") as f:
+        json.dump(trace, f)
+    assert load_trace(tmp_path / "t.json") == load_trace(tmp_path / "t.json.gz") == trace
