@@ -47,6 +47,21 @@ class LoopedCausalLM(nn.Module):
     def num_loops(self) -> int:
         return self.config.num_loops
 
+    def use_fast_path(self) -> None:
+        """Packed q/k/v and gate/up weights (one GEMM each) and the fused Triton norm and
+        RoPE kernels. Same function; the worker turns it on with the Triton backend."""
+        from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
+
+        for module in self.modules():
+            if isinstance(module, Attention) and module.qkv is None:
+                module.pack()
+            if isinstance(module, SwiGLU) and module.gate_up is None:
+                module.pack()
+            if isinstance(module, Attention):
+                module.fused_rope = True
+            if isinstance(module, RMSNorm):
+                module.fused = True
+
     def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 

@@ -11,15 +11,23 @@ from rlt_engine.models.configs import LoopedLMConfig
 
 
 class RMSNorm(nn.Module):
+    fused = False  # one Triton kernel (kernels/norm.py) instead of eight; set by use_fast_path
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight * norm(x)`, plus `residual` when given (the sandwich norm's add)."""
+        if self.fused:
+            from rlt_engine.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual=residual)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else residual + out
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -55,15 +63,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def pack_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One weight for several projections of the same input (one GEMM instead of several).
+    The modules keep their parameters as views into it, so names and memory stay as loaded."""
+    packed = torch.cat([lin.weight.detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(packed[start : start + rows], requires_grad=False)
+        start += rows
+    return packed
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: torch.Tensor | None = None  # packed [2 * intermediate, hidden]
+
+    def pack(self) -> None:
+        self.gate_up = pack_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -79,6 +106,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv: torch.Tensor | None = None  # packed [(heads + 2 kv_heads) * head_dim, hidden]
+        self.fused_rope = False
+
+    def pack(self) -> None:
+        self.qkv = pack_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -87,10 +119,19 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        rows, d = x.shape[0], self.head_dim
+        if self.qkv is None:
+            q = self.q_proj(x).view(rows, self.num_heads, d)
+            k = self.k_proj(x).view(rows, self.num_kv_heads, d)
+            v = self.v_proj(x).view(rows, self.num_kv_heads, d)
+        else:
+            qkv = F.linear(x, self.qkv).view(rows, self.num_heads + 2 * self.num_kv_heads, d)
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.fused_rope:
+            from rlt_engine.kernels.rope import apply_rope_
+
+            apply_rope_(q, k, *rope)
+        else:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = backend.attend(self.layer, q, k, v, meta)
         return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))

@@ -29,8 +29,11 @@ class OuroDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), rope, meta, backend))
-        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+        attn = self.self_attn(self.input_layernorm(x), rope, meta, backend)
+        x = self.input_layernorm_2(attn, residual=x)
+        return self.post_attention_layernorm_2(
+            self.mlp(self.post_attention_layernorm(x)), residual=x
+        )
 
 
 class OuroForCausalLM(LoopedCausalLM):
