@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+_WINDOW = 8  # most tokens decoded per push
+_ANCHOR = 4  # tokens kept as context when the window is re-anchored
+
+
 @dataclass
 class IncrementalDetokenizer:
     tokenizer: Any
@@ -28,11 +32,15 @@ class IncrementalDetokenizer:
         if window.endswith("\ufffd"):
             return False  # incomplete UTF-8 sequence: wait for the next token
         new = window[len(self._prefix_text) :] if window.startswith(self._prefix_text) else window
-        # Re-anchor on the last few tokens so decode cost stays bounded on long outputs.
-        self._prefix = max(0, len(self._ids) - 4)
-        self._prefix_text = self.tokenizer.decode(
-            self._ids[self._prefix :], skip_special_tokens=True
-        )
+        if len(self._ids) - self._prefix > _WINDOW:
+            # Re-anchor on the last few tokens so each decode stays short on long outputs
+            # (a second decode, once every few tokens).
+            self._prefix = len(self._ids) - _ANCHOR
+            self._prefix_text = self.tokenizer.decode(
+                self._ids[self._prefix :], skip_special_tokens=True
+            )
+        else:
+            self._prefix_text = window
         return self._append(new)
 
     def _append(self, new: str) -> bool:
