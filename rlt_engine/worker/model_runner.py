@@ -83,6 +83,8 @@ class ModelRunner:
         self.traversal = DecodeTraversal(
             model, self.kv, self.slots, self.events, refill=refill, shared=self.shared
         )
+        if isinstance(self.kv, TritonPagedAttention):
+            model.use_fast_path()  # packed weights, fused norm and RoPE kernels
         capturable = isinstance(self.kv, TritonPagedAttention) and self.device.type == "cuda"
         self.graphs = (
             GraphCache(self.traversal, num_slots)
