@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
 _WINDOW = 8  # most tokens decoded per push
 _ANCHOR = 4  # tokens kept as context when the window is re-anchored
 

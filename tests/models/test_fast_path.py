@@ -3,9 +3,9 @@ computes the same function as the plain torch path."""
 
 from __future__ import annotations
 
+import golden
 import torch
 
-import golden
 from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata
 from rlt_engine.models.loader import load_model
 
