@@ -60,10 +60,8 @@ class PagedKVCache:
         self.v[:, dst] = self.v[:, src]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
-        # index_copy_: a plain scatter (index_put is a slower general kernel); idle rows may
-        # collide on the trash slot, whose content is never read
-        self.k[layer].index_copy_(0, meta.slot_mapping, k)
-        self.v[layer].index_copy_(0, meta.slot_mapping, v)
+        self.k[layer, meta.slot_mapping] = k
+        self.v[layer, meta.slot_mapping] = v
 
 
 class TorchPagedAttention(PagedKVCache):

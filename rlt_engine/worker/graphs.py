@@ -1,8 +1,7 @@
-"""CUDA graphs of the decode window: one per (padded batch size, static flags, traversals).
+"""CUDA graphs of the decode traversal: one per (padded batch size, static flags).
 
 A traversal reads and writes only the slot batch, the KV pool and the event buffers (fixed
-addresses), so one graph holds the whole window of N traversals back to back: one launch per
-window, no host work and no launch gaps between traversals.
+addresses), so replaying its graph N times is N traversals with no host work between them.
 Batch sizes are padded up to 1, 2, 4, 8, ... (capped at the slot count); padded rows are idle
 slots, which write to the trash slot and emit nothing. Graphs are captured on first use: the
 warm-up run happens with every slot marked idle, so capturing never changes a request's state.
@@ -27,7 +26,7 @@ class GraphCache:
     def __init__(self, traversal: DecodeTraversal, num_slots: int) -> None:
         self.traversal = traversal
         self.buckets = bucket_sizes(num_slots)
-        self.graphs: dict[tuple[int, Flags, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, Flags], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def padded(self, b: int) -> int:
@@ -36,14 +35,14 @@ class GraphCache:
     def replay(self, b: int, flags: Flags, traversals: int) -> int:
         """Run `traversals` traversals over slots [0, padded b); returns the padded size."""
         b = self.padded(b)
-        key = (b, flags, traversals)
-        graph = self.graphs.get(key)
+        graph = self.graphs.get((b, flags))
         if graph is None:
-            graph = self.graphs[key] = self._capture(b, flags, traversals)
-        graph.replay()
+            graph = self.graphs[(b, flags)] = self._capture(b, flags)
+        for _ in range(traversals):
+            graph.replay()
         return b
 
-    def _capture(self, b: int, flags: Flags, traversals: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, b: int, flags: Flags) -> torch.cuda.CUDAGraph:
         s, ev = self.traversal.s, self.traversal.ev
         saved = s.active.clone(), s.parked.clone(), ev.step.clone(), ev.token.clone()
         s.active.zero_()  # every slot idle: the warm-up writes only the trash slot
@@ -55,8 +54,7 @@ class GraphCache:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            for _ in range(traversals):
-                self.traversal(b, flags)
+            self.traversal(b, flags)
         for tensor, value in zip((s.active, s.parked, ev.step, ev.token), saved, strict=True):
             tensor.copy_(value)
         return graph
