@@ -240,12 +240,19 @@ def _steady(llm: LLM, prompts, params) -> dict:
     }
 
 
-def profile() -> dict:
+def profile_adaptive() -> dict:
+    """The same profile with per-request max_loops from {2,3,4} (early-exit graph variant)."""
+    draw = random.Random(3)
+    depths = [draw.choice((2, 3, 4)) for _ in range(8)]
+    return profile(max_loops=lambda i: depths[i])
+
+
+def profile(max_loops=None) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     llm = _engine(OURO, max_num_seqs=8)
-    prompts, params = _workload(8, 64, 32)
+    prompts, params = _workload(8, 64, 32, max_loops=max_loops)
     decode_rate(llm, prompts, params)
     runner = llm.engine.runner
     spans: list[tuple[float, float]] = []
@@ -274,6 +281,8 @@ def profile() -> dict:
         "gpu_kernel_time_s": busy_us / 1e6,
         "gpu_busy_share_of_window_wall": busy_us / 1e6 / window_s if window_s else None,
         "kernel_launches": len(kernels),
+        "traversals": traversals,
+        "window_ms_per_traversal": window_s / traversals * 1e3,
         "top_kernels": [(e.key, e.device_time_total / 1e3, e.count) for e in top],
     }
 
