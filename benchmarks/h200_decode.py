@@ -273,7 +273,8 @@ def profile(max_loops=None) -> dict:
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     busy_us = sum(e.device_time for e in kernels)
     window_s = sum(b - a for a, b in spans)
-    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
+    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:25]
+    traversals = len(spans) * llm.engine.config.execution.decode_window
     return {
         "decode_tok_s": r["decode_tok_s"],
         "windows": len(spans),
