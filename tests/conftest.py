@@ -70,18 +70,18 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # -- hypothesis profiles (the property tests): "ci" by default, "long" by hand or nightly ------
-import os  # noqa: E402
-
+# HYPOTHESIS_PROFILE=long python -m pytest tests/test_engine_property.py \
+#     tests/test_memory_policies_property.py
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 _HYPOTHESIS_COMMON = dict(
     database=None,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# max_examples counts per parametrized case: the property tests run once per memory mode
+settings.register_profile("ci", max_examples=3, derandomize=True, **_HYPOTHESIS_COMMON)
 settings.register_profile(
-    "ci", max_examples=4, derandomize=True, deadline=None, **_HYPOTHESIS_COMMON
-)
-settings.register_profile(
-    "long", max_examples=40, derandomize=False, deadline=None, **_HYPOTHESIS_COMMON
+    "long", max_examples=30, derandomize=False, print_blob=True, **_HYPOTHESIS_COMMON
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
