@@ -103,7 +103,10 @@ class LLMEngine:
         (a full token budget of prefill through every loop, then a decode traversal of every
         slot with every sampling variant on)."""
         sched = self.config.scheduler
-        rows, block_size = sched.max_num_batched_tokens, self.config.cache.block_size
+        # a full token budget, but never past the model's context (the decode step after it
+        # writes one more position)
+        rows = min(sched.max_num_batched_tokens, self.model_config.max_position_embeddings - 1)
+        block_size = self.config.cache.block_size
         # the decode traversal after the full prefill writes position `rows`: one more slot
         num_blocks = self.model_config.num_loops * -(-(rows + 1) // block_size)
 

@@ -91,3 +91,20 @@ def test_profile_step_is_the_largest_step_the_scheduler_plans(tiny_ouro_dir, mon
     assert max(seen["coda"]) == (max_seqs, hidden) and max_seqs >= real_coda
     assert torch.equal(llm.engine.runner.kv.k, pool[0])  # the real pool is left alone
     assert torch.equal(llm.engine.runner.kv.v, pool[1])
+
+
+def test_profile_step_stays_within_the_model_context(tiny_ouro_dir, monkeypatch):
+    """A token budget at or past the context (the default 2048 against a 2048-position model)
+    profiles a prompt of context - 1 tokens: the decode step after it writes one more."""
+    llm = LLM(str(tiny_ouro_dir), dtype="float32", num_blocks=64, block_size=16)
+    context = llm.engine.model_config.max_position_embeddings
+    assert llm.engine.config.scheduler.max_num_batched_tokens >= context
+    seen = _record_model_calls(llm, monkeypatch)
+
+    def fake_profile(device, *, gpu_memory_utilization, run_max_step, reserve_bytes):
+        run_max_step()
+        return 0
+
+    monkeypatch.setattr(engine_module, "profile_kv_budget", fake_profile)
+    llm.engine._profile_kv_budget()
+    assert max(shape[0] for shape, _ in seen["recurrent"]) == context - 1
