@@ -56,8 +56,10 @@ class PagedKVCache:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """K/V of every layer from slots `src` to slots `dst` (exit copies into deeper planes)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        # one gather and one scatter over every layer (advanced indexing on dim 1 would
+        # launch per-layer kernels); trash-slot duplicates in `dst` are never read
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
         self.k[layer, meta.slot_mapping] = k
