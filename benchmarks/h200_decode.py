@@ -76,6 +76,10 @@ def exact(tmp: Path) -> dict:
 
 
 def _engine(model: Path, **opts) -> LLM:
+    import gc
+
+    gc.collect()  # engines dropped earlier hold the pool until collected (graph cycles)
+    torch.cuda.empty_cache()
     return LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda", **opts)
 
 
