@@ -11,7 +11,8 @@ timed while a request is preempted (swapped out), mixed priorities.
 
 Only public-ish engine surfaces are used: `LLM(...)`, `engine.add_request / step /
 abort_request / has_unfinished_requests / cache_stats()`, the scheduler's `waiting / running /
-swapped` request lists and the block manager's `num_used / owned_blocks`.
+swapped` request lists (request ids, params, prompt length, max positions) and the block
+manager's `num_used / num_blocks / blocks_needed / owned_blocks`; nothing of the step plan.
 """
 
 from __future__ import annotations
@@ -522,7 +523,7 @@ def oracle(ckpt: Path, layout: str, prompt: tuple[int, ...], p: SamplingParams, 
 
 def check_outputs(ckpt: Path, w: Workload, run: Run, sampled_ref=None) -> None:
     """Every completed request equals the dense oracle (greedy) or `sampled_ref` (seeded
-    sampling); an aborted greedy request's partial output is a prefix of the oracle's."""
+    sampling); an aborted request's partial output is a prefix of that."""
     layout = w.options["kv_layout"]
     for i, s in enumerate(w.specs):
         rid = rid_of(i)
@@ -532,8 +533,13 @@ def check_outputs(ckpt: Path, w: Workload, run: Run, sampled_ref=None) -> None:
         if rid in run.aborted:
             assert rid not in run.finals
             out = run.aborted[rid]
-            if s.params.temperature == 0.0 and out.token_ids:
-                want = oracle(ckpt, layout, s.prompt, s.params, len(out.token_ids))
+            n = len(out.token_ids)
+            if n and s.params.temperature == 0.0:
+                want = oracle(ckpt, layout, s.prompt, s.params, n)
+            elif n:
+                tokens, depths = sampled_ref(layout, s.prompt, s.params)
+                want = tokens[:n], depths[:n]
+            if n:
                 assert (out.token_ids, out.exit_depths) == want, f"aborted {rid}"
             continue
         out = run.finals[rid]
