@@ -255,7 +255,7 @@ def test_floor_of_ouro_1_4b_matches_design(tmp_path: Path) -> None:
 def test_floor_arithmetic() -> None:
     assert floor_tokens_per_s(8, 2e9, 4e12) == 16_000.0  # 8 rows per 0.5 ms step
     assert floor_tokens_per_s(1, 1.0, 1.0) == 1.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be positive"):
         floor_tokens_per_s(1, 0, 1e12)
     base = torch.zeros(100)  # 400 bytes; overlapping views and repeats count once
     assert _distinct_bytes([base[:60], base[40:], base[:10], base]) == 400

@@ -77,7 +77,7 @@ def test_random_allocate_free_conserves_blocks():
             if bm.can_allocate(n):
                 live[f"r{i}"] = bm.allocate(f"r{i}", n)[0]
             else:
-                with pytest.raises(RuntimeError):
+                with pytest.raises(RuntimeError, match="out of KV blocks"):
                     bm.allocate(f"r{i}", n)
         held = [b for tables in live.values() for t in tables for b in t]
         assert len(held) == len(set(held)) == bm.num_used

@@ -252,7 +252,7 @@ def test_a_failed_allocation_does_not_count_in_the_stats():
     run_once(bm, "a", prompt)  # 2 queried, 0 hits
     bm.allocate("x", 2 * BS)
     before = (bm.stats.queried_blocks, bm.stats.hit_blocks)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
         bm.allocate("b", 6 * BS, prompt)  # needs 4 fresh blocks per plane, 2 exist
     assert (bm.stats.queried_blocks, bm.stats.hit_blocks) == before
 

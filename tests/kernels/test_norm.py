@@ -138,15 +138,15 @@ def test_weight_dtype_and_empty():
 
 def test_rejects_bad_arguments():
     x, norm, residual = make(3, 48, torch.float32)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="weight must be"):
         rms_norm(x, norm.weight[:32], EPS)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="residual must be"):
         rms_norm(x, norm.weight, EPS, residual=residual[:2])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="residual must be"):
         rms_norm(x, norm.weight, EPS, residual=residual.bfloat16())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="out must be"):
         rms_norm(x, norm.weight, EPS, out=torch.empty(3, 48, dtype=torch.bfloat16))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="out must be"):
         rms_norm(x, norm.weight, EPS, out=torch.empty(48, 3).t())
 
 

@@ -214,20 +214,20 @@ def test_rejects_bad_arguments():
         scale=0.25,
         max_query_len=1,
     )
-    bad = [
-        {"block_tables": case.block_tables.long()},
-        {"seq_lens": case.seq_lens.long()},
-        {"query_start": case.query_start[:1]},
-        {"q": case.q[:, :3]},  # 3 heads over 2 kv heads
-        {"q": case.q.double()},
-        {"v_cache": case.v.half()},
-        {"block_size": 0},
-        {"max_query_len": 0},
-        {"num_splits": 0},
-        {"out": torch.empty(1, 4, 8)},
+    bad = [  # (change, the message naming what is wrong)
+        ({"block_tables": case.block_tables.long()}, "block_tables must be int32"),
+        ({"seq_lens": case.seq_lens.long()}, "seq_lens must be int32"),
+        ({"query_start": case.query_start[:1]}, "query_start must be int32"),
+        ({"q": case.q[:, :3]}, "must be a multiple of num_kv_heads"),  # 3 heads over 2 kv
+        ({"q": case.q.double()}, "must share one of"),
+        ({"v_cache": case.v.half()}, "must share one of"),
+        ({"block_size": 0}, "block_size must be a positive int"),
+        ({"max_query_len": 0}, "max_query_len must be a positive int"),
+        ({"num_splits": 0}, "num_splits must be >= 1"),
+        ({"out": torch.empty(1, 4, 8)}, "out must be"),
     ]
-    for change in bad:
-        with pytest.raises(ValueError):
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
             paged_attention(**{**args, **change})
 
 

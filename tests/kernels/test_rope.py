@@ -88,16 +88,17 @@ def test_separate_contiguous_tensors_and_large_theta():
 def test_empty_and_rejects_bad_arguments():
     _, q, k, cos, sin = packed(2, 2, 1, 8, torch.float32)
     apply_rope_(q[:0], k[:0], cos[:0], sin[:0])
-    with pytest.raises(ValueError):  # cos in another dtype: torch would promote, not in place
+    # cos in another dtype: torch would promote, not in place
+    with pytest.raises(ValueError, match="cos must be"):
         apply_rope_(q, k, cos.double(), sin)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="disagree on rows or D"):
         apply_rope_(q, k[:1], cos, sin)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="q and k must share one of"):
         apply_rope_(q, k.bfloat16(), cos, sin)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="contiguous in their last dimension"):
         apply_rope_(torch.zeros(2, 2, 16)[..., ::2], k, cos, sin)  # last-dim stride 2
     odd = torch.zeros(2, 2, 7)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="head_dim must be even"):
         apply_rope_(odd, odd[:, :1], torch.zeros(2, 7), torch.zeros(2, 7))
 
 
