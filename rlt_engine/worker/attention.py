@@ -35,6 +35,8 @@ class PagedMetadata(AttentionMetadata):
 class PagedKVCache:
     """Owns the K/V pool; `attend` is implemented by the backends below."""
 
+    num_splits = 1  # split-K over the context for decode (Triton), set per traversal variant
+
     def __init__(
         self,
         num_layers: int,
@@ -122,8 +124,6 @@ class TorchPagedAttention(PagedKVCache):
 
 class TritonPagedAttention(PagedKVCache):
     """The Triton kernel: reads K/V through the tables on the device, capturable."""
-
-    num_splits = 1  # split-K over the context for decode; set by the runner per batch
 
     def attend(
         self,

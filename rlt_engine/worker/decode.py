@@ -29,6 +29,7 @@ class Flags:
     any_filter: bool
     num_logprobs: int | None
     early_exits: bool
+    attention_splits: int = 1  # split-K over the context (Triton backend)
 
 
 class EventBuffers:
@@ -70,6 +71,7 @@ class DecodeTraversal:
     @torch.inference_mode()
     def __call__(self, b: int, flags: Flags) -> None:
         s, bs, trash = self.s, self.kv.block_size, self.kv.trash_slot
+        self.kv.num_splits = flags.attention_splits
         active, parked = s.active[:b], s.parked[:b]
         if not self.refill:  # the cohort starts together once everyone has exited
             release = (parked | ~active).all()

@@ -184,7 +184,7 @@ class ModelRunner:
         b = self.slots.span()
         if b == 0:
             return None
-        flags = Flags(*self.slots.flags())
+        flags = Flags(*self.slots.flags(), attention_splits=self._splits(b))
         ev = self.events
         if traversals > ev.window:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
@@ -197,6 +197,14 @@ class ModelRunner:
             for _ in range(traversals):
                 self.traversal(b, flags)
         return traversals, b, flags
+
+    def _splits(self, b: int) -> int:
+        """Split-K for decode attention: few sequences over long contexts leave most SMs idle
+        with one program per (sequence, kv head). Measured on the H200 (Ouro shapes): 4
+        splits are 1.3-1.9x faster at 8 sequences from 1k keys on, and no help at 64."""
+        if not isinstance(self.kv, TritonPagedAttention) or b > 16:
+            return 1
+        return 4 if self.slots.max_context(self.block_size) >= 1024 else 1
 
     # -- the one read back ---------------------------------------------------------------
     def _read_back(
