@@ -67,6 +67,9 @@ ENGINE_CONFIGS = [
         refill=False, block_size=16, max_num_seqs=9, max_num_batched_tokens=9, prefill_chunk_size=1
     ),
     dict(refill=False, block_size=16, num_blocks=12),  # the pool holds one request at a time
+    # the Triton attention, fast path and exit-copy kernels (interpreted on the CPU), with
+    # adaptive exits at every depth
+    dict(refill=True, block_size=4, attention_backend="triton", decode_window=3),
 ]
 
 

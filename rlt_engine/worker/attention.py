@@ -57,9 +57,8 @@ class PagedKVCache:
         self.scale = 1.0 / math.sqrt(head_dim)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """K/V of every layer from slots `src` to slots `dst` (exit copies into deeper planes)."""
-        # one gather and one scatter over every layer (advanced indexing on dim 1 would
-        # launch per-layer kernels); trash-slot duplicates in `dst` are never read
+        """K/V of every layer from slots `src` to slots `dst` (exit copies into deeper planes;
+        the two sets are disjoint, trash-slot duplicates in `dst` are never read)."""
         self.k.index_copy_(1, dst, self.k.index_select(1, src))
         self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
@@ -124,6 +123,11 @@ class TorchPagedAttention(PagedKVCache):
 
 class TritonPagedAttention(PagedKVCache):
     """The Triton kernel: reads K/V through the tables on the device, capturable."""
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        from rlt_engine.kernels.kv_copy import copy_slots_
+
+        copy_slots_(self.k, self.v, src, dst)  # one launch for every layer of K and V
 
     def attend(
         self,
