@@ -206,10 +206,13 @@ def adaptive() -> dict:
         mean_loops = statistics.mean(depths)
         theory = 4 / mean_loops
         gain = adapt["decode_tok_s"] / fixed["decode_tok_s"]
+        full_gain = adapt["full_occupancy_tok_s"] / fixed["full_occupancy_tok_s"]
         report[f"slots{slots}"] = {
             "theoretical_gain": theory,
             "measured_gain": gain,
             "share_of_loop_savings": (gain - 1) / (theory - 1),
+            "full_occupancy_gain": full_gain,
+            "full_occupancy_share": (full_gain - 1) / (theory - 1),
         }
         del llm
         torch.cuda.empty_cache()
@@ -220,16 +223,25 @@ def _steady(llm: LLM, prompts, params) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(prompt, p, request_id=f"s{i}")
+    from rlt_engine.core.plan import Stage
+
     real = runner.execute
-    stats = {"tokens": 0, "seconds": 0.0, "steps": 0}
+    stats = {"tokens": 0, "seconds": 0.0, "steps": 0, "full_tokens": 0, "full_seconds": 0.0}
+    slots = engine.config.scheduler.max_num_seqs
 
     def timed(plan):
+        # full: every slot decodes for the whole window (no queue or tail effects)
+        full = sum(r.stage is Stage.DECODE for r in engine.scheduler.running) == slots
         t = time.perf_counter()
         result = real(plan)  # ends with the step's one read back (synchronised)
         if not plan.prefill:
-            stats["seconds"] += time.perf_counter() - t
+            seconds = time.perf_counter() - t
+            stats["seconds"] += seconds
             stats["tokens"] += len(result.events)
             stats["steps"] += 1
+            if full:
+                stats["full_seconds"] += seconds
+                stats["full_tokens"] += len(result.events)
         return result
 
     runner.execute = timed
@@ -237,9 +249,11 @@ def _steady(llm: LLM, prompts, params) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     runner.execute = real
+    full = stats["full_tokens"] / stats["full_seconds"] if stats["full_seconds"] else None
     return {
         **stats,
         "decode_tok_s": stats["tokens"] / stats["seconds"],
+        "full_occupancy_tok_s": full,
         "e2e_s": time.perf_counter() - t0,
     }
 
