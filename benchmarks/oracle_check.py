@@ -44,7 +44,7 @@ def module_per_depth(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default=str(KNOWN / "ouro-1.4b.json"))
+    parser.add_argument("--config", default=str(KNOWN / "ouro-1.4b" / "config.json"))
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--out", default=None)

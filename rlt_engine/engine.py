@@ -17,7 +17,7 @@ from rlt_engine.core.scheduler import Scheduler
 from rlt_engine.detokenizer import IncrementalDetokenizer
 from rlt_engine.models.loader import load_model
 from rlt_engine.models.resolve import default_model, resolve_model_dir
-from rlt_engine.models.tokenizer import TokenizerError, load_tokenizer, stop_token_ids
+from rlt_engine.models.tokenizer import has_tokenizer_files, load_tokenizer, stop_token_ids
 from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from rlt_engine.sampling_params import SamplingParams
 from rlt_engine.worker.decode import Flags
@@ -53,10 +53,10 @@ class LLMEngine:
             self.model_dir, dtype=self.dtype, device=self.device, load_format=mc.load_format
         )
         self.model_config = self.model.config
-        try:
+        if has_tokenizer_files(self.model_dir):  # a broken tokenizer is an error, not "none"
             self.tokenizer = load_tokenizer(self.model_dir)
             self.default_stop_ids = stop_token_ids(self.tokenizer, self.model_config)
-        except TokenizerError:
+        else:
             self.tokenizer = None  # dummy weights from a bare config: token-id prompts only
             self.default_stop_ids = self.model_config.eos_token_ids
         depth = self.model_config.num_loops
@@ -70,6 +70,10 @@ class LLMEngine:
             num_blocks=cache.num_blocks,
             kv_cache_memory=cache.kv_cache_memory,
             profile=self._profile_kv_budget,
+            weight_bytes=sum(
+                t.numel() * t.element_size() for t in self.model.state_dict().values()
+            ),
+            max_num_seqs=config.scheduler.max_num_seqs,
         )
         self.num_planes = self.memory_plan.num_planes
         self.num_blocks = self.memory_plan.num_blocks

@@ -145,7 +145,9 @@ def download_model(
     Raises `ValueError` for an unknown alias and `HubError` subclasses for everything else.
     """
     if name == DEMO_ALIAS:  # ships inside the package: nothing to fetch
-        return _result(DEMO_DIR, "rlt/demo", "bundled", already_present=True)
+        if local_dir is None:
+            return _result(DEMO_DIR, "rlt/demo", "bundled", already_present=True)
+        return _copy_demo(Path(local_dir).expanduser())
     repo_id, pinned = resolve_model_name(name)
     revision = revision or pinned
     local, problems = _find_local_copy(repo_id, revision, local_dir, cache_dir)
@@ -168,6 +170,23 @@ def download_model(
             "(delete the damaged files and run the download again)"
         )
     return _result(path, repo_id, commit, already_present=False)
+
+
+def _copy_demo(local_dir: Path) -> DownloadResult:
+    """The bundled demo model's checkpoint files, copied into `local_dir`."""
+    import shutil
+
+    if local_dir.exists() and not local_dir.is_dir():
+        raise ValueError(f"--local-dir {local_dir} exists and is not a directory")
+    local_dir.mkdir(parents=True, exist_ok=True)
+    present = True
+    for name in _checkpoint_files(DEMO_DIR):
+        target = local_dir / name
+        source = DEMO_DIR / name
+        if not (target.is_file() and target.read_bytes() == source.read_bytes()):
+            shutil.copyfile(source, target)
+            present = False
+    return _result(local_dir, "rlt/demo", "bundled", already_present=present)
 
 
 # ---------------------------------------------------------------------------- local copies

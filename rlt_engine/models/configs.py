@@ -15,7 +15,14 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("ouro", "nanbeige")
 
 
-class ConfigError(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint directory the engine cannot use: a config.json or weights file that is
+    missing, unreadable or does not match the model. The message is one line naming the file
+    (and the field or tensor). Defined here, torch-free; `rlt_engine.models.loader` re-exports it.
+    """
+
+
+class ConfigError(CheckpointError):
     """A config.json that we cannot run faithfully."""
 
 
@@ -91,17 +98,23 @@ class LoopedLMConfig:
 
 
 def load_config(model_dir: str | Path) -> LoopedLMConfig:
+    """The config of a checkpoint directory; every problem is a ConfigError naming the file."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {model_dir}")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-    return parse_config(raw)
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON: {_one_line(exc)}") from None
+    try:
+        return parse_config(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def parse_config(raw: dict[str, Any]) -> LoopedLMConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json must hold a JSON object, not a {_json_type(raw)}")
     model_type = raw.get("model_type")
     if model_type == "ouro":
         return _parse_ouro(raw)
@@ -117,11 +130,50 @@ def _require(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def _int(raw: dict[str, Any], key: str, default: Any = None) -> int:
+    """Field `key` as an int (required when `default` is None); a float with an integral value
+    is accepted, anything else is a ConfigError naming the field."""
+    value = _require(raw, key) if default is None else raw.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float(raw: dict[str, Any], key: str, default: float) -> float:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _token_id(value: Any, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"field {key!r} must be an integer token id, got {value!r}")
+    return value
+
+
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    items = eos if isinstance(eos, list) else [eos]
+    return tuple(_token_id(t, "eos_token_id") for t in items)
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _refuse_common(raw: dict[str, Any]) -> None:
@@ -131,7 +183,10 @@ def _refuse_common(raw: dict[str, Any]) -> None:
         raw.get("sliding_window") and raw.get("use_sliding_window") is not False
     ):
         raise ConfigError("sliding-window attention is not supported (field 'use_sliding_window')")
-    if any(t != "full_attention" for t in raw.get("layer_types") or []):
+    layer_types = raw.get("layer_types") or []
+    if not isinstance(layer_types, list):
+        raise ConfigError(f"field 'layer_types' must be a list, got {layer_types!r}")
+    if any(t != "full_attention" for t in layer_types):
         raise ConfigError("only full-attention layers are supported (field 'layer_types')")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (field 'hidden_act')")
@@ -143,34 +198,36 @@ def _refuse_common(raw: dict[str, Any]) -> None:
 
 
 def _common_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    hidden = int(_require(raw, "hidden_size"))
-    heads = int(_require(raw, "num_attention_heads"))
+    hidden = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    if heads <= 0:
+        raise ConfigError(f"field 'num_attention_heads' must be positive, got {heads}")
+    bos = raw.get("bos_token_id")
     return dict(
-        vocab_size=int(_require(raw, "vocab_size")),
+        vocab_size=_int(raw, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size")),
-        num_layers=int(_require(raw, "num_hidden_layers")),
+        intermediate_size=_int(raw, "intermediate_size"),
+        num_layers=_int(raw, "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        num_kv_heads=_int(raw, "num_key_value_heads", heads) or heads,
         # Nanbeige's head_dim (128) is not hidden/heads (64): always prefer the explicit field.
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        bos_token_id=raw.get("bos_token_id"),
+        head_dim=_int(raw, "head_dim", hidden // heads) or hidden // heads,
+        rope_theta=_float(raw, "rope_theta", 10000.0),
+        rms_norm_eps=_float(raw, "rms_norm_eps", 1e-6),
+        max_position_embeddings=_int(raw, "max_position_embeddings", 4096),
+        bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
         eos_token_ids=_eos_ids(raw),
     )
 
 
 def _parse_ouro(raw: dict[str, Any]) -> LoopedLMConfig:
     _refuse_common(raw)
-    threshold = raw.get("early_exit_threshold")
     return LoopedLMConfig(
         model_type="ouro",
-        num_loops=int(_require(raw, "total_ut_steps")),
+        num_loops=_int(raw, "total_ut_steps"),
         sandwich_norm=True,
         has_exit_gate=True,
-        early_exit_threshold=1.0 if threshold is None else float(threshold),
+        early_exit_threshold=_float(raw, "early_exit_threshold", 1.0),
         **_common_fields(raw),
     )
 
@@ -197,7 +254,7 @@ def _parse_nanbeige(raw: dict[str, Any]) -> LoopedLMConfig:
             raise ConfigError(f"Nanbeige option {flag!r} is not supported (field {flag!r})")
     return LoopedLMConfig(
         model_type="nanbeige",
-        num_loops=int(raw.get("num_loops", 1)),
+        num_loops=_int(raw, "num_loops", 1),
         sandwich_norm=False,
         has_exit_gate=False,
         norm_every_loop=not raw.get("skip_loop_final_norm", False),

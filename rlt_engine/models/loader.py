@@ -2,15 +2,16 @@
 (one `model.safetensors` or shards listed in `model.safetensors.index.json`), or random
 ("dummy") weights with the real config for benchmarks without downloads.
 
-Memory: the module is built on the `meta` device, cast there, allocated once on the target
-device, then filled one tensor at a time, so no second full copy ever exists.
+Memory: every parameter is allocated once, empty, on the target device in the target dtype while
+the module is built, then filled one tensor at a time, so no second full copy ever exists.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from rlt_engine.models.base import LoopedCausalLM
-from rlt_engine.models.configs import load_config
+from rlt_engine.models.configs import CheckpointError, load_config
 from rlt_engine.models.layers import RMSNorm
 from rlt_engine.models.registry import model_class
 
@@ -32,8 +33,41 @@ _IGNORED_SUFFIX = ".rotary_emb.inv_freq"  # some HF checkpoints store this deriv
 _SHARD_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors")
 
 
-class CheckpointError(ValueError):
-    """A weights directory that does not match the model it should fill."""
+__all__ = ["CheckpointError", "init_dummy_weights", "load_model", "load_weights", "save_checkpoint"]
+
+
+@contextmanager
+def _empty_parameters(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Build modules whose parameters are allocated once, empty, on `device` in `dtype` (floats),
+    without running their init.
+
+    Each parameter a module makes is replaced, as it is registered, by an empty tensor on the
+    target; the module's own CPU tensor is never touched, so its pages are never really
+    allocated, and no second copy of the model ever exists. `reset_parameters` of linear and
+    embedding layers is skipped: every tensor is filled afterwards, from the checkpoint or by
+    `init_dummy_weights`. (Building on the meta device instead sends module construction and
+    `to_empty` through torch's Python reference ops, whose first use imports torch._dynamo and
+    sympy: about 2.5 s of start-up.) Buffers are made as usual (they are small and derived).
+    """
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    register = nn.Module.register_parameter
+
+    def register_empty(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            kind = dtype if param.is_floating_point() else param.dtype
+            empty = torch.empty(param.shape, dtype=kind, device=device)
+            param = nn.Parameter(empty, requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        nn.Module.register_parameter = register_empty  # type: ignore[method-assign]
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        for cls, method in saved.items():
+            cls.reset_parameters = method  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)
@@ -58,17 +92,17 @@ def load_model(
         )
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
-    with torch.device("meta"):
+    device = torch.device(device)
+    if load_format != "dummy":
+        # Read every file header (a truncated or garbage file fails here) before allocating.
+        infos = _checkpoint_infos(model_dir)
+    with _empty_parameters(dtype, device):
         model: LoopedCausalLM = model_class(cfg.model_type)(cfg)
-    model.to(dtype)  # free on meta; allocation below happens directly in the target dtype
+    model.to(device=device, dtype=dtype)  # buffers (rotary inv_freq stays fp32: it recomputes)
     if load_format == "dummy":
-        model.to_empty(device=torch.device(device))
         init_dummy_weights(model, seed)
     else:
-        # Check names, shapes and dtypes from file headers before allocating anything.
-        infos = _checkpoint_infos(model_dir)
-        _validate(infos, _expected_shapes(model), model_dir)
-        model.to_empty(device=torch.device(device))
+        _validate(infos, _expected_shapes(model), model_dir)  # names, shapes, dtypes
         _fill(model, infos)
     return model.eval().requires_grad_(False)
 
@@ -180,7 +214,7 @@ def _checkpoint_infos(model_dir: Path) -> dict[str, _TensorInfo]:
     files, weight_map = _weight_files(model_dir)
     infos: dict[str, _TensorInfo] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _reading(file), safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 if name in infos:
                     raise CheckpointError(
@@ -260,4 +294,34 @@ def _fill(model: nn.Module, infos: dict[str, _TensorInfo]) -> None:
         with safe_open(file, framework="pt") as f:
             for name in names:
                 # One tensor at a time; copy_ converts dtype and moves it to the target device.
-                targets[name].copy_(f.get_tensor(name))
+                with _reading(file, name):
+                    targets[name].copy_(f.get_tensor(name))
+
+
+@contextmanager
+def _reading(file: Path, tensor: str | None = None) -> Iterator[None]:
+    """safetensors' own errors (a truncated file, a garbage header, an unreadable tensor) as one
+    CheckpointError line naming the file (and the tensor)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        if not _is_safetensors_error(exc):
+            raise
+        what = f"tensor {tensor!r} in {file}" if tensor else str(file)
+        raise CheckpointError(
+            f"{what} is not a readable safetensors file ({_one_line(exc)}); "
+            "it may be truncated or damaged: download it again"
+        ) from None
+
+
+def _is_safetensors_error(exc: BaseException) -> bool:
+    # safetensors raises SafetensorError (a plain Exception subclass), OSError or ValueError.
+    return type(exc).__name__ == "SafetensorError" or isinstance(exc, (OSError, ValueError))
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = text.removeprefix("Error while deserializing header: ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

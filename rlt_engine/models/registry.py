@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEMO_ALIAS = "demo"  # the bundled demo model (rlt_engine/assets/ouro-gsm8k-tiny)
+
 
 @dataclass(frozen=True)
 class ModelAlias:
@@ -62,10 +64,16 @@ def resolve_model_name(name: str) -> tuple[str, str | None]:
     if alias is not None:
         return alias.repo_id, alias.revision
     if name.count("/") != 1 or not all(name.split("/")):
-        known = ", ".join(ALIASES)
-        raise ValueError(f"unknown model {name!r}: use an alias ({known}) or an org/name repo id")
+        raise ValueError(
+            f"unknown model {name!r}: use an alias ({alias_names()}) or an org/name repo id"
+        )
     pinned = _PINNED_BY_REPO.get(name.lower())
     return name, pinned.revision if pinned else None
+
+
+def alias_names() -> str:
+    """Every model name rlt knows, for messages: the demo model and the hub aliases."""
+    return ", ".join([DEMO_ALIAS, *ALIASES])
 
 
 def model_class(model_type: str) -> type:

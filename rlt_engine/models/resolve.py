@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlt_engine.models.registry import resolve_model_name
+from rlt_engine.models.registry import DEMO_ALIAS, alias_names, resolve_model_name
+
+__all__ = ["DEMO_ALIAS", "DEMO_DIR", "KNOWN_CONFIGS", "ModelNotFoundError", "resolve_model_dir"]
 
 KNOWN_CONFIGS = Path(__file__).parent / "known_configs"
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "ouro-gsm8k-tiny"
-DEMO_ALIAS = "demo"
-_KNOWN_BY_REPO = {"ByteDance/Ouro-1.4B": "ouro-1.4b.json"}
+# The bundled config of every alias's repository (known_configs/README.md says where each is from).
+_KNOWN_BY_REPO = {
+    "ByteDance/Ouro-1.4B": "ouro-1.4b",
+    "ByteDance/Ouro-2.6B": "ouro-2.6b",
+    "ByteDance/Ouro-1.4B-Thinking": "ouro-1.4b-thinking",
+    "ByteDance/Ouro-2.6B-Thinking": "ouro-2.6b-thinking",
+    "Nanbeige/Nanbeige4.2-3B": "nanbeige4.2-3b",
+}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -28,28 +36,33 @@ def resolve_model_dir(name: str, revision: str | None = None, load_format: str =
     try:
         repo_id, pinned = resolve_model_name(name)
     except ValueError:
-        raise ModelNotFoundError(f"{name!r} is neither a directory nor a known model") from None
+        raise ModelNotFoundError(
+            f"{name!r} is neither a directory nor a known model (aliases: {alias_names()})"
+        ) from None
     from rlt_engine.hub import find_local_copy
 
     local = find_local_copy(repo_id, revision or pinned)
     if local is not None:
         return local
-    if load_format == "dummy" and repo_id in _KNOWN_BY_REPO:
-        return known_config_dir(repo_id)
-    raise ModelNotFoundError(
-        f"{name} is not downloaded; run `rlt download {name}` first "
-        "(or use load_format='dummy' for random weights)"
-    )
+    known = known_config_dir(repo_id)
+    if load_format == "dummy":
+        if known is not None:
+            return known
+        raise ModelNotFoundError(
+            f"{name} is not downloaded and rlt has no bundled config for it, which "
+            f"load_format='dummy' needs; run `rlt download {name}` first"
+        )
+    dummy = " (or use load_format='dummy' for random weights)" if known is not None else ""
+    raise ModelNotFoundError(f"{name} is not downloaded; run `rlt download {name}` first{dummy}")
 
 
-def known_config_dir(repo_id: str) -> Path:
-    """A directory with only the real config.json, for dummy-weight runs without downloads."""
-    import tempfile
-
-    out = Path(tempfile.gettempdir()) / "rlt-known-configs" / repo_id.replace("/", "--")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_bytes((KNOWN_CONFIGS / _KNOWN_BY_REPO[repo_id]).read_bytes())
-    return out
+def known_config_dir(repo_id: str) -> Path | None:
+    """The bundled directory holding only the real config.json of `repo_id` (None: not
+    bundled), for dummy-weight runs without downloads. Nothing is written anywhere."""
+    for repo, dirname in _KNOWN_BY_REPO.items():
+        if repo.lower() == repo_id.lower():
+            return KNOWN_CONFIGS / dirname
+    return None
 
 
 def default_model() -> tuple[str, str | None]:

@@ -30,34 +30,85 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
+# tokenizer_config.json classes that are the generic tokenizers-backed class itself: these load
+# through it directly, without AutoTokenizer's class lookup (which imports the registry of every
+# model in transformers, about half a second of start-up).
+_GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# transformers' "no limit" value: the engine checks prompts against the model's context itself,
+# so the tokenizer's own "Token indices sequence length is longer than..." warning is noise.
+_NO_LENGTH_LIMIT = int(1e30)
+
+
 class TokenizerError(ValueError):
     """A tokenizer that is missing, unloadable, or cannot do what was asked (e.g. no template)."""
 
 
+def has_tokenizer_files(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds any tokenizer file (a checkpoint with none runs on token ids)."""
+    path = Path(model_dir)
+    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer of a local checkpoint directory, offline and without remote code."""
+    """Load the tokenizer of a local checkpoint directory, offline and without remote code.
+
+    Its `model_max_length` is lifted: the engine enforces the model's context with its own error.
+    """
     path = Path(model_dir)
     if not path.is_dir():
         raise TokenizerError(f"model directory {model_dir} does not exist")
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer_files(path):
         raise TokenizerError(
             f"no tokenizer files in {model_dir} (expected one of {', '.join(TOKENIZER_FILES)})"
         )
-    from transformers import AutoTokenizer, PretrainedConfig
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return AutoTokenizer.from_pretrained(
-                str(path),
-                # An empty config keeps transformers from parsing config.json (and its auto_map):
-                # the tokenizer class then comes from tokenizer_config.json / tokenizer.json.
-                config=PretrainedConfig(),
-                trust_remote_code=False,
-                local_files_only=True,
-            )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+            tokenizer = _from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {_one_line(exc)}") from exc
+    except Exception as exc:  # the tokenizers library's own errors (e.g. a garbage tokenizer.json)
+        if type(exc).__module__.split(".")[0] not in ("tokenizers", "builtins"):
+            raise
+        raise TokenizerError(f"cannot load the tokenizer in {model_dir}: {_one_line(exc)}") from exc
+    tokenizer.model_max_length = _NO_LENGTH_LIMIT
+    return tokenizer
+
+
+def _from_pretrained(path: Path) -> PreTrainedTokenizerBase:
+    if (path / "tokenizer.json").is_file() and _config_class(path) in _GENERIC_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    return AutoTokenizer.from_pretrained(
+        str(path),
+        # An empty config keeps transformers from parsing config.json (and its auto_map):
+        # the tokenizer class then comes from tokenizer_config.json / tokenizer.json.
+        config=PretrainedConfig(),
+        trust_remote_code=False,
+        local_files_only=True,
+    )
+
+
+def _config_class(path: Path) -> str | None:
+    """tokenizer_config.json's `tokenizer_class`, when it has no remote-code `auto_map`."""
+    import json
+
+    try:
+        raw = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict) or raw.get("auto_map"):
+        return None
+    value = raw.get("tokenizer_class")
+    return value if isinstance(value, str) else None
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def render_chat_text(

@@ -4,7 +4,10 @@ A block holds `block_size` token slots of K and V for every layer of ONE plane, 
 bytes per block = 2 x layers x block_size x kv_heads x head_dim x dtype bytes. LAST_EXITED
 keeps one plane per loop depth (a token occupies a slot on each of the D planes); SHARED keeps
 a single plane. The pool is sized, in order of precedence, from an explicit block count, an
-explicit KV byte budget, a CUDA profile of the largest step, or a fixed CPU default.
+explicit KV byte budget, a CUDA profile of the largest step, or (any other device) a default
+sized from the model: room for one sequence at the model's full context, or as many token
+positions as the weights' own bytes buy if that is more, never more than `max_num_seqs` full
+contexts nor CPU_DEFAULT_KV_BYTES.
 
 Torch is imported only inside `profile_kv_budget`, so the planning arithmetic stays usable
 (and testable) without it.
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 GiB = 1 << 30
-CPU_DEFAULT_KV_BYTES = 512 * MiB
+CPU_DEFAULT_KV_BYTES = 512 * MiB  # the most the CPU default ever takes
 DEFAULT_CUDA_RESERVE_BYTES = 256 * MiB  # sampler buffers, CUDA graphs, allocator slack
 KV_LAYOUTS = ("last_exited", "shared")
 PLAN_SOURCES = ("num_blocks", "kv_cache_memory", "profiled", "cpu_default")
@@ -183,9 +186,11 @@ def resolve_memory_plan(
     num_blocks: int | None = None,
     kv_cache_memory: int | None = None,
     profile: Callable[[], int] | None = None,
+    weight_bytes: int = 0,
+    max_num_seqs: int | None = None,
 ) -> MemoryPlan:
     """Explicit num_blocks, else explicit kv_cache_memory bytes, else (CUDA) the profiled
-    budget from `profile()`, else (any other device) CPU_DEFAULT_KV_BYTES."""
+    budget from `profile()`, else (any other device) `cpu_default_budget` of the model."""
     if num_blocks is not None and kv_cache_memory is not None:
         raise ValueError("give at most one of num_blocks and kv_cache_memory")
     common: dict[str, Any] = dict(
@@ -202,7 +207,38 @@ def resolve_memory_plan(
         if profile is None:
             raise ValueError("sizing the KV cache on CUDA needs a profile function")
         return plan_from_budget(cfg, budget_bytes=profile(), source="profiled", **common)
-    return plan_from_budget(cfg, budget_bytes=CPU_DEFAULT_KV_BYTES, source="cpu_default", **common)
+    budget = cpu_default_budget(
+        cfg,
+        block_size=block_size,
+        dtype_bytes=dtype_bytes,
+        kv_layout=kv_layout,
+        weight_bytes=weight_bytes,
+        max_num_seqs=max_num_seqs,
+    )
+    return plan_from_budget(cfg, budget_bytes=budget, source="cpu_default", **common)
+
+
+def cpu_default_budget(
+    cfg: LoopedLMConfig,
+    *,
+    block_size: int,
+    dtype_bytes: int,
+    kv_layout: str,
+    weight_bytes: int = 0,
+    max_num_seqs: int | None = None,
+) -> int:
+    """KV bytes of the CPU default pool, sized from the model instead of a fixed 512 MiB (a 9 MB
+    model does not need half a gigabyte of zeros): the larger of one full-context sequence (so
+    any single request fits) and `weight_bytes` (the KV pool as big as the model), at most
+    `max_num_seqs` full-context sequences and CPU_DEFAULT_KV_BYTES, at least one block per plane.
+    """
+    planes = num_planes(cfg, kv_layout)
+    group = bytes_per_block(cfg, block_size, dtype_bytes) * planes  # one block on every plane
+    context_groups = -(-cfg.max_position_embeddings // block_size)
+    wanted = max(context_groups * group, max(0, weight_bytes))
+    if max_num_seqs is not None:
+        wanted = min(wanted, _positive_int("max_num_seqs", max_num_seqs) * context_groups * group)
+    return max(group, min(wanted, CPU_DEFAULT_KV_BYTES))
 
 
 def check_utilization(gpu_memory_utilization: float) -> float:

@@ -22,7 +22,7 @@ def _nanbeige_raw() -> dict:
 
 
 def test_the_packaged_ouro_config_is_the_published_one():
-    assert json.loads((KNOWN_CONFIGS / "ouro-1.4b.json").read_text()) == _ouro_raw()
+    assert json.loads((KNOWN_CONFIGS / "ouro-1.4b" / "config.json").read_text()) == _ouro_raw()
 
 
 def test_real_ouro_config_parses_to_design_facts():

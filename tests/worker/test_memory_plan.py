@@ -29,7 +29,7 @@ KNOWN = Path(mp.__file__).resolve().parents[1] / "models" / "known_configs"
 
 @pytest.fixture(scope="module")
 def ouro() -> LoopedLMConfig:
-    return parse_config(json.loads((KNOWN / "ouro-1.4b.json").read_text()))
+    return parse_config(json.loads((KNOWN / "ouro-1.4b" / "config.json").read_text()))
 
 
 def _nanbeige() -> LoopedLMConfig:
