@@ -1,12 +1,13 @@
-"""`rlt bench`: offline, in-process decode benchmark (DESIGN.md §9) over several batch sizes.
+"""`rlt bench`: offline, in-process decode benchmark over several batch sizes.
 
 Random token-id prompts of exactly `--prompt-len` tokens (seeded), so tokenizer-less dummy
-models work too. Per concurrency: committed decode tokens/s (median over repeats,
-rlt_engine/bench/throughput.py), TTFT p50/p90, TPOT p50, E2E p50, the exit-depth histogram of
-every output token, the peak GPU memory (CUDA) and the share of the weight-bandwidth floor
-(rlt_engine/bench/floor.py: the model's weight bytes per token step over a copy bandwidth
-measured on the device at start, or `--bandwidth-gbs`). Human output: a table on stdout,
-notices and progress on stderr. `--json`: one JSON object on stdout, nothing else.
+models work too (`--load-format dummy` runs every alias offline from its bundled config). Per
+concurrency: committed decode tokens/s, from every request's first token to the last completion
+(median over repeats, rlt_engine/bench/throughput.py), TTFT p50/p90, TPOT p50, E2E p50, the
+exit-depth histogram of every output token, the peak GPU memory (CUDA) and the share of the
+weight-bandwidth floor (rlt_engine/bench/floor.py: the model's weight bytes per token step over
+a copy bandwidth measured on the device at start, or `--bandwidth-gbs`). Human output: a table
+on stdout, notices and progress on stderr. `--json`: one JSON object on stdout, nothing else.
 
 The engine flags are those of `rlt generate` (rlt_cli/options.py), except that
 `--max-num-seqs` defaults to enough slots for the largest `--concurrency`. The workload, loop
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 HELP = "Benchmark offline decode throughput and latency (tok/s, TTFT, TPOT) in-process."
 DEFAULT_CONCURRENCY = (1, 8)
 DEFAULT_MAX_NUM_SEQS = SchedulerConfig.max_num_seqs
+# SamplingParams fields that the workload flags set, for error messages (rlt_cli/command.py)
+WORKLOAD_FLAGS = {"max_tokens": "--output-len"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ def bench_command() -> Callable[..., None]:
         *LOOP_PARAMETERS,
         JSON_PARAMETER,
     ]
-    return callback(lambda values: _bench(_parse(values)), parameters, HELP)
+    return callback(lambda values: _bench(_parse(values)), parameters, HELP, flags=WORKLOAD_FLAGS)
 
 
 # -- flags shared with `rlt profile` ------------------------------------------------------

@@ -10,13 +10,16 @@ import typer
 from rich.filesize import decimal
 from rich.markup import escape
 
-from rlt_cli.output import fail, stderr, stdout
+from rlt_cli.output import fail, one_line, stderr, stdout
 
 
 def download(
     model: Annotated[
         str,
-        typer.Argument(help="Alias (ouro, ouro-2.6b, ouro-thinking, nanbeige, ...) or org/name."),
+        typer.Argument(
+            metavar="MODEL",
+            help="Alias (demo, ouro, ouro-2.6b, ouro-thinking, nanbeige, ...) or org/name.",
+        ),
     ],
     revision: Annotated[
         str | None,
@@ -38,15 +41,23 @@ def download(
     from rlt_cli.progress import download_progress
     from rlt_engine.hub import HubError, download_model
 
+    def failed(message: str, code: int = 1) -> None:
+        if json_output:  # a machine asked: the failure is JSON too, on stdout
+            typer.echo(json.dumps({"error": one_line(message), "model": model}))
+            raise typer.Exit(code)
+        fail(message, code=code)
+
     try:
         with download_progress(stderr, enabled=stderr.is_terminal) as tqdm_class:
             result = download_model(
                 model, revision=revision, local_dir=local_dir, token=token, progress=tqdm_class
             )
     except (HubError, ValueError, OSError) as exc:
-        fail(str(exc) or type(exc).__name__)
+        failed(str(exc) or type(exc).__name__)
+        return
     except KeyboardInterrupt:
-        fail("interrupted", code=130)
+        failed("interrupted", code=130)
+        return
 
     if json_output:
         typer.echo(json.dumps(result.to_dict()))
@@ -55,6 +66,6 @@ def download(
     state = "already present" if result.already_present else "downloaded"
     stdout.print(
         f"[green]✓[/] {escape(result.repo_id)} @ {revision_text}: {state} and verified "
-        f"({len(result.files)} files, {decimal(result.total_bytes)})"
+        f"({len(result.files)} checkpoint files, {decimal(result.total_bytes)})"
     )
     stdout.print(f"  {escape(str(result.path))}")

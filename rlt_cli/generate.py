@@ -3,15 +3,20 @@
 The flags come from the engine's config dataclasses and `SamplingParams` (rlt_cli/options.py).
 Human output: generated text on stdout, notices and the summary table on stderr (so
 `rlt generate ... > out.txt` keeps only text). `--json`: one JSON object on stdout, nothing else.
+Prompts come from the arguments, `-` (all of stdin is one prompt) and `--prompt-file` (one prompt
+per line, or JSONL of {"prompt": ...} objects), so long prompts need not fit the command line.
+Everything that needs no model (flags, prompts) is checked before the model loads.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -26,7 +31,7 @@ from rlt_cli.options import (
     sampling_parameters,
     to_field_values,
 )
-from rlt_cli.output import check_device, one_line, status_spinner, stderr, stdout
+from rlt_cli.output import check_device, one_line, status_spinner, stderr, stdout, stream_text
 from rlt_engine.config import EngineConfig
 from rlt_engine.sampling_params import SamplingParams
 
@@ -49,13 +54,33 @@ class GenerateRun:
 
 def generate_command() -> Callable[..., None]:
     """The Typer callback: its signature is built from the config dataclasses."""
-    parameters = [_PROMPTS, *engine_parameters(), *sampling_parameters(), *_FRONT_END]
+    parameters = [_PROMPTS, _PROMPT_FILE, *engine_parameters(), *sampling_parameters(), *_FRONT_END]
     return callback(lambda values: _generate(_parse(values)), parameters, HELP)
 
 
 _PROMPTS = keyword(
     "prompts",
-    Annotated[list[str], typer.Argument(metavar="PROMPT", help="Prompts, run as one batch.")],
+    Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="PROMPT",
+            show_default=False,
+            help="Prompts, run as one batch; `-` reads one prompt from stdin.",
+        ),
+    ],
+    None,
+)
+_PROMPT_FILE = keyword(
+    "prompt_file",
+    Annotated[
+        Path | None,
+        typer.Option(
+            "--prompt-file",
+            metavar="FILE",
+            help='Read prompts from FILE (`-`: stdin): one per line, or JSONL of {"prompt": ...}.',
+        ),
+    ],
+    None,
 )
 _FRONT_END = [
     keyword(
@@ -85,13 +110,70 @@ def _parse(values: dict[str, Any]) -> GenerateRun:
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"min_loops ({lo}) must be <= max_loops ({hi})")
     return GenerateRun(
-        prompts=list(values["prompts"]),
+        prompts=read_prompts(values["prompts"] or [], values["prompt_file"]),
         engine_options=engine_options,
         params=params,
         chat=values["chat"],
         json_output=values["json_output"],
         verbose=values["verbose"],
     )
+
+
+def read_prompts(arguments: list[str], prompt_file: Path | None) -> list[str]:
+    """The prompts of the arguments (`-`: stdin as one prompt), then those of `prompt_file`;
+    at least one, none empty."""
+    prompts: list[str] = []
+    stdin_used = False
+    for i, prompt in enumerate(arguments, start=1):
+        if prompt == "-":
+            if stdin_used:
+                raise ValueError("`-` (stdin) can be given once")
+            stdin_used = True
+            prompt = _strip_newline(sys.stdin.read())
+            if not prompt:
+                raise ValueError("the prompt read from stdin (`-`) is empty")
+        elif not prompt:
+            raise ValueError(f"prompt {i} is empty")
+        prompts.append(prompt)
+    if prompt_file is not None:
+        if str(prompt_file) == "-" and stdin_used:
+            raise ValueError("`-` and --prompt-file - both read stdin; give one of them")
+        prompts += _file_prompts(prompt_file)
+    if not prompts:
+        raise ValueError("no prompt given: pass PROMPT, `-` for stdin, or --prompt-file FILE")
+    return prompts
+
+
+def _strip_newline(text: str) -> str:
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _file_prompts(path: Path) -> list[str]:
+    """One prompt per non-blank line; a file whose every line is a JSON object is JSONL, each
+    object's "prompt" (a string) one prompt."""
+    name = "stdin" if str(path) == "-" else str(path)
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--prompt-file {name}: cannot read it ({one_line(str(exc))})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompt-file {name} holds no prompt")
+    if not all(line.lstrip().startswith("{") for _, line in lines):
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--prompt-file {name} line {n}: not valid JSON ({exc.msg})") from None
+        prompt = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(prompt, str):
+            raise ValueError(f'--prompt-file {name} line {n}: needs a "prompt" string')
+        if not prompt:
+            raise ValueError(f"--prompt-file {name} line {n}: the prompt is empty")
+        prompts.append(prompt)
+    return prompts
 
 
 # -- running ------------------------------------------------------------------------------
@@ -168,8 +250,7 @@ class _Stream:
             if self.status is not None:
                 self.status.stop()  # the spinner and the text would share the terminal
                 self.status = None
-            stdout.out(out.new_text, end="\n" if out.finished else "")
-            stdout.file.flush()  # keep text and stderr notices in order when piped
+            stream_text(out.new_text + ("\n" if out.finished else ""))
         elif self.status is not None:
             self.status.update(self.describe())
 

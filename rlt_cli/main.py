@@ -1,4 +1,4 @@
-"""The `rlt` command line: one engine, many front doors (see DESIGN.md §1 and §8).
+"""The `rlt` command line: one engine, many front doors (docs/architecture.md).
 
 Thin by design: commands parse flags, call an rlt_engine driver and render the result.
 torch is imported only inside commands, never when this module loads.
@@ -13,7 +13,7 @@ import typer
 
 from rlt_cli.bench import HELP as BENCH_HELP
 from rlt_cli.bench import bench_command
-from rlt_cli.command import OneLineUsageErrors
+from rlt_cli.command import OneLineUsageErrors, OneLineUsageGroup
 from rlt_cli.download import download
 from rlt_cli.generate import HELP as GENERATE_HELP
 from rlt_cli.generate import generate_command
@@ -27,6 +27,8 @@ app = typer.Typer(
     help="Inference and serving for looped (recurrent-depth) language models: Ouro, Nanbeige.",
     no_args_is_help=True,
     add_completion=False,
+    cls=OneLineUsageGroup,  # `rlt --bad-flag`, typos: one line, like every other error
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every subcommand
     pretty_exceptions_show_locals=False,  # locals may hold a --token
 )
 
@@ -55,7 +57,7 @@ def main(
     """Inference and serving for looped (recurrent-depth) language models: Ouro, Nanbeige."""
 
 
-app.command("download")(download)
+app.command("download", cls=OneLineUsageErrors)(download)
 app.command("generate", help=GENERATE_HELP, cls=OneLineUsageErrors)(generate_command())
 app.command("bench", help=BENCH_HELP, cls=OneLineUsageErrors)(bench_command())
 app.command("profile", help=PROFILE_HELP, cls=OneLineUsageErrors)(profile_command())
@@ -69,7 +71,9 @@ def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:
 
 
 for _name, (_help, _plan) in PLANNED.items():
-    app.command(_name, help=_help, context_settings=_PASS_THROUGH)(_planned(_name, _plan))
+    app.command(_name, help=_help, context_settings=_PASS_THROUGH, cls=OneLineUsageErrors)(
+        _planned(_name, _plan)
+    )
 
 
 if __name__ == "__main__":

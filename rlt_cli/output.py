@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
@@ -23,6 +24,43 @@ USER_ERRORS = (ValueError, FileNotFoundError)
 
 def one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+# Whether stdout's last streamed text ended mid-line (so an error after Ctrl-C starts a new one).
+_partial_line = [False]
+
+
+def stream_text(text: str) -> None:
+    """Write streamed text to stdout now, remembering whether it left a line open."""
+    if text:
+        stdout.out(text, end="")
+        _partial_line[0] = not text.endswith("\n")
+    stdout.file.flush()  # keep text and stderr notices in order when piped
+
+
+def end_partial_line() -> None:
+    """Close a line of streamed text, so the next message starts on its own line."""
+    if _partial_line[0]:
+        stdout.out("")
+        stdout.file.flush()
+        _partial_line[0] = False
+
+
+def flag_message(message: str, names: Iterable[str], flags: Mapping[str, str]) -> str:
+    """`message` with the Python names of this command's options written as flags:
+    `load_format='dummy'` -> `--load-format dummy`, `max_tokens (0) must` -> `--max-tokens (0)
+    must`. A name with an underscore is replaced wherever it stands as a word; a one-word name
+    (model, seed, ...) only as `name=value` or `name must`, so prose keeps its words."""
+    for name in sorted(set(names) | set(flags), key=len, reverse=True):
+        flag = flags.get(name, "--" + name.replace("_", "-"))
+        word = rf"(?<![\w/.\-`']){re.escape(name)}(?![\w/\-])"
+        message = re.sub(word + r"='([^']*)'", rf"{flag} \1", message)
+        message = re.sub(word + r"=(\S+)", rf"{flag} \1", message)
+        if "_" in name:
+            message = re.sub(word, flag, message)
+        else:
+            message = re.sub(word + r"(?= must\b)", flag, message)
+    return message
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -26,6 +26,7 @@ from rich.table import Table
 from rlt_cli.bench import (
     JSON_PARAMETER,
     LOOP_PARAMETERS,
+    WORKLOAD_FLAGS,
     Workload,
     engine_flags,
     engine_summary,
@@ -77,7 +78,7 @@ def profile_command() -> Callable[..., None]:
         *LOOP_PARAMETERS,
         JSON_PARAMETER,
     ]
-    return callback(lambda values: _profile(_parse(values)), parameters, HELP)
+    return callback(lambda values: _profile(_parse(values)), parameters, HELP, flags=WORKLOAD_FLAGS)
 
 
 def _parse(values: dict[str, Any]) -> ProfileRun:

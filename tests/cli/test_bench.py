@@ -116,8 +116,8 @@ def test_human_table(tiny_ouro_dir: Path) -> None:
         (("--warmup", "-1"), ("--warmup must be >= 0",)),
         (("--concurrency", "0"), ("--concurrency must be >= 1",)),
         (("--concurrency", "9", "--max-num-seqs", "8"), ("exceeds --max-num-seqs 8",)),
-        (("--exit-threshold", "1.5"), ("exit_threshold",)),
-        (("--min-loops", "3", "--max-loops", "2"), ("min_loops (3) must be <= max_loops (2)",)),
+        (("--exit-threshold", "1.5"), ("--exit-threshold",)),
+        (("--min-loops", "3", "--max-loops", "2"), ("--min-loops (3) must be <= --max-loops (2)",)),
         (("--concurrency", "two"), ("--concurrency", "rlt bench --help")),
         (("--no-such-flag",), ("--no-such-flag",)),
         (("--dtype", "float8"), ("float8",)),
@@ -211,8 +211,8 @@ def test_concurrency_sweeps_to_256_size_the_slots(monkeypatch: pytest.MonkeyPatc
         (("-c", "300", "--max-num-seqs", "256"), ("exceeds --max-num-seqs 256",)),
         (("--bandwidth-gbs", "0"), ("--bandwidth-gbs must be > 0",)),
         (("--bandwidth-gbs", "fast"), ("--bandwidth-gbs",)),
-        (("--decode-window", "0"), ("decode_window must be >= 1",)),
-        (("--attention-backend", "magic"), ("attention_backend must be one of",)),
+        (("--decode-window", "0"), ("--decode-window must be >= 1",)),
+        (("--attention-backend", "magic"), ("--attention-backend must be one of",)),
         (("--attention-backend", "flash"), ("flash",)),
     ],
 )
@@ -237,7 +237,7 @@ def test_weight_bytes_of_the_demo_model_by_hand() -> None:
 def test_floor_of_ouro_1_4b_matches_design(tmp_path: Path) -> None:
     """DESIGN §9: ~10.07 GB read per token step at 4 loops; at 4.27 TB/s the floor is 424 tok/s
     at c=1 and ~3,400 at c=8. Built on the meta device: no memory needed."""
-    (tmp_path / "config.json").write_text((KNOWN_CONFIGS / "ouro-1.4b.json").read_text())
+    (tmp_path / "config.json").write_text((KNOWN_CONFIGS / "ouro-1.4b" / "config.json").read_text())
     config = load_config(tmp_path)
     with torch.device("meta"):
         model = model_class(config.model_type)(config)

@@ -153,15 +153,15 @@ def test_json_stdout_is_only_json(tiny_ouro_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("--min-loops", "3", "--max-loops", "2"), "min_loops"),
-        (("--max-loops", "99"), "max_loops"),
-        (("--top-p", "0"), "top_p"),
+        (("--min-loops", "3", "--max-loops", "2"), "--min-loops (3) must be <= --max-loops"),
+        (("--max-loops", "99"), "--max-loops"),
+        (("--top-p", "0"), "--top-p"),
         (("--temperature", "-1"), "temperature"),
         (("--logprobs", "50"), "logprobs"),
         (("--dtype", "int8"), "dtype"),
-        (("--block-size", "0"), "block_size"),
-        (("--max-num-seqs", "8", "--max-num-batched-tokens", "4"), "max_num_batched_tokens"),
-        (("--load-format", "gguf"), "load_format"),
+        (("--block-size", "0"), "--block-size"),
+        (("--max-num-seqs", "8", "--max-num-batched-tokens", "4"), "--max-num-batched-tokens"),
+        (("--load-format", "gguf"), "--load-format"),
         (("--device", "nonsense"), "device"),
         (("--max-tokens", "abc"), "--max-tokens"),
         (("--no-such-flag",), "--no-such-flag"),
@@ -231,7 +231,7 @@ def test_flags_are_exactly_the_engine_options_and_sampling_fields() -> None:
 
     params = generate_flags()
     sampling = {f.name for f in fields(SamplingParams)} - {"priority"}
-    front_end = {"prompts", "chat", "json_output", "verbose"}
+    front_end = {"prompts", "prompt_file", "chat", "json_output", "verbose"}
     assert set(params) - front_end == set(engine_option_names()) | sampling
     for name in set(params) - front_end:
         param = params[name]

@@ -94,7 +94,7 @@ def assert_one_error_line(result: Result, *needles: str) -> None:
         (("--top", "0"), ("--top must be >= 1",)),
         (("--repeats", "2"), ("--repeats",)),  # a bench flag profile does not take
         (("--no-such-flag",), ("--no-such-flag",)),
-        (("--decode-window", "0"), ("decode_window must be >= 1",)),
+        (("--decode-window", "0"), ("--decode-window must be >= 1",)),
         (("--max-loops", "9"), ("model depth (4)",)),
         (("--prompt-len", "4000"), ("context",)),
     ],
