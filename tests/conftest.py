@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints on disk (written once per session) and the shared data dir.
+"""Shared fixtures: tiny checkpoints on disk (written once per session), the real Ouro tokenizer
+(checked in under tests/fixtures/ouro-1.4b) and the optional shared data dir.
 
 `tests/` and the repository root go on sys.path, so any test module can `import tiny_checkpoints`
 and the package imports even without an editable install.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,20 +32,37 @@ import tiny_checkpoints  # noqa: E402  (needs the sys.path entries above)
 torch.set_num_threads(1)
 
 
+SHARED_SKIP = "needs the optional shared data directory"
+
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
-    """../shared beside the repository (or $RLT_SHARED_DIR); skips the test when absent."""
+    """../shared beside the repository (or $RLT_SHARED_DIR): optional data too big to check in
+    (datasets). Skips the test when absent; the run's summary says so in one loud line."""
     if not tiny_checkpoints.SHARED_DIR.is_dir():
-        pytest.skip(f"shared data directory {tiny_checkpoints.SHARED_DIR} is absent")
+        pytest.skip(f"{SHARED_SKIP} {tiny_checkpoints.SHARED_DIR} (absent)")
     return tiny_checkpoints.SHARED_DIR
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Skips for missing optional data are counted at the end, where nobody can miss them."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    shared = [r for r in skipped if SHARED_SKIP in str(getattr(r, "longrepr", ""))]
+    if shared:
+        terminalreporter.write_line(
+            f"NOTE: {len(shared)} test(s) skipped: they need {tiny_checkpoints.SHARED_DIR} "
+            "(set RLT_SHARED_DIR to run them)",
+            yellow=True,
+            bold=True,
+        )
+
+
 @pytest.fixture(scope="session")
-def ouro_real_dir(shared_dir: Path) -> Path:
-    """The real Ouro-1.4B config and tokenizer (no weights)."""
-    path = shared_dir / "models" / "ouro-1.4b"
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"real Ouro tokenizer files are absent from {path}")
+def ouro_real_dir() -> Path:
+    """The real Ouro-1.4B config and tokenizer (no weights), from tests/fixtures: never skips."""
+    path = tiny_checkpoints.OURO_REAL_DIR
+    missing = [n for n in tiny_checkpoints.OURO_TOKENIZER_FILES if not (path / n).is_file()]
+    assert not missing, f"{path} lacks {missing}: the checked-in fixture is incomplete"
     return path
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -15,8 +14,7 @@ from safetensors.torch import save_file
 from rlt_engine import hub
 from rlt_engine.models import verify
 
-SHARED_DIR = Path(os.environ.get("RLT_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
-SHARED_TOKENIZER = SHARED_DIR / "models" / "ouro-1.4b"
+SHARED_TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "ouro-1.4b"  # checked in
 OURO_REPO = "ByteDance/Ouro-1.4B"
 OURO_REV = "574fa66cb8bf5abdc979642d01cf2b79b16bfab1"
 

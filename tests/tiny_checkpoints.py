@@ -1,7 +1,7 @@
 """Tiny random checkpoints in exact Hugging Face layout, for tests that need a model on disk.
 
 - `write_tiny_ouro`: the real Ouro config keys at tiny sizes (GQA, 4 loops, exit gate), the
-  REAL Ouro tokenizer files copied from ../shared/models/ouro-1.4b (so vocab stays 49152).
+  REAL Ouro tokenizer files copied from tests/fixtures/ouro-1.4b (so vocab stays 49152).
 - `write_tiny_nanbeige`: a Nanbeige-style config (head_dim != hidden/heads, GQA, 2 loops) and a
   small synthetic byte-level BPE tokenizer that mirrors the real one: bos `<|im_start|>`, eos
   `<|im_end|>`, a third stop token `<|endoftext|>` (the last three ids, as 166100..166102 are),
@@ -27,8 +27,10 @@ from rlt_engine.models.configs import parse_config
 from rlt_engine.models.registry import model_class
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Optional data beside the repository (datasets, ...): tests that need it skip, saying so.
 SHARED_DIR = Path(os.environ.get("RLT_SHARED_DIR", REPO_ROOT.parent / "shared"))
-OURO_REAL_DIR = SHARED_DIR / "models" / "ouro-1.4b"
+# The real Ouro-1.4B config and tokenizer files (no weights), checked in: tests/fixtures/README.md
+OURO_REAL_DIR = REPO_ROOT / "tests" / "fixtures" / "ouro-1.4b"
 OURO_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

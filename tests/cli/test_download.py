@@ -24,8 +24,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED_DIR = Path(os.environ.get("RLT_SHARED_DIR", ROOT.parent / "shared"))
-SHARED_TOKENIZER = SHARED_DIR / "models" / "ouro-1.4b"
+SHARED_TOKENIZER = ROOT / "tests" / "fixtures" / "ouro-1.4b"  # checked in
 OURO_REPO = "ByteDance/Ouro-1.4B"
 OURO_REV = "574fa66cb8bf5abdc979642d01cf2b79b16bfab1"
 OURO_WEIGHT_BYTES = 2_869_336_434
