@@ -282,3 +282,24 @@ def test_dummy_is_deterministic_per_seed(tmp_path: Path, raw: dict) -> None:
     c = _dummy(tmp_path / "c", raw, seed=4).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+
+
+def test_building_the_model_imports_no_compiler() -> None:
+    """Issue 10 item 3: meta-device construction sent every op through torch's Python reference
+    ops, whose first use imports torch._dynamo and sympy (about 2.5 s of start-up)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys, torch\n"
+        "from rlt_engine.models.loader import load_model\n"
+        "m = load_model('rlt_engine/assets/ouro-gsm8k-tiny', dtype=torch.bfloat16)\n"
+        "assert m.model.rotary_emb.inv_freq.dtype == torch.float32\n"
+        "assert next(m.parameters()).dtype == torch.bfloat16\n"
+        "print(sorted(n for n in ('torch._dynamo', 'sympy') if n in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

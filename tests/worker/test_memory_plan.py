@@ -305,3 +305,20 @@ def test_profile_on_a_real_gpu(ouro: LoopedLMConfig):
     pool = torch.empty(plan.kv_bytes_total, dtype=torch.uint8, device=device)
     assert pool.numel() == plan.num_blocks * 3 * MiB
     del pool, weights
+
+
+def test_cpu_default_is_sized_from_the_model(ouro: LoopedLMConfig):
+    """Issue 10 item 3: one full-context sequence, or the weights' bytes if more; at most
+    max_num_seqs full contexts and CPU_DEFAULT_KV_BYTES."""
+    tiny = dataclasses.replace(
+        ouro, num_layers=3, num_kv_heads=4, head_dim=32, max_position_embeddings=2048
+    )
+    kw = dict(device_type="cpu", block_size=16, dtype_bytes=4, kv_layout="last_exited")
+    context = 2048 * 4 * bytes_per_block(tiny, 1, 4)  # every plane, every position
+    assert resolve_memory_plan(tiny, **kw).kv_bytes_total == context  # 24 MiB, not 512
+    plan = resolve_memory_plan(tiny, weight_bytes=3 * context, **kw)
+    assert plan.kv_bytes_total == 3 * context and plan.source == "cpu_default"
+    two = resolve_memory_plan(tiny, weight_bytes=3 * context, max_num_seqs=2, **kw)
+    assert two.kv_bytes_total == 2 * context
+    big = resolve_memory_plan(ouro, weight_bytes=10 * GiB, **kw)
+    assert big.kv_bytes_total <= CPU_DEFAULT_KV_BYTES  # the full Ouro: the cap, as before
