@@ -45,7 +45,7 @@ FIXED_AGREEMENT_MIN = 0.55
 ADAPTIVE_AGREEMENT_MIN = 0.30
 # At the 9 token divergences measured (both modes) the oracle's logit gap was at most 0.019 (logits
 # span ~8) and the one exit-depth divergence had CDF 0.5969 against threshold 0.6 (0.0031 away).
-# The bounds are about 3x that. Rounding RoPE's inv_freq to bf16 (the defect DESIGN §2 warns about)
+# The bounds are about 3x that. Rounding RoPE's inv_freq to bf16 (RotaryEmbedding guards it)
 # diverged at a gap of 0.152 and fails here, while it moves none of the error measures below.
 TIE_GAP_MAX = 0.06
 # On the H200 (2026-12-01) the bf16 engine flipped one more token, req-8 at token 4, where the
@@ -147,7 +147,7 @@ def _first_divergence(a, b) -> int:
 
 
 def _exit_depth(cdf: list[float], p: SamplingParams, depth: int) -> int:
-    """The exit rule (DESIGN §2) applied to one position's per-loop CDF."""
+    """The exit rule (rlt_engine/core/exit_rule.py) applied to one position's per-loop CDF."""
     max_loops = p.max_loops or depth
     for t in range(max_loops):
         if t + 1 >= max_loops or (t + 1 >= (p.min_loops or 1) and cdf[t] >= p.exit_threshold):

@@ -17,16 +17,16 @@ from rlt_engine.models.configs import load_config
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 OURO_OFFICIAL = FIXTURES / "ouro-tiny-official"  # written by the official Ouro code
 OURO_1_4B_CONFIG = FIXTURES / "ouro-1.4b" / "config.json"
-OURO_1_4B_TENSORS = 269  # DESIGN §2: the published model.safetensors of Ouro-1.4B
+OURO_1_4B_TENSORS = 269  # the published model.safetensors of Ouro-1.4B
 OURO_1_4B_BYTES = 2_869_336_434
 
 
 def hf_layout(raw: dict) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a checkpoint in Hugging Face layout, from config.json alone.
 
-    Written from DESIGN §2, not from our modules: Llama-style projections and SwiGLU MLP without
-    biases, Ouro's four sandwich norms per layer and its exit gate, Nanbeige's two pre-norms,
-    untied lm_head, no rotary buffer.
+    Written from the published checkpoints, not from our modules: Llama-style projections and
+    SwiGLU MLP without biases, Ouro's four sandwich norms per layer and its exit gate, Nanbeige's
+    two pre-norms, untied lm_head, no rotary buffer.
     """
     hidden, inter, vocab = raw["hidden_size"], raw["intermediate_size"], raw["vocab_size"]
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
@@ -74,7 +74,7 @@ def test_the_layout_spec_accounts_for_the_published_ouro_1_4b_file() -> None:
 
 
 def test_the_nanbeige_layout_spec_is_a_llama_layout() -> None:
-    """Nanbeige's layers are Llama's (DESIGN §2): transformers' Llama has the same tensors."""
+    """Nanbeige's layers are Llama's: transformers' Llama has the same tensors."""
     transformers = pytest.importorskip("transformers")
     raw = tiny_nanbeige_config(vocab_size=512, bos=509, eos=510)
     llama = transformers.LlamaConfig(

@@ -235,8 +235,8 @@ def test_weight_bytes_of_the_demo_model_by_hand() -> None:
 
 
 def test_floor_of_ouro_1_4b_matches_design(tmp_path: Path) -> None:
-    """DESIGN §9: ~10.07 GB read per token step at 4 loops; at 4.27 TB/s the floor is 424 tok/s
-    at c=1 and ~3,400 at c=8. Built on the meta device: no memory needed."""
+    """Weight-bandwidth floor: ~10.07 GB read per token step at 4 loops; at 4.27 TB/s the floor
+    is 424 tok/s at c=1 and ~3,400 at c=8. Built on the meta device: no memory needed."""
     (tmp_path / "config.json").write_text((KNOWN_CONFIGS / "ouro-1.4b" / "config.json").read_text())
     config = load_config(tmp_path)
     with torch.device("meta"):

@@ -36,7 +36,7 @@ def test_real_ouro_config_parses_to_design_facts():
     assert cfg.norm_every_loop and cfg.max_position_embeddings == 65536
     # bos = eos = 0 (<|endoftext|>); <|im_end|> = 2 is added from the tokenizer, not the config
     assert (cfg.bos_token_id, cfg.eos_token_ids) == (0, (0,))
-    # DESIGN §4: 3 MiB per 16-token block and 192 KiB per token per plane in bf16.
+    # docs/kv-cache.md: 3 MiB per 16-token block and 192 KiB per token per plane in bf16.
     assert cfg.kv_bytes_per_token(2) == 192 * 1024
     assert cfg.kv_slots == 96
 
