@@ -7,6 +7,7 @@ and the package imports even without an editable install.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,21 @@ torch.set_num_threads(1)
 
 
 SHARED_SKIP = "needs the optional shared data directory"
+TRITON_SKIP = "needs triton (not installed: the CPU torch wheel does not bring it)"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Without triton, the Triton kernels cannot run even interpreted: their tests (the kernels
+    folder, a triton backend parameter, the models' fused fast path) skip, and the end of the
+    run counts them."""
+    if HAS_TRITON:
+        return
+    skip = pytest.mark.skip(reason=TRITON_SKIP)
+    for item in items:
+        node = item.nodeid.replace("\\", "/")
+        if "triton" in node or "tests/kernels/" in node or "test_fast_path" in node:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -46,12 +62,20 @@ def shared_dir() -> Path:
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Skips for missing optional data are counted at the end, where nobody can miss them."""
-    skipped = terminalreporter.stats.get("skipped", [])
-    shared = [r for r in skipped if SHARED_SKIP in str(getattr(r, "longrepr", ""))]
+    skipped = [str(getattr(r, "longrepr", "")) for r in terminalreporter.stats.get("skipped", [])]
+    shared = sum(SHARED_SKIP in r for r in skipped)
     if shared:
         terminalreporter.write_line(
-            f"NOTE: {len(shared)} test(s) skipped: they need {tiny_checkpoints.SHARED_DIR} "
+            f"NOTE: {shared} test(s) skipped: they need {tiny_checkpoints.SHARED_DIR} "
             "(set RLT_SHARED_DIR to run them)",
+            yellow=True,
+            bold=True,
+        )
+    triton = sum(TRITON_SKIP in r for r in skipped)
+    if triton:
+        terminalreporter.write_line(
+            f"NOTE: {triton} test(s) skipped: they need triton, which is not installed "
+            "(pip install triton to run the Triton kernels under the interpreter)",
             yellow=True,
             bold=True,
         )
