@@ -1,4 +1,4 @@
-"""The weight-bandwidth floor of decode (DESIGN §9): how fast a token step could possibly be if
+"""The weight-bandwidth floor of decode: how fast a token step could possibly be if
 it did nothing but read the model's weights once per traversal at the device's copy bandwidth.
 
 A token step gives every running request one more token. It traverses the shared layer stack

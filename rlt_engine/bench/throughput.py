@@ -1,4 +1,4 @@
-"""Offline decode benchmark on an `LLMEngine` (the DESIGN §9 metric).
+"""Offline decode benchmark on an `LLMEngine`: committed decode tokens/s (below).
 
 Committed decode tokens/s = (output_len - 1) x concurrency / decode seconds, where decode time
 runs from the moment every request has its first token to the last completion, with the device

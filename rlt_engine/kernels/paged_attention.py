@@ -1,4 +1,4 @@
-"""Triton paged attention over the depth-aware paged KV cache (DESIGN §4-§5, issue 9 item 4).
+"""Triton paged attention over the depth-aware paged KV cache (docs/kv-cache.md).
 
 One kernel serves decode rows and prefill chunks. A program owns one (sequence, tile of BLOCK_Q
 queries, kv head, split) and processes every query head of that kv head's GQA group together:

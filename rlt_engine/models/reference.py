@@ -1,4 +1,4 @@
-"""Dense fp32 oracle for looped LMs, written straight from the model facts (DESIGN §2, §4).
+"""Dense fp32 oracle for looped LMs, written straight from the model facts (docs/kv-cache.md).
 
 Plain functions over a Hugging Face state dict: no modules, no KV cache, nothing shared with
 the production model code, so that agreement between the two means something. Every token is

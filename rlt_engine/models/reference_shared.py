@@ -1,4 +1,4 @@
-"""Dense fp32 oracle for the SHARED KV layout (DESIGN §4): one K/V plane per layer.
+"""Dense fp32 oracle for the SHARED KV layout (docs/kv-cache.md): one K/V plane per layer.
 
 SHARED is NOT the model of the reference (`reference.py`, LAST_EXITED semantics); it is a
 different, approximate function that trades exactness for D times less KV memory:

@@ -1,4 +1,4 @@
-"""Run a decode workload under torch.profiler with the engine's phases marked (DESIGN §9).
+"""Run a decode workload (the `rlt bench` one) under torch.profiler, engine phases marked.
 
 The engine is not edited for this: `instrument(engine)` wraps its methods from outside with
 `torch.profiler.record_function` ranges for the time it is active, and puts them back after:
