@@ -162,9 +162,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, slots: list[int]) -> SampleOutput:
         s = self.slots
-        params = [s.host[i].params for i in slots]
-        random_ = [p for p in params if not p.greedy]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        any_random, any_filter, num_logprobs = s.sampling_flags(slots)
         return sample(
             logits,
             SamplingTensors(
@@ -174,9 +172,9 @@ class ModelRunner:
                 s.seed[index],
                 torch.zeros_like(index),  # the first output token has index 0
             ),
-            any_random=bool(random_),
-            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in random_),
-            num_logprobs=max(logprobs) if logprobs else None,
+            any_random=any_random,
+            any_filter=any_filter,
+            num_logprobs=num_logprobs,
         )
 
     # -- decode --------------------------------------------------------------------------

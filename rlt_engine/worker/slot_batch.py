@@ -165,14 +165,19 @@ class SlotBatch:
 
     def flags(self) -> tuple[bool, bool, int | None, bool]:
         """(any random, any top-k/top-p, logprobs width, any early exit) over slots in use."""
-        params = [h.params for h in self.host.values()]
+        early = any(h.early_exit for h in self.host.values())
+        return (*self.sampling_flags(list(self.host)), early)
+
+    def sampling_flags(self, slots: list[int]) -> tuple[bool, bool, int | None]:
+        """The sampler's static variant for these slots: (any random, any top-k/top-p,
+        logprobs width)."""
+        params = [self.host[i].params for i in slots]
         random_ = [p for p in params if not p.greedy]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return (
             bool(random_),
             any(p.top_k > 0 or p.top_p < 1.0 for p in random_),
             max(logprobs) if logprobs else None,
-            any(h.early_exit for h in self.host.values()),
         )
 
     def max_context(self, block_size: int) -> int:
