@@ -48,8 +48,10 @@ class LoopedCausalLM(nn.Module):
         return self.config.num_loops
 
     def use_fast_path(self) -> None:
-        """Packed q/k/v and gate/up weights (one GEMM each) and the fused Triton norm and
-        RoPE kernels. Same function; the worker turns it on with the Triton backend."""
+        """Packed q/k/v and gate/up weights (one GEMM each), the fused Triton norm and RoPE
+        kernels, and the small-M GEMM kernel for the weight GEMMs and lm_head where its table
+        says it beats cuBLAS (kernels/small_gemm). Same function; the worker turns it on with
+        the Triton backend."""
         from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
 
         for module in self.modules():
@@ -59,8 +61,11 @@ class LoopedCausalLM(nn.Module):
                 module.pack()
             if isinstance(module, Attention):
                 module.fused_rope = True
+            if isinstance(module, (Attention, SwiGLU)):
+                module.small_gemm = True
             if isinstance(module, RMSNorm):
                 module.fused = True
+        self.small_gemm_head = True
 
     def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -86,4 +91,8 @@ class LoopedCausalLM(nn.Module):
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.config.norm_every_loop:
             hidden = self.model.norm(hidden)
+        if getattr(self, "small_gemm_head", False):  # set by use_fast_path
+            from rlt_engine.kernels.small_gemm import linear
+
+            return linear(hidden, self.lm_head.weight)
         return self.lm_head(hidden)

@@ -63,6 +63,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, small_gemm: bool) -> torch.Tensor:
+    """`F.linear(x, weight)`; with `small_gemm` (the fast path) through kernels/small_gemm,
+    which picks its Triton split-K kernel for decode-sized x where it beats cuBLAS."""
+    if small_gemm:
+        from rlt_engine.kernels.small_gemm import linear
+
+        return linear(x, weight)
+    return F.linear(x, weight)
+
+
 def pack_linears(*linears: nn.Linear) -> torch.Tensor:
     """One weight for several projections of the same input (one GEMM instead of several).
     The modules keep their parameters as views into it, so names and memory stay as loaded."""
@@ -82,6 +92,7 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # packed [2 * intermediate, hidden]
+        self.small_gemm = False  # kernels/small_gemm for gate_up and down; set by use_fast_path
 
     def pack(self) -> None:
         self.gate_up = pack_linears(self.gate_proj, self.up_proj)
@@ -89,7 +100,9 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        gate, up = project(x, self.gate_up, self.small_gemm).chunk(2, dim=-1)
+        if self.small_gemm:
+            return project(F.silu(gate) * up, self.down_proj.weight, True)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -108,6 +121,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.qkv: torch.Tensor | None = None  # packed [(heads + 2 kv_heads) * head_dim, hidden]
         self.fused_rope = False
+        self.small_gemm = False  # kernels/small_gemm for qkv and o_proj; set by use_fast_path
 
     def pack(self) -> None:
         self.qkv = pack_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -125,7 +139,8 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(rows, self.num_kv_heads, d)
             v = self.v_proj(x).view(rows, self.num_kv_heads, d)
         else:
-            qkv = F.linear(x, self.qkv).view(rows, self.num_heads + 2 * self.num_kv_heads, d)
+            qkv = project(x, self.qkv, self.small_gemm)
+            qkv = qkv.view(rows, self.num_heads + 2 * self.num_kv_heads, d)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.fused_rope:
             from rlt_engine.kernels.rope import apply_rope_
@@ -133,5 +148,7 @@ class Attention(nn.Module):
             apply_rope_(q, k, *rope)
         else:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = backend.attend(self.layer, q, k, v, meta)
-        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        out = backend.attend(self.layer, q, k, v, meta).reshape(rows, self.num_heads * d)
+        if self.small_gemm:
+            return project(out, self.o_proj.weight, True)
+        return self.o_proj(out)

@@ -1,0 +1,268 @@
+"""Small-M weight GEMMs on a GPU: the Triton split-K kernel (kernels/small_gemm.py) against cuBLAS.
+
+    PYTHONPATH=. python benchmarks/bench_small_gemm.py --out $OUT --write-table
+
+For every weight GEMM of Ouro-1.4B and Nanbeige4.2-3B (packed qkv, o_proj, packed gate_up,
+down_proj, lm_head; shapes from tests/fixtures/*/config.json) and M = 1, 2, 4, .., 64 bf16 rows,
+cuBLAS (F.linear) and every candidate Triton config (after checking it: three launches bitwise
+equal, every element within rounding of the fp32 matmul) are timed two ways, both
+triton.testing.do_bench medians (it flushes the L2 before each call):
+- graph: one CUDA graph of R back-to-back GEMMs, each on its own copy of the weight (R copies
+  are >= 256 MB, several times the 60 MB L2), per GEMM. This is decode's situation (graph
+  replays, weights streamed from HBM, no host launch cost) and what the table chooses by;
+- call: one eager call (host launch overhead included when it exceeds the flush's GPU time),
+  for the best config and cuBLAS.
+Reports us, TB/s of weight bytes and their share of a device-to-device copy's bandwidth (read +
+written bytes, measured here). Writes <out>/small_gemm.json and, with --write-table,
+rlt_engine/kernels/small_gemm_table.py (and a copy in <out>): "triton" where the best config's
+graph time beats cuBLAS's by more than MARGIN, else "cublas". Only bf16 is tuned (the models'
+dtype); other dtypes stay on cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+from rlt_engine.kernels import small_gemm  # noqa: E402
+from rlt_engine.kernels.small_gemm import GemmConfig, gemm, table_key  # noqa: E402
+
+MODELS = {
+    "ouro-1.4b": "tests/fixtures/ouro-1.4b",
+    "nanbeige4.2-3b": "tests/fixtures/nanbeige4.2-3b",
+}
+MS = (1, 2, 4, 8, 16, 32, 64)
+MARGIN = 0.03  # the kernel must beat cuBLAS by 3% (do_bench noise is ~1%) to replace it
+# (block_n, block_k, num_warps, num_stages): shared memory per stage is block_n * block_k * 2 B
+TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4), (32, 256, 4, 4))
+SPLITS = (1, 2, 4, 6, 8, 16)
+DEVICE = "cuda"
+TABLE_PATH = ROOT / "rlt_engine" / "kernels" / "small_gemm_table.py"
+
+
+def model_shapes() -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of each weight GEMM, from the checked-in configs."""
+    shapes = {}
+    for model, path in MODELS.items():
+        c = json.loads((ROOT / path / "config.json").read_text())
+        hidden, inter, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+        heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+        shapes[f"{model}/qkv"] = ((heads + 2 * kv) * d, hidden)
+        shapes[f"{model}/o_proj"] = (hidden, heads * d)
+        shapes[f"{model}/gate_up"] = (2 * inter, hidden)
+        shapes[f"{model}/down_proj"] = (hidden, inter)
+        shapes[f"{model}/lm_head"] = (c["vocab_size"], hidden)
+    return shapes
+
+
+def candidates(n: int, k: int) -> list[GemmConfig]:
+    """Tiles x splits that give 1/2..~12 waves of programs over the SMs, >= 2 K blocks a split."""
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    out = []
+    for bn, bk, warps, stages in TILES:
+        tiles = -(-n // bn)
+        for s in SPLITS:
+            if s > 1 and (k // s < 2 * bk or not sms // 2 <= tiles * s <= 12 * sms):
+                continue
+            out.append(GemmConfig(bn, bk, s, warps, stages))
+    return out
+
+
+def bench_us(fn, warmup: int, rep: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")) * 1e3
+
+
+def copy_bandwidth(gib: int = 2) -> float:
+    """Device-to-device copy in bytes/s, counting bytes read and written."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src), 10, 100)
+    return 2 * (gib << 30) / (us * 1e-6)
+
+
+def graph_us(call, x: torch.Tensor, weights: list[torch.Tensor], args) -> float:
+    """Device time per GEMM in a CUDA graph of len(weights) back-to-back calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:  # compiled and warm before the capture
+            call(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            call(x, w)
+    us = bench_us(graph.replay, args.warmup, args.rep) / len(weights)
+    del graph
+    return us
+
+
+def rounding_bound(x: torch.Tensor, w32: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """1 bf16 ulp of the fp32 reference + 2^-20 sum|x w| (the GPU tests' bound)."""
+    absprod = x.float().abs() @ w32.abs().T
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7) + 2.0**-20 * absprod
+
+
+def tune(n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, args) -> dict:
+    w = weights[0]
+    gen = torch.Generator(device=DEVICE).manual_seed(m)
+    x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    ref = x.float() @ w32.T
+    bound = rounding_bound(x, w32, ref)
+    cublas = graph_us(F.linear, x, weights, args)
+    runs, rejected = [], []
+    for config in candidates(n, k):
+        try:
+            outs = [gemm(x, w, config) for _ in range(3)]
+        except Exception as exc:  # a config the compiler refuses (shared memory, ...)
+            rejected.append({"config": config.as_dict(), "why": repr(exc)[:200]})
+            continue
+        same = all(torch.equal(o, outs[0]) for o in outs)
+        excess = float(((outs[0].float() - ref).abs() - bound).max())
+        if not same or excess > 0:
+            why = f"deterministic={same}, excess over the rounding bound {excess:.3g}"
+            rejected.append({"config": config.as_dict(), "why": why})
+            continue
+        us = graph_us(lambda a, b, c=config: gemm(a, b, c), x, weights, args)
+        runs.append({"config": config.as_dict(), "graph_us": us})
+    runs.sort(key=lambda r: r["graph_us"])
+    best = runs[0] if runs else None
+    if best is not None:
+        config = GemmConfig(**best["config"])
+        best["call_us"] = bench_us(lambda: gemm(x, w, config), args.warmup, args.rep)
+    wins = best is not None and best["graph_us"] < cublas * (1 - MARGIN)
+    return {
+        "n": n,
+        "k": k,
+        "m": m,
+        "graph_copies": len(weights),
+        "cublas_graph_us": cublas,
+        "cublas_call_us": bench_us(lambda: F.linear(x, w), args.warmup, args.rep),
+        "best": best,
+        "backend": "triton" if wins else "cublas",
+        "speedup": cublas / best["graph_us"] if best else None,
+        "top": runs[:5],
+        "rejected": rejected,
+    }
+
+
+FIELDS = ("backend", "block_n", "block_k", "split_k", "num_warps", "num_stages", "us", "cublas_us")
+
+
+def table_entry(r: dict) -> tuple:
+    """One table row (FIELDS): the choice, the best config (also kept where cuBLAS won), and the
+    per-GEMM graph times it was chosen by."""
+    best = r["best"] or {"config": GemmConfig().as_dict(), "graph_us": float("nan")}
+    c = GemmConfig(**best["config"])
+    times = round(best["graph_us"], 2), round(r["cublas_graph_us"], 2)
+    return (r["backend"], c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages, *times)
+
+
+def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
+    """A Python module that `ruff format` leaves as it is (one row per line)."""
+    lines = [
+        '"""Small-GEMM dispatch table (kernels/small_gemm.py): written by',
+        "benchmarks/bench_small_gemm.py on the GPU named below; do not edit by hand. Keys are",
+        '"NxK:m<bucket>:<dtype>"; rows are FIELDS, "us" and "cublas_us" the per-GEMM CUDA-graph',
+        'times (do_bench medians) the choice was made by."""',
+        "",
+        f"FIELDS = {FIELDS!r}",
+        "TABLE: dict = {",
+        f'    "device": {json.dumps(meta["device"])},',
+        f'    "triton": {json.dumps(meta["triton"])},',
+        f'    "torch": {json.dumps(meta["torch"])},',
+        '    "entries": {',
+    ]
+    lines += [f"        {json.dumps(key)}: {row!r}," for key, row in entries.items()]
+    lines += ["    },", "}", ""]
+    path.write_text("\n".join(lines).replace("'", '"'))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--write-table", action="store_true")
+    ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=20, help="do_bench repetitions, ms")
+    ap.add_argument("--only", nargs="*", help="shape names (e.g. ouro-1.4b/qkv)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    import triton
+
+    t0 = time.perf_counter()
+    copy_bps = copy_bandwidth()
+    meta = {
+        "device": torch.cuda.get_device_name(DEVICE),
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "copy_tb_s": copy_bps / 1e12,
+        "do_bench_ms": [args.warmup, args.rep],
+        "margin": MARGIN,
+    }
+    print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + written)", flush=True)
+    shapes = model_shapes()
+    results, entries = [], {}  # entries: key -> table row
+    by_nk: dict[tuple[int, int], list[str]] = {}
+    for name, nk in shapes.items():
+        if not args.only or name in args.only:
+            by_nk.setdefault(nk, []).append(name)
+    for (n, k), names in by_nk.items():
+        gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+        w = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16)
+        w32 = w.float()
+        wbytes = n * k * w.element_size()
+        copies = min(32, max(2, -(-(256 << 20) // wbytes)))
+        weights = [w] + [w.clone() for _ in range(copies - 1)]
+        for m in MS:
+            r = tune(n, k, m, weights, w32, args)
+            best = r["best"] or {}
+            for side, key in (("cublas", "cublas_graph_us"), ("cublas_call", "cublas_call_us")):
+                r[f"{side}_tb_s"] = wbytes / (r[key] * 1e-6) / 1e12
+            for side, key in (("triton", "graph_us"), ("triton_call", "call_us")):
+                if key in best:
+                    r[f"{side}_tb_s"] = wbytes / (best[key] * 1e-6) / 1e12
+            for side in ("cublas", "triton"):
+                if f"{side}_tb_s" in r:
+                    r[f"{side}_copy_share"] = r[f"{side}_tb_s"] * 1e12 / copy_bps
+            r["names"] = names
+            results.append(r)
+            entries[table_key(n, k, m, torch.bfloat16)] = table_entry(r)
+            nan = float("nan")
+            print(
+                f"{'+'.join(names):26s} m={m:2d} graph: cublas {r['cublas_graph_us']:6.1f} us "
+                f"({r['cublas_tb_s']:.2f} TB/s) triton {best.get('graph_us', nan):6.1f} us "
+                f"({r.get('triton_tb_s', nan):.2f} TB/s, {r.get('triton_copy_share', nan):.0%}"
+                f" of copy) | call: cublas {r['cublas_call_us']:6.1f} triton "
+                f"{best.get('call_us', nan):6.1f} | {best.get('config')} -> {r['backend']}",
+                flush=True,
+            )
+        del weights
+        del w, w32
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        # after every shape: a run cut short by a time limit still leaves what it measured
+        meta["seconds"] = time.perf_counter() - t0
+        (args.out / "small_gemm.json").write_text(
+            json.dumps({**meta, "results": results}, indent=1) + "\n"
+        )
+        if args.write_table:
+            write_table(TABLE_PATH, meta, entries)
+            write_table(args.out / "small_gemm_table.py", meta, entries)
+    small_gemm._TABLES.clear()
+    print(f"done in {meta['seconds']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

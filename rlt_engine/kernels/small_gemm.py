@@ -1,0 +1,350 @@
+"""Small-M weight GEMMs for decode: `linear(x, w) == x @ w.T` as one Triton launch.
+
+At decode a layer's GEMMs have M = 1..64 rows against weights of 8-50 MB: the work is a weight
+stream, and cuBLAS's small-M tiles reach ~2.8 TB/s of the H200's ~4.3. This kernel is laid out
+for that stream:
+
+- swap-AB: a program computes the transposed tile out.T[BLOCK_N, BLOCK_M] = w[BLOCK_N, k-range]
+  @ x.T[k-range, BLOCK_M], so the weight tile is the MMA's large operand (wgmma on Hopper for
+  BLOCK_N >= 64) and x, padded with zeros to BLOCK_M >= 16 rows, the small one;
+- split-K: grid (N tiles, splits) puts enough programs on the SMs to keep the weight reads in
+  flight when N alone gives too few tiles;
+- a deterministic serial reduction in the same launch: each split writes its fp32 partial to a
+  workspace and draws a ticket from its tile's counter (atomic add, acq_rel at GPU scope); the
+  program that draws the last ticket sums the partials in split order 0, 1, .., S-1 (the same
+  order whichever program arrives last), rounds once to the output dtype, and resets the counter.
+  Results are therefore bitwise run-to-run deterministic, and a CUDA graph replay equals eager.
+
+The counters are one zeroed int32 buffer per device that every launch leaves zero, so launches
+must not run concurrently on two streams of one device (the engine runs one stream at a time).
+
+`linear` chooses per shape from `small_gemm_table.TABLE`, keyed by (N, K, M bucket, dtype) and
+autotuned on one GPU model by benchmarks/bench_small_gemm.py; it falls back to `F.linear`
+(cuBLAS) for shapes not in the table, entries that say "cublas", another GPU model, CPU tensors,
+M > 64, autograd, or RLT_SMALL_GEMM=0. fp32 is never in the table: fp32 outputs stay cuBLAS's.
+CUDA-graph capturable: no host synchronisation; the grid and workspace depend on shapes only.
+triton is imported lazily (see paged_attention: interpreter mode and its workarounds).
+
+Measured on the H200 (benchmarks/results/2026-12-01-small-gemm-h200.md): inside CUDA graphs
+3-11% faster than cuBLAS on the long-K GEMMs (down_proj, Nanbeige o_proj) and the lm_heads at
+small M, a tie on the wide-N ones, slower at M = 64. Eagerly a launch costs tens of us of host
+time (Triton's launcher), more than cuBLAS: the table is chosen for the graph-replayed decode.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import rope as _rope
+from rlt_engine.kernels.paged_attention import supported
+
+__all__ = [
+    "MAX_M",
+    "GemmConfig",
+    "choose",
+    "gemm",
+    "linear",
+    "lookup",
+    "m_bucket",
+    "supported",
+    "table_key",
+]
+
+# set by _import_triton(); the kernel's body reads the module globals `tl` and `round_bf16`
+triton = tl = round_bf16 = None
+
+MAX_M = 64
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
+_DISABLED = os.environ.get("RLT_SMALL_GEMM", "1") == "0"  # A/B switch for benchmarks
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+def m_bucket(m: int) -> int:
+    """Table key for m rows: the next power of two (a config tuned at 8 rows serves 5..8)."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+def table_key(n: int, k: int, m: int, dtype: torch.dtype) -> str:
+    """The table's key for an [m, k] @ [n, k].T GEMM, e.g. "6144x2048:m8:bfloat16"."""
+    return f"{n}x{k}:m{m_bucket(m)}:{str(dtype).removeprefix('torch.')}"
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+
+_TABLES: dict[int, dict | None] = {}  # device index -> the table's entries for that GPU, or None
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _table_for(device: torch.device) -> dict | None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _TABLES:
+        from rlt_engine.kernels.small_gemm_table import TABLE
+
+        ok = (
+            supported(device)[0]
+            and TABLE.get("device") == torch.cuda.get_device_name(index)
+            and TABLE.get("triton") == _triton_version()
+        )
+        _TABLES[index] = TABLE.get("entries", {}) if ok else None
+    return _TABLES[index]
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton as triton_module
+    except ImportError:
+        return None
+    return triton_module.__version__
+
+
+def choose(x: torch.Tensor, w: torch.Tensor) -> GemmConfig | None:
+    """The table's Triton config for `x @ w.T`, or None for cuBLAS."""
+    if _DISABLED or x.device.type != "cuda" or w.dim() != 2 or x.dim() < 1:
+        return None
+    n, k = w.shape
+    if x.shape[-1] != k or x.dtype != w.dtype or not w.is_contiguous() or x.numel() == 0:
+        return None
+    m = x.numel() // k
+    if m > MAX_M or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return None
+    entries = _table_for(x.device)
+    return None if entries is None else lookup(entries, n, k, m, x.dtype)
+
+
+def lookup(entries: dict, n: int, k: int, m: int, dtype: torch.dtype) -> GemmConfig | None:
+    """The Triton config the table's entries give for [m, k] @ [n, k].T, or None (cuBLAS)."""
+    row = entries.get(table_key(n, k, m, dtype))  # small_gemm_table.FIELDS
+    if row is None or row[0] != "triton":
+        return None
+    return GemmConfig(*row[1:6])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, w)` (no bias): x [..., K], w [N, K] -> [..., N], through the Triton kernel
+    where the table says it beats cuBLAS, else through cuBLAS."""
+    config = choose(x, w)
+    if config is None:
+        return F.linear(x, w)
+    return gemm(x, w, config)
+
+
+# -- launch ---------------------------------------------------------------------------------------
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+    """`x @ w.T` with the Triton kernel and an explicit config (tests, the benchmark): x [..., K]
+    with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device."""
+    if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
+        raise ValueError(
+            f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "
+            f"{tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}"
+        )
+    n, k = w.shape
+    if x.shape[-1] != k or x.device != w.device or not w.is_contiguous():
+        raise ValueError(
+            f"need x [..., {k}] on {w.device} and w contiguous, got x {tuple(x.shape)} on "
+            f"{x.device}, w contiguous={w.is_contiguous()}"
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"at most {MAX_M} rows, got {m}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*lead, n)
+    if k == 0:
+        return out.zero_().view(*lead, n)
+    interpret = _ready(x.device)
+
+    bn, bk = config.block_n, config.block_k
+    block_m = max(16, triton.next_power_of_2(m))  # tl.dot needs >= 16 on every side
+    n_tiles = triton.cdiv(n, bn)
+    k_per_split = triton.cdiv(triton.cdiv(k, max(1, config.split_k)), bk) * bk
+    splits = triton.cdiv(k, k_per_split)  # no empty split
+    if splits > 1:
+        if n_tiles > _COUNTERS_PER_DEVICE:
+            raise ValueError(f"{n_tiles} N tiles exceed the {_COUNTERS_PER_DEVICE} counters")
+        workspace = torch.empty(n_tiles * splits * m * bn, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        workspace = counters = out  # unused
+    kernel = _compiled(interpret)
+    with _pa._on_device(x.device):
+        kernel[(n_tiles, splits)](
+            x2,
+            w,
+            out,
+            workspace,
+            counters,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            out.stride(0),
+            k_per_split,
+            BLOCK_M=block_m,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            SPLIT=splits > 1,
+            EVEN_N=n % bn == 0,
+            EVEN_K=k % bk == 0,
+            UPCAST=interpret and x.dtype != torch.float32,
+            ROUND_BF16=interpret and x.dtype == torch.bfloat16,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return out.view(*lead, n)
+
+
+_READY: dict[torch.device, bool] = {}  # device -> interpreter mode, once it can run there
+
+
+def _ready(device: torch.device) -> bool:
+    """Raise unless the kernel can run on `device`; whether it runs interpreted. Cached: the
+    checks cost more host time than the launch of a decode-sized GEMM."""
+    if device not in _READY:
+        ok, why = supported(device)
+        if not ok:
+            raise RuntimeError(f"Triton small GEMM cannot run on {device}: {why}")
+        _import_triton()
+        _READY[device] = _pa._interpreter_mode()
+    return _READY[device]
+
+
+_JIT: list = []
+
+
+def _compiled(interpret: bool):
+    """The kernel; compiled without specialising on M (triton would otherwise build separate
+    binaries for M == 1 and M % 16 == 0: three per config for the decode buckets)."""
+    if interpret:
+        return _pa._kernel(_small_gemm_kernel, interpret)
+    if not _JIT:
+        from triton.runtime.jit import JITFunction
+
+        _JIT.append(JITFunction(_small_gemm_kernel, do_not_specialize=["M"]))
+    return _JIT[0]
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's ticket counters (all zero between launches). Allocated on first use, which
+    the engine's warm-up does before any graph capture."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    key = (device.type, index)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_COUNTERS_PER_DEVICE, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _import_triton() -> None:
+    global triton, tl, round_bf16
+    _rope._import_triton()
+    triton, tl, round_bf16 = _pa.triton, _pa.tl, _rope.round_bf16
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel (a plain function; see paged_attention._kernel). Annotations are strings (future
+# import), which triton reads as constexpr markers, so defining it needs no triton.
+
+
+def _small_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    ws_ptr,  # fp32 partials [n_tiles, splits, M, BLOCK_N] (SPLIT only)
+    count_ptr,  # int32 ticket counter per N tile, zero between launches (SPLIT only)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    k_per_split,  # a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
+    ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    splits = tl.num_programs(1)
+    rows = tl.arange(0, BLOCK_N)  # weight rows = output columns of this tile
+    cols = tl.arange(0, BLOCK_M)  # x rows = output rows
+    n0 = pid_n * BLOCK_N
+    n_ok = (n0 + rows) < N
+    m_ok = cols < M
+    w_tile = w_ptr + n0.to(tl.int64) * K  # 64-bit base: N * K may pass 2^31 (int32 in-tile)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = w_tile + rows[:, None] * K + ks[None, :]
+        x_ptrs = x_ptr + cols[None, :] * stride_xm + ks[:, None]
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            if EVEN_N:  # noqa: SIM108  (constexpr branches: only one is compiled)
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = ks < K
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:  # ieee: fp32 inputs never use tf32 (ignored for 16-bit inputs)
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+
+    out_ptrs = out_ptr + cols[None, :] * stride_om + (n0 + rows)[:, None]
+    out_mask = m_ok[None, :] & n_ok[:, None]
+    if SPLIT:
+        part = cols[None, :] * BLOCK_N + rows[:, None]
+        tile_ws = ws_ptr + (pid_n * splits).to(tl.int64) * (M * BLOCK_N)
+        tl.store(tile_ws + pid_k * (M * BLOCK_N) + part, acc, mask=m_ok[None, :])
+        tl.debug_barrier()  # every thread's partial is written before the ticket is drawn
+        ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(0, splits):  # fixed order: deterministic whoever arrives last
+                # .cg: read at L2, where the other SMs' partials are (L1 is not coherent)
+                p = tl.load(
+                    tile_ws + s * (M * BLOCK_N) + part,
+                    mask=m_ok[None, :],
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                total += p
+            if ROUND_BF16:
+                total = round_bf16(total)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (graph replay)
+    else:
+        if ROUND_BF16:
+            acc = round_bf16(acc)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)

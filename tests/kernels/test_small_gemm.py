@@ -1,0 +1,251 @@
+"""Small-M Triton GEMM (kernels/small_gemm.py) against fp64 / torch fp32 matmul.
+
+Without CUDA the kernel runs under the Triton interpreter on small shapes (conftest.py here sets
+TRITON_INTERPRET=1 before triton is imported). The kernel accumulates in fp32 and rounds once,
+so its result is the exact product up to fp32 accumulation error, then one rounding to the
+output dtype. Asserted per element: |out - exact| <= ulp(out dtype at |exact|) + 2^-22 *
+sum_k |x w| (the second term bounds the fp32 accumulation), and bf16 / fp16 outputs within 1 ulp
+of torch's fp32 matmul rounded to that dtype wherever that term is under a quarter ulp (in
+elements with heavy cancellation both differ from the exact value by more: measured 2 ulps).
+
+GPU tests (Ouro-1.4B / Nanbeige shapes, graph capture = eager, run-to-run bitwise determinism
+of the split-K ticket reduction): pytest tests/kernels/test_small_gemm.py -m gpu -s
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from rlt_engine.kernels import small_gemm
+from rlt_engine.kernels.small_gemm import (
+    GemmConfig,
+    choose,
+    gemm,
+    linear,
+    lookup,
+    m_bucket,
+    supported,
+    table_key,
+)
+from rlt_engine.kernels.small_gemm_table import FIELDS, TABLE
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+ACC_TOL = 2.0**-22  # times sum_k |x_k w_k|: fp32 accumulation error bound
+# Hopper's tensor cores add the products of an MMA with less than round-to-nearest fp32 (cuBLAS
+# too): measured 1.8e-5 over the CPU bound at K = 10752; the GPU tests allow 4x the term.
+ACC_TOL_GPU = 2.0**-20
+MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def make(m: int, n: int, k: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.5).to(dtype)
+    return x.to(device), w.to(device)
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, acc_tol: float = ACC_TOL) -> float:
+    """Assert the bound above; return the worst error as a share of the bound."""
+    x64, w64 = x.double().cpu(), w.double().cpu()
+    exact = x64 @ w64.T
+    absprod = x64.abs() @ w64.abs().T
+    got = out.double().cpu()
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - MANTISSA[out.dtype])
+    err = (got - exact).abs()
+    bound = ulp + acc_tol * absprod
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+    if out.dtype != torch.float32:  # where fp32 accumulation cannot move the rounding much
+        torch32 = (x.float() @ w.float().T).to(out.dtype)
+        tame = (acc_tol * absprod <= ulp / 4).to(out.device)
+        assert ulps(out, torch32)[tame].max().item() <= 1
+    return float((err / bound).max())
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place of a 16-bit dtype (ordered bit patterns)."""
+    ia, ib = a.view(torch.int16).long(), b.view(torch.int16).long()
+    ia = torch.where(ia < 0, -(ia + (1 << 15)), ia)
+    ib = torch.where(ib < 0, -(ib + (1 << 15)), ib)
+    return (ia - ib).abs()
+
+
+def test_supported_cpu():
+    ok, why = supported(torch.device("cpu"))
+    assert ok, why
+
+
+# (m, n, k, config): M = 1 and non-multiples of BLOCK_M (16), N and K not multiples of their
+# blocks, K not a multiple of the split (200 = 3 splits of 96, 96, 8), one split per block.
+CASES = [
+    (1, 96, 200, GemmConfig(block_n=32, block_k=32, split_k=3)),
+    (3, 64, 256, GemmConfig(block_n=16, block_k=64, split_k=1)),
+    (17, 80, 96, GemmConfig(block_n=32, block_k=32, split_k=2)),
+    (33, 48, 130, GemmConfig(block_n=16, block_k=32, split_k=5)),
+    (64, 32, 64, GemmConfig(block_n=32, block_k=16, split_k=4)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k", "config"), CASES)
+def test_matches_reference(m, n, k, config, dtype):
+    x, w = make(m, n, k, dtype, seed=m)
+    out = gemm(x, w, config)
+    assert out.shape == (m, n) and out.dtype == dtype
+    check(out, x, w)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_and_counters_reset():
+    x, w = make(5, 96, 200, torch.bfloat16, seed=1)
+    config = GemmConfig(block_n=32, block_k=32, split_k=4)
+    first = gemm(x, w, config)
+    for _ in range(3):
+        assert torch.equal(gemm(x, w, config), first)
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
+
+
+def test_split_counts_agree():
+    x, w = make(7, 64, 192, torch.float32, seed=2)
+    outs = [gemm(x, w, GemmConfig(block_n=32, block_k=32, split_k=s)) for s in (1, 2, 6, 99)]
+    for out in outs:
+        check(out, x, w)
+        torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_views_lead_dims_and_empty():
+    x, w = make(6, 48, 64, torch.bfloat16, seed=3)
+    config = GemmConfig(block_n=16, block_k=32, split_k=2)
+    want = gemm(x, w, config)
+    wide = torch.zeros(6, 100, dtype=torch.bfloat16)
+    wide[:, 20:84] = x
+    assert torch.equal(gemm(wide[:, 20:84], w, config), want)  # rows with a stride
+    assert torch.equal(gemm(x.view(2, 3, 64), w, config), want.view(2, 3, 48))
+    assert gemm(x[:0], w, config).shape == (0, 48)
+
+
+def test_rejects_bad_arguments():
+    x, w = make(3, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match="share a dtype"):
+        gemm(x, w.bfloat16(), GemmConfig())
+    with pytest.raises(ValueError, match="contiguous"):
+        gemm(x[:, :32], w.t().contiguous()[:32].t(), GemmConfig())
+    with pytest.raises(ValueError, match="at most"):
+        gemm(torch.zeros(65, 64), w, GemmConfig())
+
+
+def test_linear_falls_back_to_cublas_off_the_table():
+    """CPU tensors, M > 64, fp32 and unknown shapes go to F.linear: bitwise torch's result."""
+    x, w = make(4, 32, 64, torch.float32)
+    assert choose(x, w) is None
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    big = torch.randn(80, 64)
+    assert torch.equal(linear(big, w), F.linear(big, w))
+
+
+def test_table_keys_and_entries():
+    assert [m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
+    assert table_key(6144, 2048, 5, torch.bfloat16) == "6144x2048:m8:bfloat16"
+    assert FIELDS[0] == "backend" and FIELDS[1:6] == tuple(vars(GemmConfig()))
+    for key, row in TABLE["entries"].items():
+        assert "float32" not in key, "fp32 stays cuBLAS (exact tiny-checkpoint outputs)"
+        assert len(row) == len(FIELDS) and row[0] in ("triton", "cublas"), key
+        shape, bucket, dtype = key.split(":")
+        n, k = map(int, shape.split("x"))
+        config = lookup(TABLE["entries"], n, k, int(bucket[1:]), getattr(torch, dtype))
+        assert (config is None) == (row[0] == "cublas"), key
+        if config is not None:
+            assert config.block_n >= 16 and config.block_k >= 16 and config.split_k >= 1
+            assert row[6] < row[7], f"{key}: chosen although slower than cuBLAS"
+    assert lookup(TABLE["entries"], 6144, 2048, 3, torch.float16) is None  # not tuned: cuBLAS
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+
+OURO = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
+NANBEIGE_DOWN = (3072, 10752)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", [*OURO, "nanbeige_down", "lm_head"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_gpu_model_shapes(name, m):
+    n, k = {**OURO, "nanbeige_down": NANBEIGE_DOWN, "lm_head": (49152, 2048)}[name]
+    x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m)
+    worst = 0.0
+    for config in (GemmConfig(64, 128, 1), GemmConfig(64, 128, 4), GemmConfig(128, 64, 8)):
+        out = gemm(x, w, config)
+        worst = max(worst, check(out, x, w, ACC_TOL_GPU))
+        assert torch.equal(gemm(x, w, config), out)
+    cublas = check(F.linear(x, w), x, w, ACC_TOL_GPU)
+    print(f"\nsmall_gemm {name} m={m}: worst error {worst:.3f} of the bound (cuBLAS {cublas:.3f})")
+
+
+@gpu
+@needs_cuda
+def test_gpu_deterministic_under_contention():
+    """Many splits per tile race for the last ticket; the sum order must not depend on it."""
+    x, w = make(8, 2048, 5632, torch.bfloat16, device="cuda", seed=4)
+    for config in (GemmConfig(64, 128, 11), GemmConfig(64, 64, 16)):
+        first = gemm(x, w, config)
+        check(first, x, w, ACC_TOL_GPU)
+        for _ in range(50):
+            assert torch.equal(gemm(x, w, config), first)
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_equals_eager():
+    shapes = list(OURO.values())
+    weights = [
+        make(1, n, k, torch.bfloat16, device="cuda", seed=i)[1] for i, (n, k) in enumerate(shapes)
+    ]
+    configs = [
+        GemmConfig(64, 128, 4),
+        GemmConfig(64, 128, 8),
+        GemmConfig(128, 128, 1),
+        GemmConfig(64, 256, 6),
+    ]
+    static_x = [torch.zeros(8, k, dtype=torch.bfloat16, device="cuda") for _, k in shapes]
+
+    def step() -> list[torch.Tensor]:
+        return [gemm(x, w, c) for x, w, c in zip(static_x, weights, configs, strict=True)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (11, 12):
+        xs = [make(8, 1, k, torch.bfloat16, device="cuda", seed=seed)[0] for _, k in shapes]
+        for static, new in zip(static_x, xs, strict=True):
+            static.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, x, w, c in zip(outs, xs, weights, configs, strict=True):
+            assert torch.equal(out, gemm(x, w, c))
+
+
+@gpu
+@needs_cuda
+def test_gpu_linear_uses_the_table():
+    if TABLE.get("device") != torch.cuda.get_device_name():
+        pytest.skip("the table was tuned on another GPU")
+    keys = [key for key, row in TABLE["entries"].items() if row[0] == "triton"]
+    for key in keys[:: max(1, len(keys) // 8)]:
+        shape, bucket, dtype = key.split(":")
+        n, k = map(int, shape.split("x"))
+        x, w = make(int(bucket[1:]), n, k, getattr(torch, dtype), device="cuda")
+        assert choose(x, w) is not None, key
+        check(linear(x, w), x, w, ACC_TOL_GPU)
