@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata, greedy_decode
-from rlt_engine.models.loader import load_model
-from rlt_engine.models.reference import reference_forward, reference_greedy
+from rlt_engine.checkpoints.loader import load_model
+from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata, greedy_decode
+from rlt_engine.oracle.reference import reference_forward, reference_greedy
 
-KNOWN = Path(__file__).resolve().parents[1] / "rlt_engine/models/known_configs"
+KNOWN = Path(__file__).resolve().parents[1] / "rlt_engine/checkpoints/known_configs"
 
 
 @torch.inference_mode()

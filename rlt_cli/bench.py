@@ -34,6 +34,7 @@ from rlt_engine.config import EngineConfig, SchedulerConfig
 from rlt_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from rlt_engine.core.exit_rule import LoopControls
     from rlt_engine.engine import LLMEngine
     from rlt_engine.llm import LLM
 
@@ -239,26 +240,18 @@ def _parse(values: dict[str, Any]) -> BenchRun:
 # -- running ------------------------------------------------------------------------------
 def load_engine(w: Workload) -> LLM:
     """Load the model and check the workload against it (loop controls, context)."""
-    from rlt_engine.core.exit_rule import LoopControls
     from rlt_engine.llm import LLM
 
     with status_spinner("loading model"):
         llm = LLM(**w.engine_options)
-    engine = llm.engine
-    if engine.notice:
-        stderr.print(f"[dim]{escape(engine.notice)}[/]")
-    depth = engine.model_config.num_loops
-    p = w.params
-    LoopControls(
-        min_loops=p.min_loops if p.min_loops is not None else 1,
-        max_loops=p.max_loops if p.max_loops is not None else depth,
-        exit_threshold=p.exit_threshold if p.exit_threshold is not None else 1.0,
-    ).validate(depth)
-    context = engine.model_config.max_position_embeddings
-    if w.prompt_len + w.output_len > context:
+    info = llm.info
+    if info.notice:
+        stderr.print(f"[dim]{escape(info.notice)}[/]")
+    llm.engine.loop_controls(w.params)  # the engine's defaults, validated against the model
+    if w.prompt_len + w.output_len > info.max_model_len:
         raise ValueError(
             f"--prompt-len {w.prompt_len} + --output-len {w.output_len} exceeds the "
-            f"model's context of {context} positions"
+            f"model's context of {info.max_model_len} positions"
         )
     return llm
 
@@ -267,39 +260,29 @@ def engine_summary(engine: LLMEngine, w: Workload) -> dict[str, Any]:
     """The report header: model, device and the execution settings that actually run."""
     import torch
 
-    execution = engine.config.execution
-    kv = getattr(engine.runner, "kv", None)
-    impl = type(kv).__name__.removesuffix("PagedAttention").lower() if kv is not None else None
-    p = w.params
+    info = engine.info
+    controls = engine.loop_controls(w.params)
     return {
-        "model": str(engine.model_dir),
-        "device": str(engine.device),
-        "device_name": _device_name(engine),
+        "model": info.model_dir,
+        "device": info.device,
+        "device_name": info.device_name,
         "torch": torch.__version__,
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "num_loops": engine.model_config.num_loops,
-        "num_blocks": engine.num_blocks,
-        "max_num_seqs": engine.config.scheduler.max_num_seqs,
-        "attention_backend": execution.attention_backend,  # as asked (auto, torch, ...)
-        "attention_impl": impl,  # what runs
-        "enforce_eager": execution.enforce_eager,
-        "cuda_graphs": getattr(engine.runner, "graphs", None) is not None,
-        "decode_window": execution.decode_window,
+        "dtype": info.dtype,
+        "num_loops": info.num_loops,
+        "num_blocks": info.num_blocks,
+        "max_num_seqs": info.max_num_seqs,
+        "attention_backend": info.attention_backend,  # as asked (auto, torch, ...)
+        "attention_impl": info.attention_impl,  # what runs
+        "enforce_eager": engine.config.execution.enforce_eager,
+        "cuda_graphs": info.cuda_graphs,
+        "decode_window": info.decode_window,
         "prompt_len": w.prompt_len,
         "output_len": w.output_len,
         "warmup": w.warmup,
-        "min_loops": p.min_loops,
-        "max_loops": p.max_loops,
-        "exit_threshold": p.exit_threshold,
+        "min_loops": controls.min_loops,
+        "max_loops": controls.max_loops,
+        "exit_threshold": controls.exit_threshold,
     }
-
-
-def _device_name(engine: LLMEngine) -> str:
-    if engine.device.type != "cuda":
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(engine.device)
 
 
 def _engine_device(options: dict[str, Any]) -> Any:
@@ -327,7 +310,8 @@ def _bench(run: BenchRun) -> None:
             )
     llm = load_engine(run)
     engine = llm.engine
-    depth = engine.model_config.num_loops
+    depth = engine.info.num_loops
+    controls = engine.loop_controls(run.params)
     weights = weight_bytes(engine.model)
 
     results = []
@@ -350,7 +334,7 @@ def _bench(run: BenchRun) -> None:
                 on_run,
                 seed=10_000 * c,
             )
-            results.append(_result(r, depth, run.params, weights, bandwidth))
+            results.append(_result(r, depth, controls, weights, bandwidth))
 
     report = {
         **engine_summary(engine, run),
@@ -371,21 +355,20 @@ def _bench(run: BenchRun) -> None:
     stdout.print(_table(report))
 
 
-def floor_loops(exit_depths: dict[int, int], depth: int, params: SamplingParams) -> float:
-    """Traversals per token step the floor assumes: the fixed depth (--max-loops or the
-    model's) at exit threshold 1, else the measured mean exit depth."""
-    threshold = params.exit_threshold if params.exit_threshold is not None else 1.0
-    if threshold >= 1 or not exit_depths:
-        return float(params.max_loops or depth)
+def floor_loops(exit_depths: dict[int, int], controls: LoopControls) -> float:
+    """Traversals per token step the floor assumes: the fixed depth (max loops) at exit
+    threshold 1, else the measured mean exit depth."""
+    if controls.exit_threshold >= 1 or not exit_depths:
+        return float(controls.max_loops)
     return sum(d * n for d, n in exit_depths.items()) / sum(exit_depths.values())
 
 
 def _result(
-    r: dict[str, Any], depth: int, params: SamplingParams, weights: Any, bandwidth: float | None
+    r: dict[str, Any], depth: int, controls: LoopControls, weights: Any, bandwidth: float | None
 ) -> dict[str, Any]:
     from rlt_engine.bench.floor import floor_tokens_per_s
 
-    loops = floor_loops(r["exit_depths"], depth, params)
+    loops = floor_loops(r["exit_depths"], controls)
     step_bytes = weights.per_token_step(loops)
     floor = floor_tokens_per_s(r["concurrency"], step_bytes, bandwidth) if bandwidth else None
     rate = r["decode_tokens_per_s_median"]
@@ -461,7 +444,7 @@ def _table(report: dict[str, Any]) -> Table:
 
 
 def _loops(report: dict[str, Any]) -> str:
-    lo, hi = report["min_loops"] or 1, report["max_loops"] or report["num_loops"]
+    lo, hi = report["min_loops"], report["max_loops"]
     if report["exit_threshold"] >= 1:
         return f"fixed depth {hi}"
     return f"exit threshold {report['exit_threshold']:g}, {lo}..{hi} loops"

@@ -39,7 +39,7 @@ def download(
 ) -> None:
     """Download a model (config, safetensors, tokenizer; never remote code) and verify it."""
     from rlt_cli.progress import download_progress
-    from rlt_engine.hub import HubError, download_model
+    from rlt_engine.checkpoints.hub import HubError, download_model
 
     def failed(message: str, code: int = 1) -> None:
         if json_output:  # a machine asked: the failure is JSON too, on stdout

@@ -183,8 +183,8 @@ def _generate(run: GenerateRun) -> None:
 
     with status_spinner("loading model"):
         llm = LLM(**run.engine_options)
-    if llm.engine.notice:
-        stderr.print(f"[dim]{escape(llm.engine.notice)}[/]")
+    if llm.info.notice:
+        stderr.print(f"[dim]{escape(llm.info.notice)}[/]")
     if run.verbose:
         _print_setup(llm)
     _check_tokenizer(llm, run.params)
@@ -202,7 +202,7 @@ def _generate(run: GenerateRun) -> None:
     if not stream.live_text:
         _print_completions(run.prompts, outputs)
     stderr.print()
-    stderr.print(_summary(outputs, llm.engine.model_config.num_loops, wall, run.params))
+    stderr.print(_summary(outputs, llm.info.num_loops, wall, run.params))
     if run.verbose:
         stats = llm.engine.cache_stats()
         stderr.print(
@@ -224,7 +224,7 @@ def _check_tokenizer(llm: LLM, params: SamplingParams) -> None:
     if llm.tokenizer is not None:
         return
     what = "--stop strings" if params.stop else "text prompts"
-    raise ValueError(f"{llm.engine.model_dir} has no tokenizer, which {what} need")
+    raise ValueError(f"{llm.info.model_dir} has no tokenizer, which {what} need")
 
 
 class _Stream:
@@ -244,7 +244,7 @@ class _Stream:
         return f"generating: {done}/{self.num_prompts} prompts done, {tokens} tokens"
 
     def on_output(self, out: RequestOutput) -> None:
-        self._tokens[out.request_id] = len(out.token_ids)
+        self._tokens[out.request_id] = out.num_tokens
         self._finished += out.finished
         if self.live_text:
             if self.status is not None:
@@ -257,14 +257,14 @@ class _Stream:
 
 # -- rendering ----------------------------------------------------------------------------
 def _print_setup(llm: LLM) -> None:
-    engine = llm.engine
+    info = llm.info
     rows = {
-        "model": str(engine.model_dir),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "loops": str(engine.model_config.num_loops),
+        "model": info.model_dir,
+        "device": info.device,
+        "dtype": info.dtype,
+        "loops": str(info.num_loops),
     }
-    plan = engine.memory_plan.describe()
+    plan = info.kv_cache
     rows["kv cache"] = (
         f"{plan['kv_cache']} ({plan['source']}): {plan['num_blocks']} blocks of "
         f"{plan['block_size']} tokens, {plan['block']} each"
@@ -337,8 +337,8 @@ def _seconds(value: float) -> str:
 
 def _json_result(llm: LLM, prompts: list[str], outputs: list[RequestOutput]) -> dict[str, Any]:
     return {
-        "model": str(llm.engine.model_dir),
-        "num_loops": llm.engine.model_config.num_loops,
+        "model": llm.info.model_dir,
+        "num_loops": llm.info.num_loops,
         "outputs": [_json_output(p, out) for p, out in zip(prompts, outputs, strict=True)],
     }
 

@@ -111,7 +111,15 @@ def to_field_values(values: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return out
 
 
-def _parameter(field: Field[Any], hint: Any, panel: str) -> inspect.Parameter:
+def dataclass_parameters(cls: type, panel: str, help: dict[str, str]) -> list[inspect.Parameter]:
+    """One flag per field of a config dataclass other than the engine's (e.g. the server's)."""
+    hints = get_type_hints(cls)
+    return [_parameter(f, hints[f.name], panel, help.get(f.name, "")) for f in fields(cls)]
+
+
+def _parameter(
+    field: Field[Any], hint: Any, panel: str, help: str | None = None
+) -> inspect.Parameter:
     """One keyword-only parameter `name: Annotated[type, typer.Option(...)] = default`."""
     base, optional = _unwrap_optional(hint)
     default = field.default if field.default is not MISSING else None
@@ -124,7 +132,8 @@ def _parameter(field: Field[Any], hint: Any, panel: str) -> inspect.Parameter:
     flag = flag_name(field.name)
     if base is bool and default is True:
         flag = f"{flag}/--no-{flag[2:]}"
-    option = typer.Option(flag, help=HELP.get(field.name, ""), rich_help_panel=panel)
+    text = HELP.get(field.name, "") if help is None else help
+    option = typer.Option(flag, help=text, rich_help_panel=panel)
     return inspect.Parameter(
         field.name,
         inspect.Parameter.KEYWORD_ONLY,

@@ -104,7 +104,7 @@ def _profile(run: ProfileRun) -> None:
     llm = load_engine(run)
     engine = llm.engine
     (c,) = run.concurrency
-    trace_out = run.trace_out or _default_trace(engine.model_dir, c)
+    trace_out = run.trace_out or _default_trace(engine.info.model_dir, c)
     with status_spinner("profiling") as status:
 
         def on_phase(text: str) -> None:

@@ -7,11 +7,35 @@ Torch-free so the scheduler (`rlt_engine.core`) can use it. Every field here is 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from enum import Enum
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+
+
+class KVLayout(str, Enum):
+    """How KV is kept across loops. LAST_EXITED (exact): one plane per loop, a token's KV on
+    plane d comes from its last traversal at loop <= d. SHARED (approximate): one plane, each
+    position keeps the KV of its last traversal, 1/D the memory."""
+
+    LAST_EXITED = "last_exited"
+    SHARED = "shared"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: str | KVLayout) -> KVLayout:
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(layout.value for layout in cls)
+            raise ValueError(f"kv_layout must be one of {names}, got {value!r}") from None
+
+    def num_planes(self, depth: int) -> int:
+        """KV planes this layout keeps for a model of `depth` loops."""
+        return depth if self is KVLayout.LAST_EXITED else 1
 
 
 @dataclass(frozen=True)
@@ -34,7 +58,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    kv_layout: str = "last_exited"  # last_exited (exact) | shared (one plane, approximate)
+    kv_layout: KVLayout = KVLayout.LAST_EXITED
     enable_prefix_caching: bool = False
     incremental_kv: bool = False  # grow pages as requests advance instead of reserving
     watermark: float = 0.01  # share of blocks kept free when admitting with incremental_kv
@@ -47,11 +71,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(
-                f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}"
-            )
-        if self.enable_prefix_caching and self.kv_layout == "shared":
+        object.__setattr__(self, "kv_layout", KVLayout.parse(self.kv_layout))
+        if self.enable_prefix_caching and self.kv_layout is KVLayout.SHARED:
             raise ValueError(
                 "prefix caching is implemented for kv_layout=last_exited only; "
                 "drop --enable-prefix-caching or use the last_exited layout"

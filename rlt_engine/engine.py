@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rlt_engine.checkpoints.loader import load_model
+from rlt_engine.checkpoints.resolve import default_model, resolve_model_dir
 from rlt_engine.config import EngineConfig
 from rlt_engine.core.block_manager import BlockManager
 from rlt_engine.core.exit_rule import LoopControls
-from rlt_engine.core.plan import PrefillChunk, SlotInit, StepPlan
+from rlt_engine.core.plan import PrefillChunk, Sample, SlotInit, Stage, StepPlan
 from rlt_engine.core.request import Request
 from rlt_engine.core.scheduler import Scheduler
 from rlt_engine.detokenizer import IncrementalDetokenizer
-from rlt_engine.models.loader import load_model
-from rlt_engine.models.resolve import default_model, resolve_model_dir
+from rlt_engine.engine_info import EngineInfo
 from rlt_engine.models.tokenizer import has_tokenizer_files, load_tokenizer, stop_token_ids
 from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from rlt_engine.sampling_params import SamplingParams
@@ -32,8 +34,37 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class StepFailedError(RuntimeError):
-    """The worker failed on a step; the requests it touched were aborted and freed, the
-    engine stays usable for everything else."""
+    """The worker failed on a step; the requests it touched (`request_ids`) were aborted and
+    freed, the engine stays usable for everything else."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the scheduler and the KV pool (for metrics and `rlt generate -v`)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    blocks_used: int
+    blocks_total: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    decode_rows: int  # requests in the latest step's decode window (0: none)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """The engine's side of a request: its detokenizer and what its outputs have sent."""
+
+    req: Request
+    detok: IncrementalDetokenizer | None
+    sent: int = 0  # output tokens already handed out in RequestOutputs
+    error: str | None = None  # set when this request's host-side processing failed
 
 
 class LLMEngine:
@@ -84,12 +115,48 @@ class LLMEngine:
             config.scheduler, self.blocks, depth, cache, config.execution.decode_window
         )
         self.runner = self._make_runner(self.num_blocks)
-        self._requests: dict[str, tuple[Request, IncrementalDetokenizer | None]] = {}
+        self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self._decode_rows = 0
+        self.info = self._describe()
+
+    def _describe(self) -> EngineInfo:
+        cfg, execution, plan = self.model_config, self.config.execution, self.memory_plan
+        defaults = self.loop_controls(SamplingParams())
+        device_name = "cpu"
+        if self.device.type == "cuda":
+            device_name = torch.cuda.get_device_name(self.device)
+        impl = type(self.runner.kv).__name__.removesuffix("PagedAttention").lower()
+        return EngineInfo(
+            model=self.model_name,
+            model_dir=str(self.model_dir),
+            model_type=cfg.model_type,
+            num_loops=cfg.num_loops,
+            max_model_len=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+            has_tokenizer=self.tokenizer is not None,
+            device=str(self.device),
+            device_name=device_name,
+            dtype=str(self.dtype).removeprefix("torch."),
+            kv_layout=plan.kv_layout.value,
+            num_planes=plan.num_planes,
+            num_blocks=plan.num_blocks,
+            block_size=plan.block_size,
+            kv_cache=plan.describe(),
+            max_num_seqs=self.config.scheduler.max_num_seqs,
+            attention_backend=execution.attention_backend,
+            attention_impl=impl,
+            cuda_graphs=self.runner.graphs is not None,
+            decode_window=execution.decode_window,
+            default_min_loops=defaults.min_loops,
+            default_max_loops=defaults.max_loops,
+            default_exit_threshold=defaults.exit_threshold,
+            notice=self.notice,
+        )
 
     def _make_runner(self, num_blocks: int) -> ModelRunner:
         cache = self.config.cache
-        planes = 1 if cache.kv_layout == "shared" else self.model_config.num_loops
+        planes = cache.kv_layout.num_planes(self.model_config.num_loops)
         per_plane = -(-self.model_config.max_position_embeddings // cache.block_size)
         return ModelRunner(
             self.model,
@@ -121,7 +188,7 @@ class LLMEngine:
                 0,
                 SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, logprobs=20),
                 0,
-                self._controls(SamplingParams()),
+                self.loop_controls(SamplingParams()),
                 (),
                 rows,
                 tuple(
@@ -157,7 +224,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
-            controls=self._controls(params),
+            controls=self.loop_controls(params),
             stop_token_ids=self._stop_ids(params),
             seed=params.seed if params.seed is not None else random.getrandbits(63),
         )
@@ -173,7 +240,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(req)
-        self._requests[request_id] = (req, detok)
+        self._requests[request_id] = _Tracked(req, detok)
         return request_id
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -190,7 +257,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         return ids
 
-    def _controls(self, p: SamplingParams) -> LoopControls:
+    def loop_controls(self, p: SamplingParams) -> LoopControls:
+        """The request's loop controls with this model's defaults filled in, validated: the
+        one place defaults are resolved (min 1, max the depth, the config's exit threshold)."""
         depth = self.model_config.num_loops
         controls = LoopControls(
             min_loops=p.min_loops if p.min_loops is not None else 1,
@@ -214,7 +283,21 @@ class LLMEngine:
             return None
         self.scheduler.abort(request_id)
         self._flush_if_idle()
-        return self._output(*entry, new_text="")
+        return self._output(entry, new_text="")
+
+    def stats(self) -> EngineStats:
+        sched, prefix, size = self.scheduler, self.blocks.stats, self.config.cache.block_size
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            blocks_used=self.blocks.num_used,
+            blocks_total=self.num_blocks,
+            prefix_queried_tokens=prefix.queried_blocks * size,
+            prefix_hit_tokens=prefix.hit_blocks * size,
+            preemptions=sched.num_preemptions,
+            decode_rows=self._decode_rows,
+        )
 
     def cache_stats(self) -> dict[str, float | int]:
         """KV pool occupancy, prefix-cache hits and preemptions so far."""
@@ -234,39 +317,58 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step (prefill chunks and a decode window); outputs for requests that got
-        tokens or finished."""
+        tokens or finished. A request whose detokenizer or stop matching raises finishes
+        alone, with finish_reason "error"; a failed worker step raises StepFailedError."""
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        self._decode_rows = self._count_decoding() if plan.decode_traversals else 0
         try:
             result = self.runner.execute(plan)
         except Exception as exc:
             failed = self.scheduler.fail_plan()
             for req in failed:
                 self._requests.pop(req.request_id, None)
-            ids = ", ".join(r.request_id for r in failed) or "none"
+            ids = tuple(r.request_id for r in failed)
             raise StepFailedError(
-                f"a step failed and was rolled back ({exc}); aborted: {ids}"
+                f"a step failed and was rolled back ({exc}); aborted: {', '.join(ids) or 'none'}",
+                ids,
             ) from exc
         outputs = []
         for req in self.scheduler.update(plan, result, self._hits_stop_string):
-            req_entry = self._requests.get(req.request_id)
-            if req_entry is None or req_entry[0] is not req:
+            entry = self._requests.get(req.request_id)
+            if entry is None or entry.req is not req:
                 continue
-            detok = req_entry[1]
-            new_text = detok.take_new(final=req.finished) if detok is not None else ""
-            outputs.append(self._output(req, detok, new_text))
-            if req.finished:
+            new_text = ""
+            if entry.detok is not None and entry.error is None:
+                try:
+                    new_text = entry.detok.take_new(final=req.finished)
+                except Exception as exc:
+                    entry.error = f"detokenization failed: {type(exc).__name__}: {exc}"
+            if entry.error is not None and not req.finished:
+                self.scheduler.abort(req.request_id)
+            outputs.append(self._output(entry, new_text))
+            if req.finished or entry.error is not None:
                 del self._requests[req.request_id]
         self._flush_if_idle()
         return outputs
 
+    def _count_decoding(self) -> int:
+        return sum(r.stage is Stage.DECODE for r in self.scheduler.running)
+
     def _hits_stop_string(self, req: Request) -> bool:
-        """Feed the newest token to the request's detokenizer: True = a stop string ended it."""
+        """Feed the newest token to the request's detokenizer: True = a stop string ended it
+        (or the detokenizer failed, which ends this request with an error)."""
         entry = self._requests.get(req.request_id)
-        if entry is None or entry[0] is not req or entry[1] is None:
+        if entry is None or entry.req is not req or entry.detok is None:
             return False
-        return entry[1].push(req.output_token_ids[-1])
+        if entry.error is not None:
+            return True
+        try:
+            return entry.detok.push(req.output_token_ids[-1])
+        except Exception as exc:
+            entry.error = f"stop-string matching failed: {type(exc).__name__}: {exc}"
+            return True
 
     def _flush_if_idle(self) -> None:
         """With nothing left to run, no further plan would carry the pending slot frees and
@@ -276,24 +378,31 @@ class LLMEngine:
             if idle is not None:
                 self.runner.execute(idle)
 
-    def _output(
-        self, req: Request, detok: IncrementalDetokenizer | None, new_text: str
-    ) -> RequestOutput:
-        logprobs = None
-        if req.params.logprobs is not None:
-            logprobs = [
-                TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs or ())
-                for s in req.samples
-            ]
-        return RequestOutput(
+    def _output(self, entry: _Tracked, new_text: str) -> RequestOutput:
+        req, start = entry.req, entry.sent
+        entry.sent = len(req.output_token_ids)
+        want_logprobs = req.params.logprobs is not None
+        finished = req.finished or entry.error is not None
+        out = RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=detok.text if detok is not None else "",
-            exit_depths=list(req.exit_depths),
-            finished=req.finished,
-            finish_reason=req.finish_reason,
+            new_token_ids=req.output_token_ids[start:],
+            new_exit_depths=req.exit_depths[start:],
             new_text=new_text,
-            logprobs=logprobs,
+            new_logprobs=_logprobs(req.samples[start:]) if want_logprobs else None,
+            num_tokens=len(req.output_token_ids),
+            finished=finished,
+            finish_reason="error" if entry.error is not None else req.finish_reason,
             metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time),
+            error=entry.error,
         )
+        if finished:
+            out.token_ids = list(req.output_token_ids)
+            out.exit_depths = list(req.exit_depths)
+            out.text = entry.detok.text if entry.detok is not None else ""
+            out.logprobs = _logprobs(req.samples) if want_logprobs else None
+        return out
+
+
+def _logprobs(samples: list[Sample]) -> list[TokenLogprob]:
+    return [TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs or ()) for s in samples]

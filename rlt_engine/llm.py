@@ -7,6 +7,7 @@ from typing import Any
 
 from rlt_engine.config import EngineConfig
 from rlt_engine.engine import LLMEngine
+from rlt_engine.engine_info import EngineInfo
 from rlt_engine.outputs import RequestOutput
 from rlt_engine.sampling_params import SamplingParams
 
@@ -22,6 +23,11 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        """What was loaded and how it runs (model, device, KV pool, backends, defaults)."""
+        return self.engine.info
 
     def generate(
         self,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -27,13 +27,23 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """One request's progress after a step. The `new_*` fields are the delta since this
+    request's previous output (what a stream sends); the cumulative fields (`token_ids`,
+    `exit_depths`, `text`, `logprobs`) are filled on the final output only (finished=True),
+    so a step never copies whole token lists."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    exit_depths: list[int]  # loops run for each output token (the first comes from prefill)
+    new_token_ids: list[int]
+    new_exit_depths: list[int]  # loops run for each new token (the first comes from prefill)
+    new_text: str  # text that became final in this step
+    new_logprobs: list[TokenLogprob] | None
+    num_tokens: int  # output tokens so far
     finished: bool
-    finish_reason: str | None  # stop | length | abort
-    new_text: str  # text completed by the latest step (streaming)
-    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # stop | length | abort | error
     metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # finish_reason "error": what failed (this request alone)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rlt_engine import LLM, SamplingParams
-from rlt_engine.models.reference import reference_greedy
-from rlt_engine.models.reference_shared import shared_greedy
+from rlt_engine.oracle.reference import reference_greedy
+from rlt_engine.oracle.reference_shared import shared_greedy
 
 DEPTH = 4  # the tiny Ouro's total_ut_steps
 

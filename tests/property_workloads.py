@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.models.configs import load_config
-from rlt_engine.models.reference import reference_greedy
-from rlt_engine.models.reference_shared import shared_greedy
+from rlt_engine.oracle.reference import reference_greedy
+from rlt_engine.oracle.reference_shared import shared_greedy
 
 DEPTH = 4  # the tiny Ouro's loops
 VOCAB = 49152
@@ -326,7 +326,7 @@ def run_workload(llm: LLM, w: Workload, check_step=None) -> Run:
         waiting = {r.request_id for r in sched.waiting}
         running = {r.request_id: r.params.priority for r in sched.running}
         for out in engine.step():
-            tokens[out.request_id] = len(out.token_ids)
+            tokens[out.request_id] = out.num_tokens
             if out.finished:
                 assert not done(out.request_id), out.request_id
                 run.finals[out.request_id] = out

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlt_engine.checkpoints.loader import load_model
+from rlt_engine.checkpoints.resolve import DEMO_DIR, resolve_model_dir
 from rlt_engine.models.configs import load_config
-from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata
-from rlt_engine.models.loader import load_model
-from rlt_engine.models.reference import reference_forward
-from rlt_engine.models.resolve import DEMO_DIR, resolve_model_dir
 from rlt_engine.models.tokenizer import load_tokenizer, render_chat
+from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata
+from rlt_engine.oracle.reference import reference_forward
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = "Question: Natalia sold 48 clips in April and half as many in May. How many in total?"

@@ -30,8 +30,8 @@ import torch
 from engine_helpers import CONTROLS, ENGINES, PROMPTS, check_no_blocks_in_use
 
 from rlt_engine import LLM, SamplingParams
-from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata
-from rlt_engine.models.reference import reference_forward
+from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata
+from rlt_engine.oracle.reference import reference_forward
 
 MAX_TOKENS = 16
 TOP_LOGPROBS = 20  # the most the engine returns

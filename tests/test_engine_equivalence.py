@@ -26,8 +26,8 @@ from engine_helpers import (
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
-from rlt_engine.models.contiguous_kv import greedy_decode
-from rlt_engine.models.reference import reference_forward, reference_greedy
+from rlt_engine.oracle.contiguous_kv import greedy_decode
+from rlt_engine.oracle.reference import reference_forward, reference_greedy
 
 
 @pytest.fixture(autouse=True)

@@ -26,8 +26,8 @@ from engine_helpers import (
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.plan import Stage
-from rlt_engine.models.contiguous_kv import greedy_decode
 from rlt_engine.models.tokenizer import render_chat
+from rlt_engine.oracle.contiguous_kv import greedy_decode
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Checkpoint verification (rlt_engine.models.verify) and the no-network paths of download_model."""
+"""Checkpoint verification (`checkpoints.verify`) and the no-network paths of download_model."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlt_engine import hub
-from rlt_engine.models import verify
+from rlt_engine.checkpoints import hub, verify
 
 SHARED_TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "ouro-1.4b"  # checked in
 OURO_REPO = "ByteDance/Ouro-1.4B"
@@ -247,8 +246,8 @@ def test_allow_patterns_never_fetch_code() -> None:
 
 
 def test_the_bundled_demo_model_needs_no_download():
-    from rlt_engine.hub import download_model
-    from rlt_engine.models.resolve import DEMO_DIR
+    from rlt_engine.checkpoints.hub import download_model
+    from rlt_engine.checkpoints.resolve import DEMO_DIR
 
     result = download_model("demo")
     assert result.already_present and result.path == DEMO_DIR.resolve()

@@ -27,9 +27,9 @@ from engine_helpers import oracle_greedy
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
 from rlt_engine.core.plan import PrefillChunk, StepPlan
-from rlt_engine.models.contiguous_kv import greedy_decode
-from rlt_engine.models.reference import reference_greedy
-from rlt_engine.models.reference_shared import shared_greedy
+from rlt_engine.oracle.contiguous_kv import greedy_decode
+from rlt_engine.oracle.reference import reference_greedy
+from rlt_engine.oracle.reference_shared import shared_greedy
 from rlt_engine.outputs import RequestOutput
 
 DEPTH = 4  # the tiny Ouro's total_ut_steps

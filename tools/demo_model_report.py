@@ -34,11 +34,11 @@ for _path in (TOOLS_DIR, REPO_ROOT):  # run as a script from a source checkout
 from demo_model.backend import CausalSDPABackend, loop_hiddens  # noqa: E402
 from demo_model.data import EOS, clean_answer, default_data_dir, load_problems, plain_document  # noqa: E402
 
+from rlt_engine.checkpoints.loader import load_model  # noqa: E402
 from rlt_engine.core.exit_rule import ExitTracker, LoopControls  # noqa: E402
 from rlt_engine.models.base import LoopedCausalLM  # noqa: E402
-from rlt_engine.models.contiguous_kv import greedy_decode  # noqa: E402
-from rlt_engine.models.loader import load_model  # noqa: E402
 from rlt_engine.models.tokenizer import load_tokenizer  # noqa: E402
+from rlt_engine.oracle.contiguous_kv import greedy_decode  # noqa: E402
 
 THRESHOLDS = (0.5, 0.7, 0.9)
 

@@ -73,7 +73,7 @@ def run_once(
     done: dict[str, object] = {}
     while len(done) < len(ids):
         for out in engine.step():
-            if out.token_ids:
+            if out.num_tokens:
                 started.add(out.request_id)
             if out.finished:
                 done[out.request_id] = out

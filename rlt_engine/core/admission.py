@@ -19,7 +19,7 @@ import heapq
 import itertools
 import time
 
-from rlt_engine.config import CacheConfig, SchedulerConfig
+from rlt_engine.config import CacheConfig, KVLayout, SchedulerConfig
 from rlt_engine.core.block_manager import BlockManager
 from rlt_engine.core.plan import SlotInit, Stage, SwapIn, SwapOut
 from rlt_engine.core.request import Request
@@ -30,7 +30,7 @@ class Admission:
         self, config: SchedulerConfig, cache: CacheConfig, blocks: BlockManager, depth: int
     ) -> None:
         self.config, self.cache, self.blocks, self.depth = config, cache, blocks, depth
-        self.shared = cache.kv_layout == "shared"
+        self.shared = cache.kv_layout is KVLayout.SHARED
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []

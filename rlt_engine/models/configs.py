@@ -18,7 +18,8 @@ SUPPORTED_MODEL_TYPES = ("ouro", "nanbeige")
 class CheckpointError(ValueError):
     """A checkpoint directory the engine cannot use: a config.json or weights file that is
     missing, unreadable or does not match the model. The message is one line naming the file
-    (and the field or tensor). Defined here, torch-free; `rlt_engine.models.loader` re-exports it.
+    (and the field or tensor). Defined here, torch-free; `rlt_engine.checkpoints.loader`
+    re-exports it.
     """
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlt_engine.config import KVLayout
 from rlt_engine.models.configs import LoopedLMConfig
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ MiB = 1 << 20
 GiB = 1 << 30
 CPU_DEFAULT_KV_BYTES = 512 * MiB  # the most the CPU default ever takes
 DEFAULT_CUDA_RESERVE_BYTES = 256 * MiB  # sampler buffers, CUDA graphs, allocator slack
-KV_LAYOUTS = ("last_exited", "shared")
 PLAN_SOURCES = ("num_blocks", "kv_cache_memory", "profiled", "cpu_default")
 
 
@@ -46,13 +46,9 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def num_planes(cfg: LoopedLMConfig, kv_layout: str) -> int:
+def num_planes(cfg: LoopedLMConfig, kv_layout: KVLayout | str) -> int:
     """KV planes a layout keeps: the model depth for LAST_EXITED, one for SHARED."""
-    if kv_layout == "last_exited":
-        return cfg.num_loops
-    if kv_layout == "shared":
-        return 1
-    raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    return KVLayout.parse(kv_layout).num_planes(cfg.num_loops)
 
 
 def bytes_per_block(cfg: LoopedLMConfig, block_size: int, dtype_bytes: int) -> int:
@@ -70,7 +66,7 @@ class MemoryPlan:
     block_size: int
     bytes_per_block: int
     num_planes: int
-    kv_layout: str
+    kv_layout: KVLayout
     kv_bytes_total: int
     max_concurrent_tokens: int  # token positions whose KV fits on every plane at once
     source: str  # num_blocks | kv_cache_memory | profiled | cpu_default
@@ -78,8 +74,7 @@ class MemoryPlan:
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "bytes_per_block", "num_planes"):
             _positive_int(name, getattr(self, name))
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}")
+        object.__setattr__(self, "kv_layout", KVLayout.parse(self.kv_layout))
         if self.source not in PLAN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(PLAN_SOURCES)}")
         if self.kv_bytes_total != self.num_blocks * self.bytes_per_block:
@@ -97,7 +92,7 @@ class MemoryPlan:
     def describe(self) -> dict[str, Any]:
         """Plain values for `rlt generate --verbose` and logs."""
         return {
-            "kv_layout": self.kv_layout,
+            "kv_layout": self.kv_layout.value,
             "num_planes": self.num_planes,
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
@@ -123,7 +118,7 @@ def plan_from_num_blocks(
     num_blocks: int,
     block_size: int,
     dtype_bytes: int,
-    kv_layout: str,
+    kv_layout: KVLayout | str,
     source: str = "num_blocks",
 ) -> MemoryPlan:
     """A pool of exactly `num_blocks` blocks (enough for one block on every plane)."""
@@ -131,7 +126,7 @@ def plan_from_num_blocks(
     planes = num_planes(cfg, kv_layout)
     if num_blocks < planes:
         raise ValueError(
-            f"num_blocks={num_blocks} cannot hold even one token: kv_layout={kv_layout!r} "
+            f"num_blocks={num_blocks} cannot hold even one token: kv_layout={str(kv_layout)!r} "
             f"needs a block on each of its {planes} planes"
         )
     per_block = bytes_per_block(cfg, block_size, dtype_bytes)
@@ -152,7 +147,7 @@ def plan_from_budget(
     *,
     block_size: int,
     dtype_bytes: int,
-    kv_layout: str,
+    kv_layout: KVLayout | str,
     budget_bytes: int,
     source: str,
 ) -> MemoryPlan:
@@ -163,7 +158,7 @@ def plan_from_budget(
     if groups < 1:
         raise ValueError(
             f"a KV budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) is too small: "
-            f"kv_layout={kv_layout!r} needs {planes} block(s) of {format_bytes(per_block)} "
+            f"kv_layout={str(kv_layout)!r} needs {planes} block(s) of {format_bytes(per_block)} "
             f"({per_block} bytes, block_size={block_size}) for even one block of tokens"
         )
     return plan_from_num_blocks(
@@ -182,7 +177,7 @@ def resolve_memory_plan(
     device_type: str,
     block_size: int,
     dtype_bytes: int,
-    kv_layout: str,
+    kv_layout: KVLayout | str,
     num_blocks: int | None = None,
     kv_cache_memory: int | None = None,
     profile: Callable[[], int] | None = None,
@@ -223,7 +218,7 @@ def cpu_default_budget(
     *,
     block_size: int,
     dtype_bytes: int,
-    kv_layout: str,
+    kv_layout: KVLayout | str,
     weight_bytes: int = 0,
     max_num_seqs: int | None = None,
 ) -> int:

@@ -20,11 +20,11 @@ from rlt_engine.bench.floor import (
     measure_copy_bandwidth,
     weight_bytes,
 )
+from rlt_engine.checkpoints.loader import load_model
+from rlt_engine.checkpoints.resolve import DEMO_DIR, KNOWN_CONFIGS
+from rlt_engine.core.exit_rule import LoopControls
 from rlt_engine.models.configs import load_config
-from rlt_engine.models.loader import load_model
 from rlt_engine.models.registry import model_class
-from rlt_engine.models.resolve import DEMO_DIR, KNOWN_CONFIGS
-from rlt_engine.sampling_params import SamplingParams
 
 CPU = ("--dtype", "float32", "--device", "cpu", "--num-blocks", "256")
 TINY = ("--prompt-len", "4", "--output-len", "4", "--repeats", "1", "--warmup", "0")
@@ -263,11 +263,9 @@ def test_floor_arithmetic() -> None:
 
 
 def test_floor_loops() -> None:
-    fixed = SamplingParams(exit_threshold=1.0)
-    assert bench_cli.floor_loops({4: 10}, 4, fixed) == 4.0
-    assert bench_cli.floor_loops({2: 9, 4: 1}, 4, SamplingParams(max_loops=2)) == 2.0
-    adaptive = SamplingParams(exit_threshold=0.5)
-    assert bench_cli.floor_loops({1: 1, 3: 3}, 4, adaptive) == 2.5
+    assert bench_cli.floor_loops({4: 10}, LoopControls(1, 4, 1.0)) == 4.0
+    assert bench_cli.floor_loops({2: 9, 4: 1}, LoopControls(1, 2, 1.0)) == 2.0
+    assert bench_cli.floor_loops({1: 1, 3: 3}, LoopControls(1, 4, 0.5)) == 2.5
 
 
 def test_copy_bandwidth_needs_cuda() -> None:

@@ -17,8 +17,8 @@ import pytest
 import tiny_checkpoints
 import torch
 
+from rlt_engine.checkpoints.loader import load_model
 from rlt_engine.models.configs import CheckpointError, ConfigError
-from rlt_engine.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ("--device", "cpu", "--dtype", "float32", "--num-blocks", "256")
@@ -197,7 +197,7 @@ def test_usage_errors_are_one_line_with_flag_names(args: tuple, needles: tuple) 
 
 def test_advice_names_the_flag_and_never_the_one_already_passed() -> None:
     from rlt_cli.output import flag_message
-    from rlt_engine.models.resolve import ModelNotFoundError, resolve_model_dir
+    from rlt_engine.checkpoints.resolve import ModelNotFoundError, resolve_model_dir
 
     with pytest.raises(ModelNotFoundError) as info:
         resolve_model_dir("someorg/somemodel-not-downloaded")
@@ -229,11 +229,11 @@ def test_too_long_prompt_is_only_our_error(tmp_path: Path) -> None:
     "alias", ["ouro", "ouro-2.6b", "ouro-thinking", "ouro-2.6b-thinking", "nanbeige"]
 )
 def test_every_alias_has_a_bundled_config_for_dummy_runs(alias: str, monkeypatch, tmp_path):
-    from rlt_engine.models import resolve
+    from rlt_engine.checkpoints import resolve
     from rlt_engine.models.configs import load_config
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    monkeypatch.setattr("rlt_engine.hub.find_local_copy", lambda *a: None)
+    monkeypatch.setattr("rlt_engine.checkpoints.hub.find_local_copy", lambda *a: None)
     path = resolve.resolve_model_dir(alias, load_format="dummy")
     assert path.parent == resolve.KNOWN_CONFIGS and (path / "config.json").is_file()
     cfg = load_config(path)

@@ -211,9 +211,9 @@ def test_chat_without_template_gives_one_line(tiny_nanbeige_dir: Path, tmp_path:
 
 def test_engine_errors_derive_from_the_caught_bases() -> None:
     from rlt_cli.output import USER_ERRORS
+    from rlt_engine.checkpoints.loader import CheckpointError
+    from rlt_engine.checkpoints.resolve import ModelNotFoundError
     from rlt_engine.models.configs import ConfigError
-    from rlt_engine.models.loader import CheckpointError
-    from rlt_engine.models.resolve import ModelNotFoundError
     from rlt_engine.models.tokenizer import TokenizerError
 
     for error in (ModelNotFoundError, ConfigError, CheckpointError, TokenizerError):
@@ -242,7 +242,7 @@ def test_flags_are_exactly_the_engine_options_and_sampling_fields() -> None:
 
 
 def test_no_model_uses_the_default_and_prints_its_notice() -> None:
-    from rlt_engine.models.resolve import DEMO_ALIAS, default_model
+    from rlt_engine.checkpoints.resolve import DEMO_ALIAS, default_model
 
     if not DEMO_WEIGHTS.is_file():
         pytest.skip("the bundled demo model is not in the tree yet")

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
+from rlt_engine.checkpoints.aliases import ALIASES, resolve_model_name
+from rlt_engine.checkpoints.resolve import KNOWN_CONFIGS
 from rlt_engine.models.configs import ConfigError, load_config, parse_config
-from rlt_engine.models.registry import ALIASES, resolve_model_name
-from rlt_engine.models.resolve import KNOWN_CONFIGS
 
 # The published config.json files, copied verbatim (see tests/fixtures/README.md).
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

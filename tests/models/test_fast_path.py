@@ -6,8 +6,8 @@ from __future__ import annotations
 import golden
 import torch
 
-from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata
-from rlt_engine.models.loader import load_model
+from rlt_engine.checkpoints.loader import load_model
+from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata
 
 
 def _loops(model, ids: list[int]) -> torch.Tensor:

@@ -12,9 +12,9 @@ import golden
 import pytest
 import torch
 
-from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata
-from rlt_engine.models.loader import load_model
-from rlt_engine.models.reference import reference_forward, reference_greedy
+from rlt_engine.checkpoints.loader import load_model
+from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata
+from rlt_engine.oracle.reference import reference_forward, reference_greedy
 
 # Measured on this fixture (fp32, CPU): our modules reproduce the official code bit for bit with
 # the default thread count; with one thread (the suite's setting) hidden states differ by up to

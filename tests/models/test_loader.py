@@ -5,18 +5,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlt_engine.models.base import LoopedCausalLM
-from rlt_engine.models.configs import parse_config
-from rlt_engine.models.contiguous_kv import greedy_decode
-from rlt_engine.models.layers import rope_inv_freq
-from rlt_engine.models.loader import (
+from rlt_engine.checkpoints.loader import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointError,
     load_model,
     save_checkpoint,
 )
+from rlt_engine.models.base import LoopedCausalLM
+from rlt_engine.models.configs import parse_config
+from rlt_engine.models.layers import rope_inv_freq
 from rlt_engine.models.registry import model_class
+from rlt_engine.oracle.contiguous_kv import greedy_decode
 
 PROMPT = [3, 17, 5, 42, 8]
 
@@ -293,7 +293,7 @@ def test_building_the_model_imports_no_compiler() -> None:
     root = Path(__file__).resolve().parents[2]
     code = (
         "import sys, torch\n"
-        "from rlt_engine.models.loader import load_model\n"
+        "from rlt_engine.checkpoints.loader import load_model\n"
         "m = load_model('rlt_engine/assets/ouro-gsm8k-tiny', dtype=torch.bfloat16)\n"
         "assert m.model.rotary_emb.inv_freq.dtype == torch.float32\n"
         "assert next(m.parameters()).dtype == torch.bfloat16\n"

@@ -8,9 +8,9 @@ import torch
 from rlt_engine.core.exit_rule import LoopControls
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import parse_config
-from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata, greedy_decode
-from rlt_engine.models.reference import ReferenceOutput, reference_forward, reference_greedy
 from rlt_engine.models.registry import model_class
+from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata, greedy_decode
+from rlt_engine.oracle.reference import ReferenceOutput, reference_forward, reference_greedy
 
 VOCAB = 96
 

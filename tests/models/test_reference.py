@@ -11,7 +11,7 @@ import torch
 
 from rlt_engine.core.exit_rule import ExitTracker, LoopControls
 from rlt_engine.models.configs import LoopedLMConfig, parse_config
-from rlt_engine.models.reference import (
+from rlt_engine.oracle.reference import (
     reference_exit_depth,
     reference_forward,
     reference_greedy,

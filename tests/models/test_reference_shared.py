@@ -10,10 +10,10 @@ import torch
 from rlt_engine.core.exit_rule import ExitTracker, LoopControls
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import parse_config
-from rlt_engine.models.contiguous_kv import ContiguousKVCache, ContiguousMetadata
-from rlt_engine.models.reference import ReferenceOutput, reference_forward, reference_greedy
-from rlt_engine.models.reference_shared import shared_forward, shared_greedy
 from rlt_engine.models.registry import model_class
+from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata
+from rlt_engine.oracle.reference import ReferenceOutput, reference_forward, reference_greedy
+from rlt_engine.oracle.reference_shared import shared_forward, shared_greedy
 
 VOCAB = 96
 RAW_COMMON = {

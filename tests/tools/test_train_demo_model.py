@@ -38,9 +38,9 @@ from demo_model.options import TrainOptions, parse_args  # noqa: E402
 from demo_model.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
 from demo_model.train import main, train  # noqa: E402
 
-from rlt_engine.models.loader import load_model  # noqa: E402
-from rlt_engine.models.reference import reference_forward  # noqa: E402
+from rlt_engine.checkpoints.loader import load_model  # noqa: E402
 from rlt_engine.models.tokenizer import load_tokenizer, render_chat_text  # noqa: E402
+from rlt_engine.oracle.reference import reference_forward  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from rlt_engine.checkpoints.resolve import KNOWN_CONFIGS
 from rlt_engine.models.configs import LoopedLMConfig, parse_config
-from rlt_engine.worker import memory_plan as mp
 from rlt_engine.worker.memory_plan import (
     CPU_DEFAULT_KV_BYTES,
     GiB,
@@ -24,7 +23,7 @@ from rlt_engine.worker.memory_plan import (
     resolve_memory_plan,
 )
 
-KNOWN = Path(mp.__file__).resolve().parents[1] / "models" / "known_configs"
+KNOWN = KNOWN_CONFIGS  # the real configs bundled for every alias
 
 
 @pytest.fixture(scope="module")

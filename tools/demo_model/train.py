@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from rlt_engine.checkpoints.loader import init_dummy_weights, save_checkpoint
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import parse_config
-from rlt_engine.models.loader import init_dummy_weights, save_checkpoint
 from rlt_engine.models.registry import model_class
 
 from .backend import add_dropout

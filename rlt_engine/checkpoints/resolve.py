@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlt_engine.models.registry import DEMO_ALIAS, alias_names, resolve_model_name
+from rlt_engine.checkpoints.aliases import DEMO_ALIAS, DEMO_DIR, alias_names, resolve_model_name
 
 __all__ = ["DEMO_ALIAS", "DEMO_DIR", "KNOWN_CONFIGS", "ModelNotFoundError", "resolve_model_dir"]
 
 KNOWN_CONFIGS = Path(__file__).parent / "known_configs"
-DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "ouro-gsm8k-tiny"
 # The bundled config of every alias's repository (known_configs/README.md says where each is from).
 _KNOWN_BY_REPO = {
     "ByteDance/Ouro-1.4B": "ouro-1.4b",
@@ -39,7 +38,7 @@ def resolve_model_dir(name: str, revision: str | None = None, load_format: str =
         raise ModelNotFoundError(
             f"{name!r} is neither a directory nor a known model (aliases: {alias_names()})"
         ) from None
-    from rlt_engine.hub import find_local_copy
+    from rlt_engine.checkpoints.hub import find_local_copy
 
     local = find_local_copy(repo_id, revision or pinned)
     if local is not None:
@@ -70,7 +69,7 @@ def default_model() -> tuple[str, str | None]:
 
     Returns (model name, a one-line notice for the user or None).
     """
-    from rlt_engine.hub import find_local_copy
+    from rlt_engine.checkpoints.hub import find_local_copy
 
     repo_id, revision = resolve_model_name("ouro")
     if find_local_copy(repo_id, revision) is not None:

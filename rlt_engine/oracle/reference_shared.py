@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.reference import (
+from rlt_engine.oracle.reference import (
     ReferenceOutput,
     StateDict,
     _mlp,

@@ -3,8 +3,7 @@
 `download_model` resolves an alias to a pinned revision, returns an existing complete copy
 without touching the network, and otherwise downloads only what the engine needs (config,
 safetensors weights, tokenizer files; never the repository's `.py` code) and verifies it.
-Verification (`verify_model_dir`, `KNOWN_SIZES`, ...) lives in `rlt_engine.models.verify` and is
-re-exported here.
+Verification (`verify_model_dir`, `KNOWN_SIZES`, ...) lives in `rlt_engine.checkpoints.verify`.
 Importable without typer or rich; huggingface_hub's errors become one-line `HubError`s.
 """
 
@@ -30,23 +29,12 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from rlt_engine.models.registry import resolve_model_name
-from rlt_engine.models.resolve import DEMO_ALIAS, DEMO_DIR
-
-# Verification lives in rlt_engine.models.verify; re-exported so `rlt_engine.hub` keeps its API.
-# Patch KNOWN_SIZES there: `known_sizes` looks it up in that module, not here.
-from rlt_engine.models.verify import (
-    KNOWN_SIZES,
-    _one_line,
-    known_sizes,
-    read_safetensors_header,
-    verify_model_dir,
-)
+from rlt_engine.checkpoints.aliases import DEMO_ALIAS, DEMO_DIR, resolve_model_name
+from rlt_engine.checkpoints.verify import _one_line, verify_model_dir
 
 __all__ = [
     "ALLOW_PATTERNS",
     "IGNORE_PATTERNS",
-    "KNOWN_SIZES",
     "TOKENIZER_FILES",
     "DownloadResult",
     "HubAccessError",
@@ -55,9 +43,6 @@ __all__ = [
     "ModelVerificationError",
     "download_model",
     "find_local_copy",
-    "known_sizes",
-    "read_safetensors_header",
-    "verify_model_dir",
 ]
 
 TOKENIZER_FILES = (

@@ -1,0 +1,43 @@
+"""What a loaded engine is and runs, in plain values: one object for every front door.
+
+`rlt generate --verbose`, the `rlt bench` / `rlt profile` report headers and the server's
+`/v1/models` and `/metrics` read this instead of reaching into the engine's parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str  # the name asked for: alias, directory or org/name
+    model_dir: str  # where it was loaded from
+    model_type: str  # ouro | nanbeige
+    num_loops: int  # the model's depth
+    max_model_len: int  # positions of context (prompt + output)
+    vocab_size: int
+    has_tokenizer: bool
+    device: str
+    device_name: str  # the GPU's name, or "cpu"
+    dtype: str
+    # the KV pool as resolved (worker.memory_plan.MemoryPlan.describe())
+    kv_layout: str
+    num_planes: int
+    num_blocks: int
+    block_size: int
+    kv_cache: dict[str, Any]
+    max_num_seqs: int
+    attention_backend: str  # as asked: auto | torch | triton | flash
+    attention_impl: str  # what runs: torch | triton
+    cuda_graphs: bool
+    decode_window: int
+    # loop controls a request gets when it sets none (min loops, max loops, exit threshold)
+    default_min_loops: int
+    default_max_loops: int
+    default_exit_threshold: float
+    notice: str | None  # a one-line note for the user (e.g. "using the bundled demo model")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
