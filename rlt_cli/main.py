@@ -20,6 +20,8 @@ from rlt_cli.generate import generate_command
 from rlt_cli.output import fail
 from rlt_cli.profile import HELP as PROFILE_HELP
 from rlt_cli.profile import profile_command
+from rlt_cli.serve import HELP as SERVE_HELP
+from rlt_cli.serve import serve_command
 from rlt_engine import __version__
 
 app = typer.Typer(
@@ -34,7 +36,6 @@ app = typer.Typer(
 
 # Subcommands that exist in the plan but not yet in code: (one-line help, what they will do).
 PLANNED: dict[str, tuple[str, str]] = {
-    "serve": ("Serve an OpenAI-compatible HTTP API.", "FastAPI server over the async engine"),
     "eval": ("Evaluate accuracy on a task such as gsm8k.", "evaluation driver"),
     "pd-launch": ("Launch disaggregated prefill/decode workers.", "prefill/decode launcher"),
 }
@@ -61,6 +62,7 @@ app.command("download", cls=OneLineUsageErrors)(download)
 app.command("generate", help=GENERATE_HELP, cls=OneLineUsageErrors)(generate_command())
 app.command("bench", help=BENCH_HELP, cls=OneLineUsageErrors)(bench_command())
 app.command("profile", help=PROFILE_HELP, cls=OneLineUsageErrors)(profile_command())
+app.command("serve", help=SERVE_HELP, cls=OneLineUsageErrors)(serve_command())
 
 
 def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:

@@ -1,0 +1,297 @@
+"""AsyncEngine: one owner thread steps an `LLMEngine`; asyncio callers stream its outputs.
+
+The engine thread is the only one that touches the engine. Callers talk to it through a
+command queue (add, abort) that it drains between steps, and get their outputs back through
+their own asyncio queue: after each step the thread hands the whole step's outputs to each
+caller's event loop in one `call_soon_threadsafe`, so it never waits on a client, however slow.
+
+Faults stay where they happen: a bad request is refused at add (the caller gets the
+`ValueError`); a request whose detokenizer or stop matching fails finishes alone with
+finish_reason "error" (see `LLMEngine.step`); a failed worker step fails only the requests it
+carried (`StepFailedError`); only an error outside those marks the engine dead, and then every
+open stream gets `EngineDeadError` and `/health` says 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlt_engine.engine import EngineStats, LLMEngine, StepFailedError
+from rlt_engine.outputs import RequestOutput
+from rlt_engine.sampling_params import SamplingParams
+
+IDLE_WAIT_S = 0.05  # how long the idle thread sleeps before looking at the queue again
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an unexpected error; nothing more can run."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The model is still loading."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine; other requests are unaffected."""
+
+
+class RequestStream:
+    """One request's outputs, in order (deltas; the last has finished=True). Iterating raises
+    RequestFailedError or EngineDeadError if the request fails. `abort()` (idempotent; a no-op
+    once finished) frees the request's KV on the engine's next turn."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id, self._engine = request_id, engine
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.done = True  # the engine already dropped it
+            raise item
+        if item.finished:
+            self.done = True
+        return item
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self._engine._send(_Abort(self.request_id))
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    accepted: concurrent.futures.Future[None]
+    loop: asyncio.AbstractEventLoop
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class StepReport:
+    """What the engine thread did in one step, for metrics: read on the engine thread."""
+
+    stats: EngineStats
+    outputs: list[RequestOutput]
+    wall_s: float
+    failed: int = 0  # requests failed by the step
+
+
+@dataclass
+class _State:
+    status: str = "loading"  # loading | ready | dead | stopped
+    error: str | None = None
+    streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = field(
+        default_factory=dict
+    )
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        make_engine: Callable[[], LLMEngine],
+        *,
+        on_step: Callable[[StepReport], None] | None = None,
+    ) -> None:
+        self._make_engine, self._on_step = make_engine, on_step
+        self._commands: deque[_Add | _Abort] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._state = _State()
+        self._loaded = threading.Event()
+        self.engine: LLMEngine | None = None
+        self._thread = threading.Thread(target=self._run, name="rlt-engine", daemon=True)
+
+    # -- lifecycle (any thread) -----------------------------------------------------------
+    def start(self) -> None:
+        """Load the model and start stepping, both on the engine thread; returns at once."""
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._loaded.wait(timeout)
+        return self._state.status == "ready"
+
+    @property
+    def status(self) -> str:
+        return self._state.status
+
+    @property
+    def error(self) -> str | None:
+        return self._state.error
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop after the requests still running finish (or `timeout`); abort what is left."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- requests (asyncio callers) -------------------------------------------------------
+    async def add(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """Queue a request and wait until the engine accepted it. Raises ValueError for a
+        request the engine refuses (nothing is left behind)."""
+        self._check_accepting()
+        stream = RequestStream(self, request_id)
+        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._send(_Add(request_id, prompt, params, accepted, asyncio.get_running_loop(), stream))
+        try:
+            await asyncio.wrap_future(accepted)
+        except BaseException:
+            stream.abort()  # cancelled while queued: make sure it never runs
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """`add`, then the outputs; leaving the loop early aborts the request."""
+        stream = await self.add(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def _check_accepting(self) -> None:
+        status = self._state.status
+        if status == "loading":
+            raise EngineNotReadyError("the model is still loading")
+        if status != "ready" or self._stopping:
+            raise EngineDeadError(self._state.error or "the engine is shutting down")
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._make_engine()
+        except BaseException as exc:
+            self._state.status, self._state.error = "dead", f"model failed to load: {exc}"
+            self._loaded.set()
+            return
+        self._state.status = "ready"
+        self._loaded.set()
+        try:
+            self._loop(self.engine)
+        except BaseException as exc:
+            self._die(f"engine stopped: {type(exc).__name__}: {exc}")
+            return
+        self._state.status = "stopped"
+        self._fail_all(EngineDeadError("the engine stopped"))
+
+    def _loop(self, engine: LLMEngine) -> None:
+        while True:
+            self._drain(engine)
+            busy = engine.has_unfinished_requests()
+            if self._stopping and not busy:
+                return
+            if not busy:
+                self._wake.clear()
+                if not self._commands:
+                    self._wake.wait(IDLE_WAIT_S)
+                continue
+            start = time.perf_counter()
+            failed = 0
+            try:
+                outputs = engine.step()
+            except StepFailedError as exc:
+                outputs, failed = [], len(exc.request_ids)
+                for rid in exc.request_ids:
+                    self._deliver_error(rid, RequestFailedError(str(exc)))
+            self._deliver(outputs)
+            self._report(engine, outputs, time.perf_counter() - start, failed)
+
+    def _drain(self, engine: LLMEngine) -> None:
+        aborted = []
+        while self._commands:
+            command = self._commands.popleft()
+            if isinstance(command, _Abort):
+                if self._state.streams.pop(command.request_id, None) is not None:
+                    out = engine.abort_request(command.request_id)
+                    if out is not None:
+                        aborted.append(out)
+                continue
+            if command.accepted.cancelled():
+                continue
+            try:
+                engine.add_request(command.prompt, command.params, command.request_id)
+            except Exception as exc:
+                command.accepted.set_exception(exc)
+                continue
+            self._state.streams[command.request_id] = (command.loop, command.stream.queue)
+            command.accepted.set_result(None)
+        if aborted:
+            self._report(engine, aborted, 0.0, 0)
+
+    def _report(
+        self, engine: LLMEngine, outputs: list[RequestOutput], wall_s: float, failed: int
+    ) -> None:
+        if self._on_step is not None:
+            self._on_step(StepReport(engine.stats(), outputs, wall_s, failed))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        streams = self._state.streams
+        for out in outputs:
+            entry = streams.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            item: Any = out
+            if out.finish_reason == "error":
+                item = RequestFailedError(out.error or "the request failed")
+            by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, items in by_loop.items():
+            _post(loop, items)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        entry = self._state.streams.pop(request_id, None)
+        if entry is not None:
+            _post(entry[0], [(entry[1], error)])
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self._state.streams):
+            self._deliver_error(rid, error)
+
+    def _die(self, message: str) -> None:
+        self._state.status, self._state.error = "dead", message
+        self._fail_all(EngineDeadError(message))
+        while self._commands:  # adds that arrived meanwhile
+            command = self._commands.popleft()
+            if isinstance(command, _Add) and not command.accepted.done():
+                command.accepted.set_exception(EngineDeadError(message))
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    def put() -> None:
+        for queue, item in items:
+            queue.put_nowait(item)
+
+    with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+        loop.call_soon_threadsafe(put)

@@ -1,0 +1,67 @@
+"""Start `rlt serve`: resolve the served name, build the async engine and the app, run uvicorn.
+
+Uvicorn owns the signals: on SIGTERM or Ctrl-C it stops accepting connections, waits for the
+open requests to finish (up to DRAIN_TIMEOUT_S), then the app's lifespan stops the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+from rlt_engine.async_engine import AsyncEngine
+from rlt_engine.config import EngineConfig
+from rlt_engine.server.config import ServerConfig
+
+DRAIN_TIMEOUT_S = 120
+log = logging.getLogger("rlt.serve")
+
+
+def served_names(
+    engine_config: EngineConfig, server: ServerConfig
+) -> tuple[EngineConfig, list[str], str | None]:
+    """(the engine config with the model resolved, the names clients may use, a notice)."""
+    from rlt_engine.checkpoints.resolve import default_model
+
+    notice = None
+    model = engine_config.model.model
+    if model is None:
+        model, notice = default_model()
+        part = dataclasses.replace(engine_config.model, model=model)
+        engine_config = dataclasses.replace(engine_config, model=part)
+    return engine_config, list(server.served_model_name) or [model], notice
+
+
+def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any, AsyncEngine]:
+    """The uvicorn server (not started) and its app, for `rlt serve` and tests."""
+    import uvicorn
+
+    from rlt_engine.engine import LLMEngine
+    from rlt_engine.server.app import build_app
+    from rlt_engine.server.metrics import ServerMetrics
+
+    engine_config, names, notice = served_names(engine_config, server)
+    if notice:
+        log.warning(notice)
+    metrics = ServerMetrics(names[0], engine_config.scheduler.max_num_seqs)
+    engine = AsyncEngine(lambda: LLMEngine(engine_config), on_step=metrics.record)
+    app = build_app(engine, server, names, metrics)
+    config = uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level="info",
+        timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
+        access_log=False,
+    )
+    uvicorn_server = uvicorn.Server(config)
+
+    def stop_if_load_fails() -> None:
+        if not engine.wait_ready() and engine.status == "dead":
+            log.error(engine.error)
+            uvicorn_server.should_exit = True  # a server without a model is no server
+
+    threading.Thread(target=stop_if_load_fails, name="rlt-load-watch", daemon=True).start()
+    return uvicorn_server, engine

@@ -1,0 +1,170 @@
+"""Request bodies of the OpenAI-compatible API, as pydantic models, and their mapping onto
+`SamplingParams`. Unknown fields are ignored (as OpenAI-compatible servers do); fields we know
+but cannot honour with the value given are refused with a 400 naming the field.
+
+Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, `priority`; every choice
+returns its per-token exit depths as `exit_depths`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rlt_engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class ParamError(ValueError):
+    """A request field with a value we refuse; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # looped-model extensions
+    min_loops: int | None = Field(default=None, ge=1)
+    max_loops: int | None = Field(default=None, ge=1)
+    exit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    priority: int = 0
+
+    def _check_common(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ParamError(name, f"{name} is not supported (only 0)")
+        stops = self.stop_strings()
+        if any(not s for s in stops):
+            raise ParamError("stop", "stop strings must be non-empty")
+        if len(stops) > 16:
+            raise ParamError("stop", "at most 16 stop strings")
+        if self.min_loops and self.max_loops and self.min_loops > self.max_loops:
+            raise ParamError("min_loops", "min_loops must be <= max_loops")
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options needs stream: true")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+        """The engine parameters of choice `choice` (of n): seeded choices get seed + choice, so
+        n > 1 with one seed gives n different, reproducible samples."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**63
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            seed=seed,
+            ignore_eos=self.ignore_eos,
+            stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
+            logprobs=logprobs,
+            min_loops=self.min_loops,
+            max_loops=self.max_loops,
+            exit_threshold=self.exit_threshold,
+            priority=self.priority,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+Prompt = str | list[str] | list[NonNegativeInt] | list[list[NonNegativeInt]]
+
+
+class CompletionRequest(_Common):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = None
+    suffix: str | None = None
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+
+    def check(self) -> None:
+        self._check_common()
+        if self.best_of not in (None, self.n):
+            raise ParamError("best_of", "best_of is not supported (leave it unset or equal to n)")
+        if self.suffix:
+            raise ParamError("suffix", "suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs is not supported (no prompt logprobs)")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ParamError("prompt", "the prompt is empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, object]] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ParamError(f"messages.{index}.content", "only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        self._check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

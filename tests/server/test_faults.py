@@ -1,0 +1,163 @@
+"""Faults stay with the request they belong to: a client that leaves mid-stream, hundreds of
+concurrent streams with random aborts, a request that fails inside the engine, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from server_process import DEMO_ARGS, ServerProcess
+
+FAULT_SERVER = Path(__file__).with_name("fault_server.py")
+FAULT_MARKER = "<<inject-fault>>"
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_disconnect_mid_stream_frees_blocks(server) -> None:
+    body = {"model": "demo", "prompt": "1", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert server.metric("rlt:kv_blocks_used") > 0
+    # the client is gone: the request is aborted and its blocks are back within a step
+    _wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
+    _wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
+    assert 'finished_reason="abort"' in httpx.get(server.url + "/metrics").text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_non_streaming_disconnect_frees_blocks(server) -> None:
+    body = {"model": "demo", "prompt": "1", "max_tokens": 1500, "ignore_eos": True}
+    with contextlib.suppress(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    _wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
+
+
+def test_200_concurrent_streams_with_random_aborts(server) -> None:
+    rng = random.Random(0)
+    plan = [(i, rng.random() < 0.3, rng.randint(1, 6), rng.randint(4, 24)) for i in range(200)]
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(
+            base_url=server.url + "/v1",
+            api_key="x",
+            max_retries=0,
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=250), timeout=300),
+        )
+
+        async def one(i: int, abort: bool, after: int, max_tokens: int) -> str:
+            stream = await client.completions.create(
+                model="demo",
+                prompt=f"Q: {i} + {i} =\nA:",
+                max_tokens=max_tokens,
+                temperature=0.8,
+                seed=i,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            tokens, finish = 0, None
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    tokens += len((choice.model_extra or {}).get("token_ids", []))
+                    finish = choice.finish_reason or finish
+                if abort and tokens >= after:
+                    await stream.close()
+                    return "aborted"
+            assert finish == "length" and tokens == max_tokens, (i, finish, tokens)
+            return "done"
+
+        try:
+            return await asyncio.gather(*(one(*p) for p in plan))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert results.count("done") >= 100 and set(results) <= {"done", "aborted"}
+    _wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
+    _wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
+    assert server.metric("vllm:num_requests_waiting") == 0
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_fault_in_one_request_fails_only_that_one() -> None:
+    proc = ServerProcess(*DEMO_ARGS, script=FAULT_SERVER).wait_healthy()
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)
+        results: dict[str, object] = {}
+
+        def healthy(i: int) -> None:
+            out = client.completions.create(
+                model="demo", prompt=f"{i} + 1 =", max_tokens=30, temperature=0
+            )
+            results[f"ok{i}"] = out.choices[0].finish_reason
+
+        def faulty() -> None:
+            try:
+                client.completions.create(
+                    model="demo", prompt="2 + 2 =", max_tokens=30, stop=[FAULT_MARKER]
+                )
+                results["fault"] = "no error"
+            except openai.InternalServerError as exc:
+                results["fault"] = exc.status_code
+
+        threads = [threading.Thread(target=healthy, args=(i,)) for i in range(4)]
+        threads.append(threading.Thread(target=faulty))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert results.pop("fault") == 500
+        assert set(results.values()) <= {"length", "stop"} and len(results) == 4
+        # streamed: the failure arrives in-band, then [DONE]
+        body = {"model": "demo", "prompt": "3", "max_tokens": 30, "stream": True}
+        body["stop"] = [FAULT_MARKER]
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line]
+        assert '"code":500' in events[-2] and events[-1] == "data: [DONE]"
+        assert proc.metric("rlt:kv_blocks_used") == 0
+        assert proc.metric("vllm:request_success_total") >= 5
+        again = client.completions.create(model="demo", prompt="5", max_tokens=4)
+        assert again.choices[0].finish_reason in ("length", "stop")
+        assert httpx.get(proc.url + "/health").status_code == 200
+    finally:
+        proc.stop()
+
+
+def test_sigterm_drains_running_requests() -> None:
+    proc = ServerProcess(*DEMO_ARGS).wait_healthy()
+    body = {"model": "demo", "prompt": "1", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    got: dict[str, object] = {}
+    first = threading.Event()
+
+    def stream() -> None:
+        tokens = []
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                first.set()
+                tokens.append(line)
+        got["events"] = [t for t in tokens if t]
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert first.wait(60)
+        assert proc.terminate(timeout=120) == 0
+        t.join(60)
+        events = got["events"]
+        assert events[-1] == "data: [DONE]"  # the running request finished first
+        assert '"finish_reason":"length"' in events[-2]
+    finally:
+        proc.stop()

@@ -1,0 +1,191 @@
+"""The official `openai` client against a real `rlt serve` (demo model, CPU, loopback port):
+completions and chat, streaming and not, sync and async, n > 1, stop, logprobs, seeds, the
+looped-model extensions — and greedy outputs equal to the in-process `LLM` token for token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from rlt_engine import SamplingParams
+
+PROMPTS = ["Q: Tom has 3 apples and buys 4 more. How many apples?\nA:", "Q: 12 - 5 =\nA:"]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_greedy_equals_in_process(client, demo_llm) -> None:
+    got = client.completions.create(model="demo", prompt=PROMPTS, max_tokens=20, temperature=0)
+    want = demo_llm.generate(PROMPTS, SamplingParams(max_tokens=20))
+    assert [c.index for c in got.choices] == [0, 1]
+    for choice, out in zip(got.choices, want, strict=True):
+        extra = choice.model_extra or {}
+        assert extra["token_ids"] == out.token_ids
+        assert extra["exit_depths"] == out.exit_depths
+        assert choice.text == out.text
+        assert choice.finish_reason == out.finish_reason
+    assert got.usage.completion_tokens == sum(len(o.token_ids) for o in want)
+    assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+
+
+def test_chat_greedy_equals_in_process(client, demo_llm) -> None:
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    got = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=16, temperature=0
+    )
+    (want,) = demo_llm.chat(messages, SamplingParams(max_tokens=16))
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert (got.choices[0].model_extra or {})["token_ids"] == want.token_ids
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_token_id_prompts_and_loop_controls(client, demo_llm) -> None:
+    ids = demo_llm.tokenizer.encode(PROMPTS[1])
+    controls = {"max_loops": 2, "exit_threshold": 1.0}
+    got = client.completions.create(
+        model="demo", prompt=[ids, ids[:-1]], max_tokens=8, temperature=0, extra_body=controls
+    )
+    want = demo_llm.generate([ids, ids[:-1]], SamplingParams(max_tokens=8, **controls))
+    for choice, out in zip(got.choices, want, strict=True):
+        assert (choice.model_extra or {})["token_ids"] == out.token_ids
+        depths = (choice.model_extra or {})["exit_depths"]
+        assert depths == out.exit_depths and set(depths[1:]) == {2}  # the first: from prefill
+
+
+def test_streaming_completion_matches_non_streaming(client) -> None:
+    args = dict(model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    whole = client.completions.create(**args)
+    pieces, tokens, finish = [], [], None
+    stream = client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            tokens += (choice.model_extra or {}).get("token_ids", [])
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text
+    assert tokens == (whole.choices[0].model_extra or {})["token_ids"]
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streaming_chat_has_role_then_content(client) -> None:
+    messages = [{"role": "user", "content": "Count: 1, 2, 3"}]
+    args = dict(model="demo", messages=messages, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_n_choices_and_seed_reproducible(client) -> None:
+    args = dict(model="demo", prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=7, n=3)
+    a = client.completions.create(**args)
+    b = client.completions.create(**args)
+    ids = [(c.model_extra or {})["token_ids"] for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert ids == [(c.model_extra or {})["token_ids"] for c in b.choices]
+    assert len({tuple(i) for i in ids}) > 1  # seed + choice index: different samples
+    other = client.completions.create(**{**args, "seed": 8})
+    assert [(c.model_extra or {})["token_ids"] for c in other.choices] != ids
+
+
+def test_stop_string(client) -> None:
+    free = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    text = free.choices[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    got = client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == text[: text.index(stop)]
+
+
+def test_logprobs(client, demo_llm) -> None:
+    got = client.completions.create(
+        model="demo", prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3
+    )
+    (want,) = demo_llm.generate([PROMPTS[1]], SamplingParams(max_tokens=6, logprobs=3))
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    assert lp.tokens == [demo_llm.tokenizer.decode([t]) for t in want.token_ids]
+    chat = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_echo(client) -> None:
+    got = client.completions.create(
+        model="demo", prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True
+    )
+    assert got.choices[0].text.startswith(PROMPTS[1])
+
+
+def test_async_client_concurrent_streams(server, demo_llm) -> None:
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+        async def one(prompt: str) -> str:
+            stream = await client.completions.create(
+                model="demo", prompt=prompt, max_tokens=10, temperature=0, stream=True
+            )
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in PROMPTS * 4))
+        finally:
+            await client.close()
+
+    texts = asyncio.run(main())
+    want = [o.text for o in demo_llm.generate(PROMPTS, SamplingParams(max_tokens=10))]
+    assert texts == want * 4
+
+
+def test_models_health_version(client, server) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    assert (models.data[0].model_extra or {})["num_loops"] == 4
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_raw_sse_framing(server) -> None:
+    body = {"model": "demo", "prompt": "1, 2,", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_openai_errors_are_typed(client) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert info.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="demo", prompt="x", max_tokens=2, temperature=-1)
+    assert info.value.body["param"] == "temperature"

@@ -1,0 +1,167 @@
+"""AsyncEngine (one engine thread, asyncio callers) against the synchronous LLM: the same
+tokens, deltas that add up to the final output, aborts that free everything, one request's
+fault failing that request alone, and a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from rlt_engine import LLM, SamplingParams
+from rlt_engine.async_engine import AsyncEngine, EngineNotReadyError, RequestFailedError
+from rlt_engine.detokenizer import IncrementalDetokenizer
+
+PROMPTS = ["Q: 1 + 2 =\nA:", "Q: 7 - 3 =\nA:", "Q: 4 * 2 =\nA:", "Q: 9 / 3 =\nA:"]
+OPTIONS = dict(dtype="float32", device="cpu", max_num_seqs=4, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """The synchronous reference (never stepped while an AsyncEngine owns `served`)."""
+    return LLM("demo", **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def served() -> LLM:
+    return LLM("demo", **OPTIONS)
+
+
+@pytest.fixture
+def engine(served):  # type: ignore[no-untyped-def]
+    async_engine = AsyncEngine(lambda: served.engine)
+    async_engine.start()
+    assert async_engine.wait_ready(60)
+    yield async_engine
+    async_engine.shutdown()
+    assert async_engine.status == "stopped", async_engine.error
+    assert served.engine.blocks.num_used == 0 and not served.engine.has_unfinished_requests()
+
+
+def _params(i: int) -> SamplingParams:
+    if i % 2:
+        return SamplingParams(max_tokens=12, temperature=0.9, seed=i, logprobs=2)
+    return SamplingParams(max_tokens=10 + i, stop=["\n"])
+
+
+async def _run(engine: AsyncEngine, prompt: str, params: SamplingParams, rid: str) -> dict:
+    deltas, tokens, depths, text = [], [], [], ""
+    async for out in engine.generate(prompt, params, rid):
+        deltas.append(out)
+        tokens += out.new_token_ids
+        depths += out.new_exit_depths
+        text += out.new_text
+    final = deltas[-1]
+    assert final.finished and all(not d.finished for d in deltas[:-1])
+    assert tokens == final.token_ids and depths == final.exit_depths and text == final.text
+    assert [d.num_tokens for d in deltas] == sorted(d.num_tokens for d in deltas)
+    return {"tokens": final.token_ids, "depths": final.exit_depths, "text": final.text}
+
+
+def test_async_equals_sync_with_deltas(engine, llm) -> None:
+    async def main() -> list[dict]:
+        jobs = [_run(engine, p, _params(i), f"r{i}") for i, p in enumerate(PROMPTS * 2)]
+        return await asyncio.gather(*jobs)
+
+    got = asyncio.run(main())
+    want = llm.generate(PROMPTS * 2, [_params(i) for i in range(8)])
+    assert got == [{"tokens": o.token_ids, "depths": o.exit_depths, "text": o.text} for o in want]
+
+
+def test_refused_request_and_abort(engine, llm) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="context"):
+            await engine.add("x" * 100_000, SamplingParams(max_tokens=4), "too-long")
+        stream = await engine.add(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True), "a")
+        first = await stream.__anext__()
+        assert not first.finished
+        stream.abort()
+        stream.abort()  # idempotent
+        ok = await _run(engine, PROMPTS[1], SamplingParams(max_tokens=5), "b")
+        assert len(ok["tokens"]) <= 5
+
+    asyncio.run(main())
+
+
+def test_cancelled_caller_aborts(engine, served) -> None:
+    async def main() -> None:
+        async def consume() -> None:
+            params = SamplingParams(max_tokens=500, ignore_eos=True)
+            async for _ in engine.generate(PROMPTS[2], params, "c"):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    done = threading.Event()
+
+    def idle() -> None:  # the abort reaches the engine thread on its next turn
+        for _ in range(200):
+            busy = served.engine.has_unfinished_requests()
+            if served.engine.blocks.num_used == 0 and not busy:
+                done.set()
+                return
+            threading.Event().wait(0.02)
+
+    idle()
+    assert done.is_set()
+
+
+def test_one_requests_fault_fails_it_alone(engine, llm, monkeypatch) -> None:
+    marker = "<<boom>>"
+    original = IncrementalDetokenizer.push
+
+    def push(self, token_id):  # type: ignore[no-untyped-def]
+        if marker in self.stop and len(self._ids) >= 2:
+            raise RuntimeError("planted")
+        return original(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "push", push)
+
+    async def main() -> tuple:
+        bad = _run(engine, PROMPTS[0], SamplingParams(max_tokens=20, stop=[marker]), "bad")
+        good = [
+            _run(engine, p, SamplingParams(max_tokens=8), f"g{i}") for i, p in enumerate(PROMPTS)
+        ]
+        return await asyncio.gather(bad, *good, return_exceptions=True)
+
+    bad, *good = asyncio.run(main())
+    assert isinstance(bad, RequestFailedError) and "planted" in str(bad)
+    want = llm.generate(PROMPTS, SamplingParams(max_tokens=8))
+    assert [g["tokens"] for g in good] == [o.token_ids for o in want]
+
+
+def test_not_ready_until_loaded(llm) -> None:
+    gate = threading.Event()
+
+    def slow_load():  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        return llm.engine
+
+    engine = AsyncEngine(slow_load)
+    engine.start()
+
+    async def early() -> None:
+        with pytest.raises(EngineNotReadyError):
+            await engine.add(PROMPTS[0], SamplingParams(max_tokens=2), "early")
+
+    asyncio.run(early())
+    assert engine.status == "loading"
+    gate.set()
+    assert engine.wait_ready(30)
+    engine.shutdown()
+
+
+def test_load_failure_is_reported() -> None:
+    def broken():  # type: ignore[no-untyped-def]
+        raise ValueError("config.json: field 'x' is wrong")
+
+    engine = AsyncEngine(broken)
+    engine.start()
+    assert not engine.wait_ready(30)
+    assert engine.status == "dead" and "field 'x'" in (engine.error or "")
