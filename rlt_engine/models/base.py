@@ -48,10 +48,10 @@ class LoopedCausalLM(nn.Module):
         return self.config.num_loops
 
     def use_fast_path(self) -> None:
-        """Packed q/k/v and gate/up weights (one GEMM each), the fused Triton norm and RoPE
-        kernels, and the small-M GEMM kernel for the weight GEMMs and lm_head where its table
-        says it beats cuBLAS (kernels/small_gemm). Same function; the worker turns it on with
-        the Triton backend."""
+        """Packed q/k/v and gate/up weights (one GEMM each), the fused Triton norm, RoPE and
+        SwiGLU-activation kernels, and the small-M GEMM kernel for the weight GEMMs and lm_head
+        where its table says it beats cuBLAS (kernels/small_gemm). Same function; the worker
+        turns it on with the Triton backend."""
         from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
 
         for module in self.modules():
@@ -63,6 +63,8 @@ class LoopedCausalLM(nn.Module):
                 module.fused_rope = True
             if isinstance(module, (Attention, SwiGLU)):
                 module.small_gemm = True
+            if isinstance(module, SwiGLU):
+                module.fused_act = True
             if isinstance(module, RMSNorm):
                 module.fused = True
         self.small_gemm_head = True

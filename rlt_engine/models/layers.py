@@ -93,6 +93,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up: torch.Tensor | None = None  # packed [2 * intermediate, hidden]
         self.small_gemm = False  # kernels/small_gemm for gate_up and down; set by use_fast_path
+        self.fused_act = False  # kernels/swiglu: silu(gate) * up in one launch; use_fast_path
 
     def pack(self) -> None:
         self.gate_up = pack_linears(self.gate_proj, self.up_proj)
@@ -100,10 +101,15 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = project(x, self.gate_up, self.small_gemm).chunk(2, dim=-1)
-        if self.small_gemm:
-            return project(F.silu(gate) * up, self.down_proj.weight, True)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = project(x, self.gate_up, self.small_gemm)
+        if self.fused_act:
+            from rlt_engine.kernels.swiglu import silu_mul
+
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return project(act, self.down_proj.weight, self.small_gemm)
 
 
 class Attention(nn.Module):

@@ -124,6 +124,11 @@ class TorchPagedAttention(PagedKVCache):
 class TritonPagedAttention(PagedKVCache):
     """The Triton kernel: reads K/V through the tables on the device, capturable."""
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
+        from rlt_engine.kernels.kv_write import write_kv_
+
+        write_kv_(self.k[layer], self.v[layer], k, v, meta.slot_mapping)  # one launch for K and V
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         from rlt_engine.kernels.kv_copy import copy_slots_
 
