@@ -13,14 +13,22 @@ The engine flags are those of `rlt generate` (rlt_cli/options.py), except that
 `--max-num-seqs` defaults to enough slots for the largest `--concurrency`. The workload, loop
 and engine flags are shared with `rlt profile` (rlt_cli/profile.py builds on this module).
 torch loads only when run.
+
+`--url URL` switches to the serving benchmark (rlt_engine/bench/serving.py) against any
+OpenAI-compatible server: no model is loaded here, `--model` names the served model, engine
+flags are refused (they belong to the server), `--prompt-len` (alias `--input-len`) and
+`--output-len` shape the requests, and loop-control flags given are sent as extension fields.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -33,16 +41,30 @@ from rlt_cli.output import check_device, status_spinner, stderr, stdout
 from rlt_engine.config import EngineConfig, SchedulerConfig
 from rlt_engine.sampling_params import SamplingParams
 
+try:  # recent typer vendors click as typer._click
+    from typer._click.core import ParameterSource
+    from typer._click.globals import get_current_context
+except ImportError:  # pragma: no cover - older typer uses the click package
+    from click import get_current_context
+    from click.core import ParameterSource
+
 if TYPE_CHECKING:
+    from rlt_engine.bench.serving import ServingBenchConfig
     from rlt_engine.core.exit_rule import LoopControls
     from rlt_engine.engine import LLMEngine
     from rlt_engine.llm import LLM
 
-HELP = "Benchmark offline decode throughput and latency (tok/s, TTFT, TPOT) in-process."
+HELP = (
+    "Benchmark offline decode throughput and latency (tok/s, TTFT, TPOT) in-process, or with "
+    "--url a running OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)."
+)
 DEFAULT_CONCURRENCY = (1, 8)
 DEFAULT_MAX_NUM_SEQS = SchedulerConfig.max_num_seqs
 # SamplingParams fields that the workload flags set, for error messages (rlt_cli/command.py)
 WORKLOAD_FLAGS = {"max_tokens": "--output-len"}
+SERVING_PANEL = "Serving benchmark (--url)"
+# serving-benchmark fields whose flag is not --field-name, for error messages
+SERVING_FLAGS = {"input_len": "--input-len"}
 
 
 @dataclass(frozen=True)
@@ -66,18 +88,32 @@ class BenchRun(Workload):
 
 def bench_command() -> Callable[..., None]:
     """The Typer callback: the engine flags are built from the config dataclasses."""
+    workload = workload_parameters(
+        "Requests run at once: repeat the flag or give a comma list, e.g. -c 1 -c 8 or "
+        "-c 1,8,64,256 (default: 1 and 8).",
+        repeats=True,
+    )
+    workload = [_PROMPT_LEN if p.name == "prompt_len" else p for p in workload]
     parameters = [
-        *workload_parameters(
-            "Requests run at once: repeat the flag or give a comma list, e.g. -c 1 -c 8 or "
-            "-c 1,8,64,256 (default: 1 and 8).",
-            repeats=True,
-        ),
+        *workload,
         _BANDWIDTH,
+        *SERVING_PARAMETERS,
         *engine_flags(),
         *LOOP_PARAMETERS,
         JSON_PARAMETER,
     ]
-    return callback(lambda values: _bench(_parse(values)), parameters, HELP, flags=WORKLOAD_FLAGS)
+    flags = {**WORKLOAD_FLAGS, **SERVING_FLAGS}
+    return callback(_run, parameters, HELP, flags=flags)
+
+
+def _run(values: dict[str, Any]) -> None:
+    if values["url"] is None:
+        given = _given([p.name for p in SERVING_PARAMETERS])
+        if given:
+            raise ValueError(f"{_flag(given[0])} is for the serving benchmark: give --url too")
+        _bench(_parse(values))
+        return
+    _serve_bench(_parse_serving(values), json_output=values["json_output"])
 
 
 # -- flags shared with `rlt profile` ------------------------------------------------------
@@ -177,6 +213,67 @@ JSON_PARAMETER = keyword(
     Annotated[bool, typer.Option("--json", help="Print one JSON object; no table.")],
     False,
 )
+_PROMPT_LEN = keyword(
+    "prompt_len",
+    Annotated[
+        int,
+        typer.Option(
+            "--prompt-len",
+            "--input-len",
+            help="Prompt tokens per request (random ids).",
+            rich_help_panel="Workload",
+        ),
+    ],
+    64,
+)
+SERVING_PARAMETERS = [
+    option(
+        "url",
+        str | None,
+        None,
+        "Benchmark the OpenAI-compatible server at this base URL (e.g. http://127.0.0.1:8000) "
+        "instead of loading a model; --model then names the served model (default: the "
+        "server's first).",
+        SERVING_PANEL,
+    ),
+    option("num_prompts", int, 200, "Requests to send.", SERVING_PANEL),
+    option(
+        "request_rate",
+        float,
+        math.inf,
+        "Poisson arrivals at this many requests/s; inf = all at once.",
+        SERVING_PANEL,
+    ),
+    option(
+        "max_concurrency",
+        int | None,
+        None,
+        "Most requests in flight at once (default: no limit).",
+        SERVING_PANEL,
+    ),
+    option(
+        "dataset",
+        str,
+        "random",
+        "random (token ids of --input-len) or gsm8k (questions from --dataset-path).",
+        SERVING_PANEL,
+    ),
+    option(
+        "dataset_path",
+        Path | None,
+        None,
+        'gsm8k: a JSONL file of {"question": ...} objects.',
+        SERVING_PANEL,
+    ),
+    option("seed", int, 0, "Seed of the prompts and the arrival times.", SERVING_PANEL),
+    option(
+        "api_key",
+        str | None,
+        None,
+        "Send `Authorization: Bearer KEY` (default: $OPENAI_API_KEY, else none).",
+        SERVING_PANEL,
+    ),
+]
 _BANDWIDTH = option(
     "bandwidth_gbs",
     float | None,
@@ -235,6 +332,50 @@ def _parse(values: dict[str, Any]) -> BenchRun:
     if bandwidth is not None and not bandwidth > 0:
         raise ValueError(f"--bandwidth-gbs must be > 0, got {bandwidth}")
     return BenchRun(**vars(w), repeats=values["repeats"], bandwidth_gbs=bandwidth)
+
+
+def _given(names: list[str]) -> list[str]:
+    """The flags among `names` given on the command line (or by environment), in order."""
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return []
+    unset = (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    return [name for name in names if ctx.get_parameter_source(name) not in unset]
+
+
+def _flag(name: str) -> str:
+    return SERVING_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+# offline-only flags refused with --url; --model stays (the served model's name)
+OFFLINE_ONLY = ("concurrency", "repeats", "warmup", "bandwidth_gbs")
+
+
+def _parse_serving(values: dict[str, Any]) -> ServingBenchConfig:
+    from rlt_engine.bench.serving import ServingBenchConfig
+
+    refused = [*OFFLINE_ONLY, *(p.name for p in engine_flags() if p.name != "model")]
+    given = _given(refused)
+    if given:
+        raise ValueError(
+            f"{_flag(given[0])} cannot be used with --url: the serving benchmark loads no model "
+            "(give engine flags to the server)"
+        )
+    loops = {name: values[name] for name in _given([p.name for p in LOOP_PARAMETERS])}
+    return ServingBenchConfig(
+        url=values["url"],
+        num_prompts=values["num_prompts"],
+        request_rate=values["request_rate"],
+        max_concurrency=values["max_concurrency"],
+        input_len=values["prompt_len"],
+        output_len=values["output_len"],
+        dataset=values["dataset"],
+        dataset_path=values["dataset_path"],
+        model=values["model"],
+        api_key=values["api_key"] or os.environ.get("OPENAI_API_KEY") or None,
+        seed=values["seed"],
+        extra_body=loops,
+    )
 
 
 # -- running ------------------------------------------------------------------------------
@@ -355,6 +496,35 @@ def _bench(run: BenchRun) -> None:
     stdout.print(_table(report))
 
 
+def _serve_bench(config: ServingBenchConfig, *, json_output: bool) -> None:
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from rlt_engine.bench.serving import benchmark
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("requests"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} done, {task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+    )
+    with Progress(
+        *columns, console=stderr, transient=True, disable=not stderr.is_terminal
+    ) as progress:
+        task = progress.add_task("requests", total=config.num_prompts, failed=0)
+
+        def on_progress(done: int, failed: int, total: int) -> None:
+            progress.update(task, completed=done, failed=failed)
+
+        report = benchmark(config, on_progress)
+    if json_output:
+        typer.echo(json.dumps(report))
+        return
+    stdout.print(_serving_table(report))
+    for message, count in list(report["errors"].items())[:3]:
+        stderr.print(f"[red]{count} failed: {escape(message)}[/]")
+
+
 def floor_loops(exit_depths: dict[int, int], controls: LoopControls) -> float:
     """Traversals per token step the floor assumes: the fixed depth (max loops) at exit
     threshold 1, else the measured mean exit depth."""
@@ -441,6 +611,53 @@ def _table(report: dict[str, Any]) -> Table:
         counts = [r["exit_depths"][str(d)] for d in range(1, depth + 1)]
         table.add_row(*cells, *(str(n) if n else "[dim]0[/]" for n in counts))
     return table
+
+
+def _serving_table(report: dict[str, Any]) -> Table:
+    rate = report["request_rate"]
+    limit = report["max_concurrency"]
+    prompts = (
+        f"{report['input_len']}-token random prompts"
+        if report["dataset"] == "random"
+        else f"gsm8k questions ({report['dataset_path']})"
+    )
+    extra = "".join(f", {k} {v}" for k, v in report["extra_body"].items())
+    caption = (
+        f"{report['url']} ({report['model']}): {report['num_prompts']} requests, {prompts}, "
+        f"{report['output_len']} output tokens (ignore_eos, greedy){extra}; "
+        f"rate {'inf (all at once)' if rate == 'inf' else f'{rate:g} req/s (Poisson)'}, "
+        f"max concurrency {limit if limit is not None else 'unlimited'}. "
+        f"Completed {report['completed']}, failed {report['failed']} in "
+        f"{report['duration_s']:.2f} s: {report['request_throughput']:.2f} req/s, "
+        f"{report['output_throughput']:,.1f} output tok/s, "
+        f"{report['total_token_throughput']:,.1f} total tok/s "
+        f"({report['total_input_tokens']:,} in, {report['total_output_tokens']:,} out). "
+        "TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: per token"
+        + (
+            f" ({report['tokens_per_chunk']:.2f} tokens per streamed chunk)"
+            if report["tokens_per_chunk"]
+            else ""
+        )
+    )
+    table = Table(caption=caption, caption_justify="left", box=None, pad_edge=False)
+    table.add_column("latency")
+    for name in ("mean", "median", "p99"):
+        table.add_column(name, justify="right")
+    for key, name in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E"),
+    ):
+        stats = report[key]
+        table.add_row(name, *(_latency(stats[q]) for q in ("mean", "median", "p99")))
+    return table
+
+
+def _latency(ms: float | None) -> str:
+    if ms is None:
+        return "n/a"
+    return f"{ms:.2f} ms" if ms < 100 else _ms(ms)
 
 
 def _loops(report: dict[str, Any]) -> str:

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# `rlt bench --url` against `rlt serve` on one H200 (Ouro-1.4B config, dummy bf16 weights), then
+# the offline `rlt bench` on the same workload, for the HTTP path's overhead (issue 11).
+#
+#   bash benchmarks/h200_serving.sh [OUT_DIR]      (default: $OUT, else ./h200-serving-out)
+#
+# Writes into OUT_DIR: serving.jsonl (one `rlt bench --url --json` report a line, each with a
+# "run" label added), offline.json (`rlt bench --json`), server.log, cpu.txt (the server's CPU
+# seconds per thread over each serving run: the main thread runs the event loop, the others the
+# engine), metrics_c8.txt (/metrics after the c=8 run) and meta.txt (GPU, versions).
+# Packages the image lacks (fastapi, uvicorn, pydantic, ...) may travel as wheels in .whl/.
+# QUICK=1: a dry run of the script itself on a CPU (demo model, 2 requests a run, 4 tokens).
+set -uo pipefail
+OUT_DIR=${1:-${OUT:-h200-serving-out}}
+mkdir -p "$OUT_DIR"
+PY=${PYTHON:-python3}
+PORT=${PORT:-8000}
+URL=http://127.0.0.1:$PORT
+MODEL=tests/fixtures/ouro-1.4b
+SERVE_ARGS=(--load-format dummy --max-num-seqs 256)
+OFFLINE_ARGS=(--load-format dummy -c 1,8,64)
+OUTPUT_LEN=32
+if [ "${QUICK:-0}" = 1 ]; then
+  MODEL=demo
+  SERVE_ARGS=(--max-num-seqs 16 --dtype float32 --device cpu)
+  OFFLINE_ARGS=(-c 1,2 --dtype float32 --device cpu --repeats 1 --warmup 0)
+  OUTPUT_LEN=4
+fi
+export PYTHONUNBUFFERED=1
+
+IMPORTS='import httpx, fastapi, uvicorn, prometheus_client, pydantic'
+if ! $PY -c "$IMPORTS" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -c "$IMPORTS" || exit 1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY -c 'import sys, torch, fastapi, uvicorn, httpx; print("python", sys.version.split()[0],
+"torch", torch.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__,
+"httpx", httpx.__version__)'
+  nproc --all
+} >"$OUT_DIR/meta.txt" 2>&1
+
+$PY -m rlt_cli.main serve $MODEL "${SERVE_ARGS[@]}" --port "$PORT" \
+  >"$OUT_DIR/server.log" 2>&1 &
+SERVER=$!
+echo "server pid $SERVER"
+$PY - "$URL" <<'EOF' || { kill "$SERVER"; exit 1; }
+import sys, time, httpx
+deadline = time.monotonic() + 300
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(sys.argv[1] + "/health", timeout=2).status_code == 200:
+            print(f"healthy after {time.monotonic() - deadline + 300:.1f} s"); sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit("server not healthy after 300 s")
+EOF
+
+cpu() {  # "label thread utime+stime seconds" for every thread of the server
+  local tick; tick=$(getconf CLK_TCK)
+  for t in /proc/"$SERVER"/task/*; do
+    read -r -a f <"$t/stat" 2>/dev/null || continue
+    # fields after the command name: utime is the 14th, stime the 15th of the whole line
+    echo "$1 $(basename "$t") $(awk -v u="${f[13]}" -v s="${f[14]}" -v k="$tick" \
+      'BEGIN { printf "%.2f", (u + s) / k }')"
+  done
+}
+
+serve_bench() {  # LABEL ARGS...: one `rlt bench --url` run, its JSON labelled, CPU around it
+  local label=$1; shift
+  cpu "$label-before" >>"$OUT_DIR/cpu.txt"
+  [ "${QUICK:-0}" = 1 ] && set -- "$@" --num-prompts 2
+  local t0; t0=$(date +%s%N)
+  $PY -m rlt_cli.main bench --url "$URL" --input-len 64 --output-len $OUTPUT_LEN --json "$@" \
+    | $PY -c 'import json, sys; r = json.loads(sys.stdin.read()); r["run"] = sys.argv[1];
+print(json.dumps(r))' "$label" >>"$OUT_DIR/serving.jsonl"
+  cpu "$label-after" >>"$OUT_DIR/cpu.txt"
+  echo "$label wall_ms $((($(date +%s%N) - t0) / 1000000))" >>"$OUT_DIR/cpu.txt"
+  tail -n 1 "$OUT_DIR/serving.jsonl" | $PY -c 'import json, sys; r = json.loads(sys.stdin.read());
+print(r["run"], r["completed"], "ok", r["failed"], "failed", round(r["output_throughput"], 1),
+"out tok/s, ttft p50", round(r["ttft_ms"]["median"], 1), "ms, itl p50",
+round(r["itl_ms"]["median"], 2), "ms, tpot p50", round(r["tpot_ms"]["median"], 2), "ms")'
+}
+
+# warm-up (not reported as a result): every CUDA-graph batch bucket up to 256 gets captured
+serve_bench warmup --num-prompts 256 --max-concurrency 256 --seed 99
+serve_bench c1 --num-prompts 8 --max-concurrency 1 --seed 1
+serve_bench c8 --num-prompts 64 --max-concurrency 8 --seed 8
+$PY -c 'import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + "/metrics").text)' "$URL" \
+  >"$OUT_DIR/metrics_c8.txt"
+serve_bench c64 --num-prompts 512 --max-concurrency 64 --seed 64
+serve_bench rate4 --num-prompts 24 --request-rate 4 --seed 4
+serve_bench rate16 --num-prompts 96 --request-rate 16 --seed 16
+serve_bench rate64 --num-prompts 384 --request-rate 64 --seed 65
+
+kill "$SERVER"
+wait "$SERVER"
+echo "server exited with $?"
+
+$PY -m rlt_cli.main bench --model $MODEL "${OFFLINE_ARGS[@]}" --prompt-len 64 \
+  --output-len $OUTPUT_LEN --json >"$OUT_DIR/offline.json"
+$PY -c 'import json, sys; r = json.load(open(sys.argv[1]));
+[print("offline c", x["concurrency"], round(x["decode_tokens_per_s"], 1), "tok/s, ttft p50",
+round(x["ttft_ms_p50"], 1), "ms, tpot p50", round(x["tpot_ms_p50"], 2), "ms") for x in r["results"]]' \
+  "$OUT_DIR/offline.json"
