@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `rlt bench --url` against `rlt serve` on one H200 (Ouro-1.4B config, dummy bf16 weights), then
-# the offline `rlt bench` on the same workload, for the HTTP path's overhead (issue 11).
+# The offline `rlt bench`, then `rlt bench --url` against `rlt serve` on the same workload, on one
+# H200 (Ouro-1.4B config, dummy bf16 weights), for the HTTP path's overhead (issue 11). Offline
+# first: it is the reference of the ratio, and it fills Triton's kernel cache for the server.
+# The runs come in order of importance (c=8 first), so a run cut short still has the ratio.
 #
 #   bash benchmarks/h200_serving.sh [OUT_DIR]      (default: $OUT, else ./h200-serving-out)
 #
@@ -28,8 +30,9 @@ if [ "${QUICK:-0}" = 1 ]; then
 fi
 export PYTHONUNBUFFERED=1
 
-IMPORTS='import httpx, fastapi, uvicorn, prometheus_client, pydantic'
-if ! $PY -c "$IMPORTS" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+IMPORTS='import httpx, fastapi, uvicorn, prometheus_client, pydantic, typer'
+# the image's typer lacks what rlt_cli needs (TyperOption.display_type): carried wheels win
+if [ "${QUICK:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -37,20 +40,29 @@ fi
 $PY -c "$IMPORTS" || exit 1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $PY -c 'import sys, torch, fastapi, uvicorn, httpx; print("python", sys.version.split()[0],
+  $PY -c 'import sys, torch, fastapi, uvicorn, httpx, typer; print("python", sys.version.split()[0],
 "torch", torch.__version__, "fastapi", fastapi.__version__, "uvicorn", uvicorn.__version__,
-"httpx", httpx.__version__)'
+"httpx", httpx.__version__, "typer", typer.__version__)'
   nproc --all
 } >"$OUT_DIR/meta.txt" 2>&1
+
+$PY -m rlt_cli.main bench --model $MODEL "${OFFLINE_ARGS[@]}" --prompt-len 64 \
+  --output-len $OUTPUT_LEN --json >"$OUT_DIR/offline.json"
+$PY -c 'import json, sys; r = json.load(open(sys.argv[1]));
+[print("offline c", x["concurrency"], round(x["decode_tokens_per_s"], 1), "tok/s, ttft p50",
+round(x["ttft_ms_p50"], 1), "ms, tpot p50", round(x["tpot_ms_p50"], 2), "ms") for x in r["results"]]' \
+  "$OUT_DIR/offline.json"
 
 $PY -m rlt_cli.main serve $MODEL "${SERVE_ARGS[@]}" --port "$PORT" \
   >"$OUT_DIR/server.log" 2>&1 &
 SERVER=$!
 echo "server pid $SERVER"
-$PY - "$URL" <<'EOF' || { kill "$SERVER"; exit 1; }
-import sys, time, httpx
+$PY - "$URL" "$SERVER" <<'EOF' || { kill "$SERVER"; tail -n 5 "$OUT_DIR/server.log"; exit 1; }
+import os, sys, time, httpx
 deadline = time.monotonic() + 300
 while time.monotonic() < deadline:
+    if not os.path.exists(f"/proc/{sys.argv[2]}"):
+        sys.exit("the server exited (server.log)")
     try:
         if httpx.get(sys.argv[1] + "/health", timeout=2).status_code == 200:
             print(f"healthy after {time.monotonic() - deadline + 300:.1f} s"); sys.exit(0)
@@ -86,24 +98,19 @@ print(r["run"], r["completed"], "ok", r["failed"], "failed", round(r["output_thr
 round(r["itl_ms"]["median"], 2), "ms, tpot p50", round(r["tpot_ms"]["median"], 2), "ms")'
 }
 
-# warm-up (not reported as a result): every CUDA-graph batch bucket up to 256 gets captured
-serve_bench warmup --num-prompts 256 --max-concurrency 256 --seed 99
-serve_bench c1 --num-prompts 8 --max-concurrency 1 --seed 1
+# warm-up (not reported as a result): the CUDA-graph batch buckets up to 64 get captured as
+# 64 requests ramp up and drain
+serve_bench warmup --num-prompts 64 --max-concurrency 64 --seed 99
 serve_bench c8 --num-prompts 64 --max-concurrency 8 --seed 8
 $PY -c 'import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + "/metrics").text)' "$URL" \
   >"$OUT_DIR/metrics_c8.txt"
+serve_bench c1 --num-prompts 8 --max-concurrency 1 --seed 1
 serve_bench c64 --num-prompts 512 --max-concurrency 64 --seed 64
-serve_bench rate4 --num-prompts 24 --request-rate 4 --seed 4
-serve_bench rate16 --num-prompts 96 --request-rate 16 --seed 16
-serve_bench rate64 --num-prompts 384 --request-rate 64 --seed 65
+serve_bench rate16 --num-prompts 48 --request-rate 16 --seed 16
+serve_bench rate64 --num-prompts 192 --request-rate 64 --seed 65
+serve_bench rate4 --num-prompts 12 --request-rate 4 --seed 4
 
 kill "$SERVER"
 wait "$SERVER"
 echo "server exited with $?"
 
-$PY -m rlt_cli.main bench --model $MODEL "${OFFLINE_ARGS[@]}" --prompt-len 64 \
-  --output-len $OUTPUT_LEN --json >"$OUT_DIR/offline.json"
-$PY -c 'import json, sys; r = json.load(open(sys.argv[1]));
-[print("offline c", x["concurrency"], round(x["decode_tokens_per_s"], 1), "tok/s, ttft p50",
-round(x["ttft_ms_p50"], 1), "ms, tpot p50", round(x["tpot_ms_p50"], 2), "ms") for x in r["results"]]' \
-  "$OUT_DIR/offline.json"
