@@ -15,6 +15,8 @@ from rlt_cli.bench import HELP as BENCH_HELP
 from rlt_cli.bench import bench_command
 from rlt_cli.command import OneLineUsageErrors, OneLineUsageGroup
 from rlt_cli.download import download
+from rlt_cli.eval import HELP as EVAL_HELP
+from rlt_cli.eval import eval_command
 from rlt_cli.generate import HELP as GENERATE_HELP
 from rlt_cli.generate import generate_command
 from rlt_cli.output import fail
@@ -36,7 +38,6 @@ app = typer.Typer(
 
 # Subcommands that exist in the plan but not yet in code: (one-line help, what they will do).
 PLANNED: dict[str, tuple[str, str]] = {
-    "eval": ("Evaluate accuracy on a task such as gsm8k.", "evaluation driver"),
     "pd-launch": ("Launch disaggregated prefill/decode workers.", "prefill/decode launcher"),
 }
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -63,6 +64,7 @@ app.command("generate", help=GENERATE_HELP, cls=OneLineUsageErrors)(generate_com
 app.command("bench", help=BENCH_HELP, cls=OneLineUsageErrors)(bench_command())
 app.command("profile", help=PROFILE_HELP, cls=OneLineUsageErrors)(profile_command())
 app.command("serve", help=SERVE_HELP, cls=OneLineUsageErrors)(serve_command())
+app.command("eval", help=EVAL_HELP, cls=OneLineUsageErrors)(eval_command())
 
 
 def _planned(name: str, plan: str) -> Callable[[typer.Context], None]:

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBCOMMANDS = ("download", "generate", "bench", "profile", "serve", "eval", "pd-launch")
-PLANNED = SUBCOMMANDS[5:]
+PLANNED = SUBCOMMANDS[6:]
 
 
 def rlt(*args: str) -> subprocess.CompletedProcess[str]:
