@@ -48,6 +48,10 @@ def exact(tmp: Path) -> dict:
         "cuda-triton-eager": dict(device="cuda", attention_backend="triton", enforce_eager=True),
         "cuda-triton-graphs": dict(device="cuda", attention_backend="triton"),
         "cuda-triton-graphs-w3": dict(device="cuda", attention_backend="triton", decode_window=3),
+        # CUDA defaults to async scheduling: the modes above are async, this one is not
+        "cuda-triton-graphs-sync": dict(
+            device="cuda", attention_backend="triton", async_scheduling=False
+        ),
     }
     report: dict = {"golden": {}, "adaptive": {}}
     for depth in range(1, golden.DEPTH + 1):

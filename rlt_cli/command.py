@@ -32,7 +32,7 @@ def _plain_help(params: list[Any], ctx: Any) -> list[Any]:
         if isinstance(param, TyperOption) and param.metavar is None:
             if param.is_flag:
                 param.metavar = ""
-            elif param.multiple:
+            elif param.multiple and hasattr(param, "display_type"):  # older typer: keep its own
                 param.metavar = re.sub(r"^<list\[(.+)\]>$", r"<\1>", param.display_type(ctx))
         elif isinstance(param, TyperArgument):
             param.display_type_rich = lambda ctx: None  # type: ignore[method-assign]

@@ -53,6 +53,8 @@ HELP: dict[str, str] = {
     "an explicit choice that cannot run is an error.",
     "enforce_eager": "Run decode eagerly, without CUDA graphs.",
     "decode_window": "Decode traversals per engine step (one read back per window).",
+    "async_scheduling": "Plan the next decode window while the current one runs (results "
+    "one window late; exact). Default: on with CUDA, off on the CPU.",
     # sampling (SamplingParams)
     "max_tokens": "Most tokens to generate per prompt.",
     "temperature": "Sampling temperature; 0 = greedy.",
@@ -130,7 +132,7 @@ def _parameter(
     else:
         annotation = base | None if optional else base
     flag = flag_name(field.name)
-    if base is bool and default is True:
+    if base is bool and default in (True, None):  # on by default, or decided by the engine
         flag = f"{flag}/--no-{flag[2:]}"
     text = HELP.get(field.name, "") if help is None else help
     option = typer.Option(flag, help=text, rich_help_panel=panel)

@@ -126,6 +126,8 @@ class ExecutionConfig:
     attention_backend: str = "auto"  # auto = triton on CUDA, torch on CPU
     enforce_eager: bool = False  # True = no CUDA graphs (to compare, or to debug)
     decode_window: int = 8  # decode traversals per step, with one read back per window
+    # plan window n+1 while window n runs (results one window late); None = on for CUDA
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

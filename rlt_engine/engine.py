@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from rlt_engine.worker.memory_plan import (
     profile_kv_budget,
     resolve_memory_plan,
 )
-from rlt_engine.worker.model_runner import ModelRunner
+from rlt_engine.worker.model_runner import Launched, ModelRunner
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,10 +112,18 @@ class LLMEngine:
         self.blocks = BlockManager(
             self.num_blocks, cache.block_size, self.num_planes, cache.enable_prefix_caching
         )
+        asynchronous = config.execution.async_scheduling
+        self.async_scheduling = self.device.type == "cuda" if asynchronous is None else asynchronous
         self.scheduler = Scheduler(
-            config.scheduler, self.blocks, depth, cache, config.execution.decode_window
+            config.scheduler,
+            self.blocks,
+            depth,
+            cache,
+            config.execution.decode_window,
+            lookahead=2 if self.async_scheduling else 1,
         )
         self.runner = self._make_runner(self.num_blocks)
+        self._launched: deque[tuple[StepPlan, Launched]] = deque()  # oldest first
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._decode_rows = 0
@@ -317,23 +326,26 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step (prefill chunks and a decode window); outputs for requests that got
-        tokens or finished. A request whose detokenizer or stop matching raises finishes
-        alone, with finish_reason "error"; a failed worker step raises StepFailedError."""
+        tokens or finished. With async scheduling the step launches the next plan, then
+        applies the previous one's results (so outputs come one window late). A request whose
+        detokenizer or stop matching raises finishes alone, with finish_reason "error"; a
+        failed worker step raises StepFailedError."""
         plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        self._decode_rows = self._count_decoding() if plan.decode_traversals else 0
-        try:
-            result = self.runner.execute(plan)
-        except Exception as exc:
-            failed = self.scheduler.fail_plan()
-            for req in failed:
-                self._requests.pop(req.request_id, None)
-            ids = tuple(r.request_id for r in failed)
-            raise StepFailedError(
-                f"a step failed and was rolled back ({exc}); aborted: {', '.join(ids) or 'none'}",
-                ids,
-            ) from exc
+        if plan is not None:
+            self._decode_rows = self._count_decoding() if plan.decode_traversals else 0
+            self._guarded(lambda: self._launched.append((plan, self.runner.launch(plan))))
+        # async: keep the newest plan running while the host works on the one before it
+        keep = 1 if self.async_scheduling and plan is not None else 0
+        outputs = []
+        while len(self._launched) > keep:
+            outputs += self._apply_oldest()
+        self._flush_if_idle()
+        return outputs
+
+    def _apply_oldest(self) -> list[RequestOutput]:
+        plan, launched = self._launched[0]
+        result = self._guarded(lambda: self.runner.collect(launched))
+        self._launched.popleft()
         outputs = []
         for req in self.scheduler.update(plan, result, self._hits_stop_string):
             entry = self._requests.get(req.request_id)
@@ -350,8 +362,23 @@ class LLMEngine:
             outputs.append(self._output(entry, new_text))
             if req.finished or entry.error is not None:
                 del self._requests[req.request_id]
-        self._flush_if_idle()
         return outputs
+
+    def _guarded(self, work):  # type: ignore[no-untyped-def]
+        """Run worker code; on failure abort what the plans in flight touched (their device
+        state is unknown) and raise StepFailedError."""
+        try:
+            return work()
+        except Exception as exc:
+            self._launched.clear()
+            failed = self.scheduler.fail_plan()
+            for req in failed:
+                self._requests.pop(req.request_id, None)
+            ids = tuple(r.request_id for r in failed)
+            raise StepFailedError(
+                f"a step failed and was rolled back ({exc}); aborted: {', '.join(ids) or 'none'}",
+                ids,
+            ) from exc
 
     def _count_decoding(self) -> int:
         return sum(r.stage is Stage.DECODE for r in self.scheduler.running)
@@ -372,8 +399,11 @@ class LLMEngine:
 
     def _flush_if_idle(self) -> None:
         """With nothing left to run, no further plan would carry the pending slot frees and
-        snapshot drops to the worker: send them now so nothing lingers on the device."""
+        snapshot drops to the worker: send them now so nothing lingers on the device (after
+        the plans still in flight, whose results concern finished requests only)."""
         if not self.scheduler.has_unfinished():
+            while self._launched:
+                self._apply_oldest()
             idle = self.scheduler.bookkeeping_plan()
             if idle is not None:
                 self.runner.execute(idle)

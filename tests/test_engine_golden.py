@@ -53,6 +53,31 @@ MODES: dict[str, dict[str, Any]] = {
     "triton-interpreted": {"attention_backend": "triton"},
     "decode-window-1": {"decode_window": 1},
     "decode-window-5": {"decode_window": 5},
+    # asynchronous scheduling: the host plans a window ahead of what it has seen
+    "async": {"async_scheduling": True},
+    "async-no-refill": {"async_scheduling": True, "refill": False},
+    "async-chunk-3": {
+        "async_scheduling": True,
+        "prefill_chunk_size": 3,
+        "max_num_batched_tokens": 8,
+        "max_num_seqs": 4,
+    },
+    "async-one-request-pool-incremental-preempt": {
+        "async_scheduling": True,
+        "incremental_kv": True,
+        "enable_preemption": True,
+        "num_blocks": _one_request_pool,
+        "decode_window": 2,
+    },
+    "async-prefix-caching": {"async_scheduling": True, "enable_prefix_caching": True},
+    "async-priority-preempt": {
+        "async_scheduling": True,
+        "scheduling_policy": "priority",
+        "enable_preemption": True,
+        "incremental_kv": True,
+        "num_blocks": lambda d: 2 * _one_request_pool(d),
+        "decode_window": 1,
+    },
 }
 
 
@@ -84,7 +109,7 @@ def test_engine_greedy_equals_official_code(tmp_path_factory, depth: int, mode: 
     prompts = golden.prompts()
     # Priorities invert arrival order so that later arrivals preempt earlier ones.
     params = [_params(priority=len(prompts) - i) for i in range(len(prompts))]
-    rounds = 2 if mode == "prefix-caching" else 1  # the second round hits the prefix cache
+    rounds = 2 if mode.endswith("prefix-caching") else 1  # the second round hits the cache
     for _ in range(rounds):
         outs = llm.generate(prompts, params)
         for out, want in zip(outs, golden.greedy(depth), strict=True):
@@ -93,10 +118,11 @@ def test_engine_greedy_equals_official_code(tmp_path_factory, depth: int, mode: 
             assert out.finish_reason == "length"
     stats = llm.engine.cache_stats()
     assert stats["blocks_used"] == 0
-    if mode == "prefix-caching":
+    if mode.endswith("prefix-caching"):
         assert stats["prefix_hit_blocks"] > 0
-    if mode.startswith("one-request-pool-incremental") or mode == "priority-preempt":
+    if "one-request-pool-incremental" in mode or mode.endswith("priority-preempt"):
         assert stats["preemptions"] > 0
+    assert llm.engine.async_scheduling == mode.startswith("async")
 
 
 def test_shared_layout_at_depth_one_equals_official_code(tmp_path_factory):

@@ -24,6 +24,7 @@ from property_workloads import (
     MODES,
     Axes,
     Tally,
+    check_async_equals_sync,
     check_guaranteed_mechanisms,
     check_outputs,
     check_step_invariants,
@@ -46,6 +47,7 @@ def test_random_workloads_terminate_never_leak_and_match_oracle(ckpt, mode, data
     check_guaranteed_mechanisms(workload, run)
     check_outputs(ckpt, workload, run)
     TALLY.add(workload, run)
+    check_async_equals_sync(ckpt, workload, run)
 
 
 def test_mechanisms_fired():

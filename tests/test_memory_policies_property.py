@@ -29,6 +29,7 @@ from property_workloads import (
     MODES,
     Axes,
     Tally,
+    check_async_equals_sync,
     check_guaranteed_mechanisms,
     check_outputs,
     check_step_invariants,
@@ -79,6 +80,7 @@ def test_random_policies_terminate_never_leak_and_match_oracle(ckpt, mode, sampl
     check_guaranteed_mechanisms(workload, run)
     check_outputs(ckpt, workload, run, sampled_ref)
     TALLY.add(workload, run)
+    check_async_equals_sync(ckpt, workload, run, sampled_ref, check_no_host_state)
     # the engine stays usable, and request ids are reusable once finished
     engine = llm.engine
     engine.add_request([5], SamplingParams(max_tokens=1, ignore_eos=True), request_id="r0")

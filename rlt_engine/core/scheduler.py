@@ -15,12 +15,21 @@ Memory and queue policies (admission, growth, priority, preemption) live in `adm
 KV for a window is reserved before it runs: a window of N traversals advances a slot by at
 most N positions (every token takes at least one traversal), so each decoding request's tables
 cover its current position + N (capped at its last position) before the plan leaves.
+
+Asynchronous scheduling (`lookahead=2`): the next plan is built while the previous one still
+runs, so the host's view lags by one window. Each plan in flight keeps its own context — which
+request owned each slot when it was planned, its prefill chunks, the requests it touches — and
+results are matched through that context, never through a request's current slot (slots and
+ids are reused; a request preempted meanwhile still owns the events its old slot produced,
+which its snapshot already includes). Reservations cover two windows past the host's view.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from rlt_engine.config import CacheConfig, SchedulerConfig
 from rlt_engine.core.admission import Admission
@@ -38,6 +47,19 @@ from rlt_engine.core.request import Request
 StopCheck = Callable[[Request], bool]  # called after each accepted token; True = stop now
 
 
+@dataclass(eq=False)
+class _PlanContext:
+    """What the scheduler must remember about one plan until its results are applied."""
+
+    plan: StepPlan
+    owners: dict[int, Request]  # slot -> the request that owned it when this plan was made
+    chunks: list[tuple[Request, PrefillChunk]]
+    touched: list[Request]  # requests whose device state this plan changes
+    # preemption count of each chunk's request at planning: a prefix written by this plan is
+    # committed only if its request kept the blocks (was not preempted while it ran)
+    epochs: dict[int, int] = field(default_factory=dict)
+
+
 class Scheduler(Admission):
     def __init__(
         self,
@@ -46,30 +68,42 @@ class Scheduler(Admission):
         depth: int,
         cache: CacheConfig | None = None,
         decode_window: int = 1,
+        lookahead: int = 1,
     ) -> None:
         super().__init__(config, cache or CacheConfig(), blocks, depth)
-        self.decode_window = decode_window
+        if lookahead not in (1, 2):
+            raise ValueError(
+                f"lookahead must be 1 (synchronous) or 2 (asynchronous), got {lookahead}"
+            )
+        self.decode_window, self.lookahead = decode_window, lookahead
         self.trace: list[StepPlan] | None = None  # set to [] to record every plan
-        self._slot_owner: dict[int, Request] = {}  # slot -> request, as the plan in flight saw it
-        self._chunks: list[tuple[Request, PrefillChunk]] = []  # prefill of the plan in flight
-        self._touched: list[Request] = []  # requests whose device state that plan changes
+        self._chunks: list[tuple[Request, PrefillChunk]] = []  # prefill of the plan being built
+        self._in_flight: deque[_PlanContext] = deque()  # planned, results not applied yet
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        """The next plan (None: no work). With lookahead 2 it may be built while the previous
+        plan runs; `update` must then be called for the plans in the order they were made."""
+        if len(self._in_flight) >= self.lookahead:
+            raise RuntimeError("apply the results of the plans in flight before planning more")
         self.admit()
         planned: list[Request] = []
         window = self.decode_window
+        reach = window * self.lookahead  # traversals that may run before the next plan's view
         for req in sorted(self.running, key=self.rank):  # best first: growth preempts the worst
             if req.stage is not Stage.DECODE or req.snapshot is not None:
                 continue
             if req in self.running and self.ensure_capacity(
-                req, self._window_end(req, window), planned=planned
+                req, self._window_end(req, reach), planned=planned
             ):
                 planned.append(req)
-        waves = self._prefill_waves(planned, window)
-        # a last chunk starts decoding unless its first token is also its last
-        decoding = any(r.stage is Stage.DECODE for r in planned) or any(
-            c.last and r.params.max_tokens > 1 for r, c in self._chunks
+        waves = self._prefill_waves(planned, reach)
+        # a last chunk starts decoding unless its first token is also its last; so does a
+        # prompt whose last chunk is still in flight (its first token not seen yet)
+        decoding = (
+            any(r.stage is Stage.DECODE for r in planned)
+            or any(c.last and r.params.max_tokens > 1 for r, c in self._chunks)
+            or any(self._first_token_in_flight(r) for r in self.running)
         )
         if not (waves or decoding):
             return None  # pending bookkeeping rides with the next plan (or the idle flush)
@@ -78,10 +112,25 @@ class Scheduler(Admission):
             self.trace.append(plan)
         return plan
 
+    @staticmethod
+    def _first_token_in_flight(req: Request) -> bool:
+        return (
+            req.stage is Stage.PREFILL
+            and req.num_prefilled == req.prompt_len
+            and req.snapshot is None
+            and req.params.max_tokens > 1
+        )
+
     def bookkeeping_plan(self) -> StepPlan | None:
         """A plan without work carrying pending worker operations (slot frees, snapshot
-        drops, ...) for when no further step will run."""
-        return self._finish_plan((), 0, []) if self.has_pending_ops() else None
+        drops, ...) for when no further step will run. It produces no results to apply."""
+        if not self.has_pending_ops():
+            return None
+        return self._finish_plan((), 0, [], register=False)
+
+    @property
+    def plans_in_flight(self) -> int:
+        return len(self._in_flight)
 
     @staticmethod
     def _window_end(req: Request, window: int, position: int | None = None) -> int:
@@ -104,6 +153,8 @@ class Scheduler(Admission):
             if req not in self.running:
                 continue  # preempted while this plan was being built
             remaining = req.prompt_len - req.num_prefilled
+            if remaining == 0:
+                continue  # its last chunk is in flight (async scheduling): nothing left to plan
             size = min(self.config.prefill_chunk_size, remaining, budget)
             end = req.num_prefilled + size
             # the last chunk's slot decodes in this very window (its first token at prompt_len)
@@ -130,19 +181,28 @@ class Scheduler(Admission):
         return tuple(tuple(c[i] for c in per_request if i < len(c)) for i in range(depth))
 
     def _finish_plan(
-        self, waves: tuple[tuple[PrefillChunk, ...], ...], traversals: int, owners: list[Request]
+        self,
+        waves: tuple[tuple[PrefillChunk, ...], ...],
+        traversals: int,
+        owners: list[Request],
+        register: bool = True,
     ) -> StepPlan:
         # slots this plan creates (inits, resumes), with or without work for them this step
         started = {op.slot for op in (*self._slot_inits, *self._swap_ins)}
-        decoding = [r for r in self.running if r.stage is Stage.DECODE] if traversals else []
+        decoding = (
+            [r for r in self.running if r.stage is Stage.DECODE or self._first_token_in_flight(r)]
+            if traversals
+            else []
+        )
         # Everyone whose device state this plan touches, in case the step fails.
-        self._touched = [
+        touched = [
             *owners,
             *decoding,
             *(r for r in self.running if r.slot in started),
             *self._preempted_since_plan,
+            *(r for r, _ in self._chunks),
         ]
-        self._slot_owner = {r.slot: r for r in self.running if r.slot is not None}
+        slot_owner = {r.slot: r for r in self.running if r.slot is not None}
         plan = StepPlan(
             swap_outs=tuple(self._swap_outs),
             slot_frees=tuple(self._slot_frees),
@@ -153,6 +213,10 @@ class Scheduler(Admission):
             prefill=waves,
             decode_traversals=traversals,
         )
+        chunks, self._chunks = self._chunks, []
+        if register:
+            epochs = {id(r): r.num_preemptions for r, _ in chunks}
+            self._in_flight.append(_PlanContext(plan, slot_owner, chunks, touched, epochs))
         self.clear_pending_ops()
         return plan
 
@@ -170,32 +234,39 @@ class Scheduler(Admission):
         return tuple(appends)
 
     def fail_plan(self) -> list[Request]:
-        """The worker raised while executing the last plan: its effects on device state are
-        unknown, so every request it touched is aborted (and nothing else is)."""
-        touched, self._touched, self._chunks = self._touched, [], []
-        failed = []
-        for req in touched:
-            if not req.finished and req not in failed:
-                self.finish(req, "abort")
-                failed.append(req)
+        """The worker raised while executing the plans in flight: their effects on device state
+        are unknown, so every request they touched is aborted (and nothing else is)."""
+        contexts, self._in_flight = list(self._in_flight), deque()
+        failed: list[Request] = []
+        for ctx in contexts:
+            for req in ctx.touched:
+                if not req.finished and req not in failed:
+                    self.finish(req, "abort")
+                    failed.append(req)
         return failed
 
     # -- results -------------------------------------------------------------------------
     def update(
         self, plan: StepPlan, result: StepResult, stop_check: StopCheck | None = None
     ) -> list[Request]:
-        """Apply a step's token events. Returns the requests that received tokens, in the
-        order of their first event. `stop_check` sees every accepted token (stop strings)."""
-        chunks, self._chunks = self._chunks, []
-        for req, chunk in chunks:
-            if not req.finished:
+        """Apply the events of the oldest plan in flight (`plan`). Returns the requests that
+        received tokens, in the order of their first event. `stop_check` sees every accepted
+        token (stop strings)."""
+        if not self._in_flight or self._in_flight[0].plan is not plan:
+            raise RuntimeError("results must be applied in the order the plans were made")
+        ctx = self._in_flight.popleft()
+        for req, chunk in ctx.chunks:
+            kept = req in self.running and ctx.epochs[id(req)] == req.num_preemptions
+            if not req.finished and kept:
                 end = chunk.start + len(chunk.token_ids)
                 self.blocks.commit_prefix(req.request_id, req.prompt_token_ids, end)
         got_token: dict[str, Request] = {}
         for event in result.events:
-            req = self._slot_owner.get(event.slot)
-            if req is None or req.finished or req.slot != event.slot:
-                continue  # finished while the step ran (or earlier in this window): stale
+            # the owner when the plan was made: it may have moved (preempted) since, and its
+            # snapshot holds what this event reports; a finished owner's events are stale
+            req = ctx.owners.get(event.slot)
+            if req is None or req.finished:
+                continue
             if req.stage is Stage.PREFILL:
                 req.stage, req.first_token_time = Stage.DECODE, time.monotonic()
             self._accept_token(req, event.sample, event.exit_depth)

@@ -7,10 +7,11 @@ The engine is not edited for this: `instrument(engine)` wraps its methods from o
     rlt.add_request    LLMEngine.add_request
     rlt.schedule       Scheduler.schedule
     rlt.update         Scheduler.update (the detokenizer's stop-string checks nest inside)
-    rlt.execute        ModelRunner.execute (its own time: the bookkeeping diffs, copies in)
+    rlt.execute        ModelRunner.launch (its own time: the bookkeeping diffs, copies in)
     rlt.prefill        ModelRunner._prefill, one range per wave
     rlt.decode_window  ModelRunner._decode: the window's traversals (or graph replays)
-    rlt.read_back      ModelRunner._read_back: the one device-to-host read and its sync
+    rlt.read_back      ModelRunner.collect: waiting for the one device-to-host read, decoding it
+                       (async scheduling: while the next window already runs)
     rlt.sample         the batched sampler (prefill's first tokens; eager decode traversals;
                        inside a CUDA graph it is part of the decode window)
     rlt.detokenize     IncrementalDetokenizer.push / take_new
@@ -92,10 +93,10 @@ def instrument(engine: LLMEngine) -> Iterator[Counters]:
     wrap(engine, "add_request", "rlt.add_request")
     wrap(scheduler, "schedule", "rlt.schedule")
     wrap(scheduler, "update", "rlt.update")
-    wrap(runner, "execute", "rlt.execute")
+    wrap(runner, "launch", "rlt.execute")
     wrap(runner, "_prefill", "rlt.prefill")
     wrap(runner, "_decode", "rlt.decode_window", count_traversals)
-    wrap(runner, "_read_back", "rlt.read_back")
+    wrap(runner, "collect", "rlt.read_back")
     wrap(runner, "_sample", "rlt.sample")
     try:
         import rlt_engine.worker.decode as decode_module

@@ -5,6 +5,11 @@ waves (eager, host-planned chunks through every loop; a chunk that ends its prom
 first token and starts the slot decoding), then the decode window: `decode_traversals`
 traversals over slots [0, B), replayed from a CUDA graph per (padded B, flags) when graphs are
 on. Everything the host learns comes back in one read at the end of the step.
+
+`launch(plan)` enqueues all of that, including the read back into pinned host memory, and
+returns at once; `collect(launched)` waits for it and decodes the events. `execute` is the two
+back to back. Asynchronous scheduling launches plan n+1 before collecting plan n: everything
+runs in order on one stream, so plan n+1's work never overtakes plan n's.
 """
 
 from __future__ import annotations
@@ -45,6 +50,17 @@ class _Snapshot:
 class _FirstTokens:
     slots: list[int]
     drawn: SampleOutput
+
+
+@dataclass
+class Launched:
+    """A plan enqueued on the device; its read back lands in `host` once `done` fires."""
+
+    firsts: list[_FirstTokens]
+    window: tuple[int, int, Flags] | None
+    host: list[torch.Tensor]
+    done: torch.cuda.Event | None  # None on the CPU: everything already ran
+    logprobs_wanted: dict[int, int | None]  # slot -> logprobs its request asked for, at launch
 
 
 class ModelRunner:
@@ -94,8 +110,11 @@ class ModelRunner:
         self.snapshots: dict[int, _Snapshot] = {}  # preempted requests, in host memory
 
     # -- the step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched:
         for out in plan.swap_outs:
             self._swap_out(out)
         for slot in plan.slot_frees:
@@ -110,7 +129,7 @@ class ModelRunner:
             self.slots.append(append.slot, append.blocks)
         firsts = [self._prefill(wave) for wave in plan.prefill]
         window = self._decode(plan.decode_traversals) if plan.decode_traversals else None
-        return self._read_back([f for f in firsts if f is not None], window)
+        return self._start_read_back([f for f in firsts if f is not None], window)
 
     def active_slots(self) -> list[int]:
         """Slots with device state (for leak checks)."""
@@ -205,9 +224,11 @@ class ModelRunner:
         return 4 if self.slots.max_context(self.block_size) >= 1024 else 1
 
     # -- the one read back ---------------------------------------------------------------
-    def _read_back(
+    def _start_read_back(
         self, firsts: list[_FirstTokens], window: tuple[int, int, Flags] | None
-    ) -> StepResult:
+    ) -> Launched:
+        """Enqueue the step's device-to-host copies (pinned, non-blocking) behind its work.
+        The next window may reuse the event buffers: its kernels queue after these copies."""
         ev = self.events
         tensors: list[torch.Tensor] = []
         for f in firsts:
@@ -220,21 +241,35 @@ class ModelRunner:
             if flags.num_logprobs is not None:
                 k = flags.num_logprobs
                 tensors += [ev.logprob[:n, :b], ev.top_ids[:n, :b, :k], ev.top_logprobs[:n, :b, :k]]
-        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        # CUDA: pinned copies that land when `done` fires. CPU: copies now (the event buffers
+        # are reused by the next launch, which may come before this plan is collected).
+        host = [t.to("cpu", non_blocking=True) if t.is_cuda else t.clone() for t in tensors]
+        done = None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        it = iter(host)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        wanted = {slot: h.params.logprobs for slot, h in self.slots.host.items()}
+        return Launched(firsts, window, host, done, wanted)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Wait for a launched plan and turn its read back into token events."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        firsts, window = launched.firsts, launched.window
+        it = iter(launched.host)
         events: list[TokenEvent] = []
         for f in firsts:
             tokens = next(it).tolist()
             extra = (next(it), next(it), next(it)) if f.drawn.logprob is not None else None
             for i, (slot, token) in enumerate(zip(f.slots, tokens, strict=True)):
-                events.append(TokenEvent(slot, self._as_sample(slot, token, extra, i), self.depth))
+                smp = _as_sample(launched.logprobs_wanted.get(slot), token, extra, i)
+                events.append(TokenEvent(slot, smp, self.depth))
         if window is not None:
             tokens, depths = next(it), next(it)
             extra = (next(it), next(it), next(it)) if window[2].num_logprobs is not None else None
             for t, slot in (tokens >= 0).nonzero().tolist():
-                smp = self._as_sample(slot, int(tokens[t, slot]), extra, (t, slot))
+                wanted = launched.logprobs_wanted.get(slot)
+                smp = _as_sample(wanted, int(tokens[t, slot]), extra, (t, slot))
                 events.append(TokenEvent(slot, smp, int(depths[t, slot])))
         return StepResult(tuple(events))
 
@@ -260,13 +295,14 @@ class ModelRunner:
         self.kv.v[:, slots] = snap.v.to(self.device)
         self.slots.restore(op.slot, snap.slot, op.block_tables)
 
-    def _as_sample(
-        self, slot: int, token: int, extra: tuple | None, index: int | tuple[int, int]
-    ) -> Sample:
-        """A `Sample` from the read-back tensors, with the logprobs its request asked for."""
-        wanted = self.slots.host[slot].params.logprobs
-        if extra is None or wanted is None:
-            return Sample(token)
-        logprob, top_ids, top_logprobs = extra
-        ids, values = top_ids[index][:wanted].tolist(), top_logprobs[index][:wanted].tolist()
-        return Sample(token, float(logprob[index]), tuple(zip(ids, values, strict=True)))
+
+def _as_sample(
+    wanted: int | None, token: int, extra: tuple | None, index: int | tuple[int, int]
+) -> Sample:
+    """A `Sample` from the read-back tensors, with the logprobs its request asked for (as the
+    slot's request was when the plan was launched: the slot may have a new owner since)."""
+    if extra is None or wanted is None:
+        return Sample(token)
+    logprob, top_ids, top_logprobs = extra
+    ids, values = top_ids[index][:wanted].tolist(), top_logprobs[index][:wanted].tolist()
+    return Sample(token, float(logprob[index]), tuple(zip(ids, values, strict=True)))

@@ -39,7 +39,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             command,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            # one intra-op thread, as the in-process tests use: on a busy 2-core machine
+            # spinning OpenMP threads make the tiny model's kernels a hundred times slower
+            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             text=True,

@@ -1,0 +1,127 @@
+"""Asynchronous scheduling: the host plans window n+1 before it has seen window n's events.
+Exact in every case: here the one the published looped-model engine gets wrong — a request
+preempted while a window is in flight, its slot used by another request meanwhile, then
+resumed — plus aborts in flight and request-id reuse. (The golden and property suites run
+their modes with async scheduling too.)"""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import oracle_greedy
+
+from rlt_engine import LLM, SamplingParams
+from rlt_engine.core.plan import StepPlan
+
+PROMPT_A = [3, 17, 29, 4, 8, 11]
+PROMPT_B = [5, 9, 2, 30, 7]
+PROMPT_U = [12, 6, 1]
+
+
+def _llm(ckpt, asynchronous: bool) -> LLM:  # type: ignore[no-untyped-def]
+    return LLM(
+        str(ckpt),
+        dtype="float32",
+        device="cpu",
+        async_scheduling=asynchronous,
+        max_num_seqs=2,
+        scheduling_policy="priority",
+        enable_preemption=True,
+        incremental_kv=True,
+        block_size=2,
+        decode_window=5,  # > the depth: every window in flight carries tokens
+    )
+
+
+def _run(llm: LLM, sampled: bool) -> tuple[dict, list[StepPlan]]:
+    """A and B decode in both slots; U (urgent) arrives mid-decode, preempts one of them,
+    takes its slot and finishes; the victim resumes."""
+    engine = llm.engine
+    engine.scheduler.trace = []
+    extra = dict(temperature=0.9, top_p=0.9) if sampled else {}
+
+    def params(n: int, priority: int, seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, ignore_eos=True, priority=priority, seed=seed, **extra)
+
+    engine.add_request(PROMPT_A, params(14, 5, 1), request_id="a")
+    engine.add_request(PROMPT_B, params(14, 5, 2), request_id="b")
+    finals: dict = {}
+    for step in range(400):
+        if step == 3:
+            engine.add_request(PROMPT_U, params(4, 0, 3), request_id="u")
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if step > 3 and not engine.has_unfinished_requests():
+            break
+    assert engine.blocks.num_used == 0 and engine.runner.snapshots == {}
+    assert engine.runner.active_slots() == []
+    return finals, engine.scheduler.trace
+
+
+def _slot_reused_while_preempted(trace: list[StepPlan]) -> bool:
+    """A swap-out of slot S, then a slot init of S for another request, then the swap-in of
+    the same snapshot (into whichever slot it gets)."""
+    for i, plan in enumerate(trace):
+        for out in plan.swap_outs:
+            later = trace[i:]
+            reused = next(
+                (k for k, p in enumerate(later) if any(x.slot == out.slot for x in p.slot_inits)),
+                None,
+            )
+            resumed = next(
+                (
+                    k
+                    for k, p in enumerate(later)
+                    if any(x.snapshot == out.snapshot for x in p.swap_ins)
+                ),
+                None,
+            )
+            if reused is not None and resumed is not None and reused <= resumed:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
+def test_preempted_and_resumed_into_a_reused_slot_is_exact(ckpt, sampled: bool) -> None:
+    got, trace = _run(_llm(ckpt, asynchronous=True), sampled)
+    assert _slot_reused_while_preempted(trace), "the scenario did not happen"
+    want, sync_trace = _run(_llm(ckpt, asynchronous=False), sampled)
+    assert _slot_reused_while_preempted(sync_trace)
+    assert sorted(got) == ["a", "b", "u"]
+    for rid in got:
+        assert got[rid].token_ids == want[rid].token_ids, rid
+        assert got[rid].exit_depths == want[rid].exit_depths, rid
+    if not sampled:
+        llm = _llm(ckpt, asynchronous=False)
+        for rid, prompt, n in (("a", PROMPT_A, 14), ("b", PROMPT_B, 14), ("u", PROMPT_U, 4)):
+            p = SamplingParams(max_tokens=n, ignore_eos=True)
+            assert (got[rid].token_ids, got[rid].exit_depths) == oracle_greedy(llm, prompt, p)
+
+
+def test_abort_in_flight_and_id_reuse(ckpt) -> None:
+    llm = _llm(ckpt, asynchronous=True)
+    engine = llm.engine
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request(PROMPT_A, p, request_id="x")
+    engine.add_request(PROMPT_B, p, request_id="y")
+    engine.step()
+    engine.step()
+    assert engine.scheduler.plans_in_flight == 1  # a window runs while the host looks on
+    aborted = engine.abort_request("x")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    engine.add_request(PROMPT_U, p, request_id="x")  # the id is free again, and the slot
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert engine.blocks.num_used == 0 and engine.runner.active_slots() == []
+    ref = _llm(ckpt, asynchronous=False)
+    assert (finals["x"].token_ids, finals["x"].exit_depths) == oracle_greedy(ref, PROMPT_U, p)
+    assert (finals["y"].token_ids, finals["y"].exit_depths) == oracle_greedy(ref, PROMPT_B, p)
+
+
+def test_default_is_on_for_cuda_only(ckpt) -> None:
+    llm = LLM(str(ckpt), dtype="float32", device="cpu")
+    assert llm.engine.async_scheduling is False
+    assert llm.engine.scheduler.lookahead == 1
