@@ -49,10 +49,7 @@ def copy_slots_(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.
 
 def _import_triton() -> None:
     global triton, tl
-    error = _pa._import_triton()
-    if error is not None:
-        raise RuntimeError(error)
-    triton, tl = _pa.triton, _pa.tl
+    triton, tl = _pa.require_triton()
 
 
 def _copy_slots_kernel(

@@ -72,10 +72,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _import_triton() -> None:
     global triton, tl
-    error = _pa._import_triton()
-    if error is not None:
-        raise RuntimeError(error)
-    triton, tl = _pa.triton, _pa.tl
+    triton, tl = _pa.require_triton()
 
 
 def _write_kv_kernel(

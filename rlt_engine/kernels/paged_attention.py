@@ -291,6 +291,14 @@ def _import_triton() -> str | None:
     return _triton_error
 
 
+def require_triton() -> tuple:
+    """(triton, triton.language) for the kernels' module globals; RuntimeError if missing."""
+    error = _import_triton()
+    if error is not None:
+        raise RuntimeError(error)
+    return triton, tl
+
+
 def _interpreter_mode() -> bool:
     """Whether triton was imported under TRITON_INTERPRET=1: its @jit helpers are interpreted."""
     from triton.runtime.interpreter import InterpretedFunction

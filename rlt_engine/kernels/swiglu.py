@@ -64,10 +64,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _import_triton() -> None:
     global triton, tl, libdevice, round_bf16
-    error = _pa._import_triton()
-    if error is not None:
-        raise RuntimeError(error)
-    triton, tl = _pa.triton, _pa.tl
+    triton, tl = _pa.require_triton()
     if libdevice is None:
         from triton.language.extra import libdevice as libdevice_module
 
