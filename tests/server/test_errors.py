@@ -150,6 +150,11 @@ def test_request_timeout_408() -> None:
         ) as r:
             events = [line for line in r.iter_lines() if line]
         assert '"code":408' in events[-2] and events[-1] == "data: [DONE]"
+        # the abort reaches the engine thread on its next turn
+        for _ in range(100):
+            if proc.metric("rlt:kv_blocks_used") == 0:
+                break
+            time.sleep(0.05)
         assert proc.metric("rlt:kv_blocks_used") == 0
     finally:
         proc.stop()
