@@ -163,6 +163,7 @@ def test_human_output_is_a_table() -> None:
         (("gsm8k", *DATA, "--task", "gsm8k"), ("also pass --fewshot-data TRAIN.jsonl",)),
         (("gsm8k", *DATA, "--kv-layout", "bogus"), ("bogus",)),
         (("gsm8k", "--bogus-flag"), ("No such option: --bogus-flag",)),
+        (("gsm8k", *DATA, "--url", "http://127.0.0.1:9"), ("GET http://127.0.0.1:9/v1/models",)),
     ],
 )
 def test_bad_flags_are_one_line(args: tuple[str, ...], needles: tuple[str, ...]) -> None:
