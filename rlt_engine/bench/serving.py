@@ -40,6 +40,8 @@ from typing import Any
 
 import httpx
 
+from rlt_engine.bench.stats import percentile
+
 DATASETS = ("random", "gsm8k")
 # Random prompt ids are drawn from [low, high): below every vocabulary we serve (the demo
 # model's is 4096) and above the special tokens, which sit at the low ids of the tokenizers
@@ -166,14 +168,6 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 
 # -- statistics (pure) ------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def chunk_latencies(

@@ -9,15 +9,15 @@ peak memory allocated while the runs of one concurrency were going come with it.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from rlt_engine.bench.stats import percentile
 from rlt_engine.engine import LLMEngine
 from rlt_engine.sampling_params import SamplingParams
 
@@ -35,16 +35,6 @@ class DecodeRun:
     e2e_ms: list[float] = field(default_factory=list)  # arrival to finish, per request
     request_tpot_ms: list[float] = field(default_factory=list)  # (finish - first) / (n - 1)
     exit_depths: dict[int, int] = field(default_factory=dict)  # loops run -> output tokens
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _sync(device: torch.device) -> None:
