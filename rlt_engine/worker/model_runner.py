@@ -1,8 +1,9 @@
 """Executes `StepPlan`s against the persistent slot batch.
 
 Order per step: bookkeeping diffs (swap-outs, frees, inits, swap-ins, block appends), prefill
-waves (eager, host-planned chunks through every loop; a chunk that ends its prompt samples the
-first token and starts the slot decoding), then the decode window: `decode_traversals`
+waves (worker/prefill.py: host-planned chunks through every loop, a CUDA graph per wave shape
+when graphs are on; a chunk that ends its prompt samples the first token and starts the slot
+decoding), then the decode window: `decode_traversals`
 traversals over slots [0, B), replayed from a CUDA graph per (padded B, flags) when graphs are
 on. Everything the host learns comes back in one read at the end of the step.
 
@@ -14,7 +15,6 @@ runs in order on one stream, so plan n+1's work never overtakes plan n's.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +30,11 @@ from rlt_engine.core.plan import (
     TokenEvent,
 )
 from rlt_engine.models.base import LoopedCausalLM
-from rlt_engine.worker.attention import PagedMetadata, TritonPagedAttention, attention_backend
+from rlt_engine.worker.attention import TritonPagedAttention, attention_backend
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
 from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags
 from rlt_engine.worker.graphs import GraphCache
+from rlt_engine.worker.prefill import PrefillRunner, WaveLayout
 from rlt_engine.worker.slot_batch import SlotBatch, SlotHost
 
 MAX_LOGPROBS = 20
@@ -107,6 +108,14 @@ class ModelRunner:
             if (capturable and not execution.enforce_eager)
             else None
         )
+        self.prefill = PrefillRunner(
+            model,
+            self.kv,
+            self.slots,
+            shared=self.shared,
+            fixed_shapes=isinstance(self.kv, TritonPagedAttention),
+            graph_pool=self.graphs.pool if self.graphs is not None else None,
+        )
         self.snapshots: dict[int, _Snapshot] = {}  # preempted requests, in host memory
 
     # -- the step ------------------------------------------------------------------------
@@ -137,38 +146,12 @@ class ModelRunner:
 
     # -- prefill -------------------------------------------------------------------------
     def _prefill(self, wave: tuple[PrefillChunk, ...]) -> _FirstTokens | None:
-        """Chunks of several requests through every loop, as one batch per loop."""
-        dev, bs, s = self.device, self.block_size, self.slots
-        ids = [t for c in wave for t in c.token_ids]
-        counts = [len(c.token_ids) for c in wave]
-        firsts = list(itertools.accumulate(counts, initial=0))
-        ends = [c.start + n for c, n in zip(wave, counts, strict=True)]
-        positions = torch.tensor(
-            [p for c in wave for p in range(c.start, c.start + len(c.token_ids))]
-        )
-        row_seq = torch.repeat_interleave(torch.arange(len(wave)), torch.tensor(counts))
-        chunk_slots = torch.tensor([c.slot for c in wave])
-        host = torch.stack([positions, row_seq]).to(dev, non_blocking=True)
-        positions, row_seq = host[0], host[1]
-        slot_idx = chunk_slots.to(dev)
-        seq_lens = torch.tensor(ends, dtype=torch.int32).to(dev, non_blocking=True)
-        query_start = torch.tensor(firsts, dtype=torch.int32).to(dev, non_blocking=True)
-        hidden = self.model.prelude(torch.tensor(ids).to(dev, non_blocking=True))
-        for loop in range(self.depth):
-            tables = s.block_tables[slot_idx, 0 if self.shared else loop]
-            own = tables[row_seq, positions // bs].long() * bs + positions % bs
-            meta = PagedMetadata(
-                positions=positions,
-                loop_indices=torch.full_like(positions, loop),
-                slot_mapping=own,
-                block_tables=tables,
-                seq_lens=seq_lens,
-                query_start=query_start,
-                max_query_len=max(counts),
-                max_seq_len=max(ends),
-                chunks=tuple(zip(firsts[:-1], counts, ends, strict=True)),
-            )
-            hidden = self.model.recurrent(hidden, meta, self.kv).hidden
+        """Chunks of several requests through every loop; the chunks that end their prompt
+        sample the first token and start their slots decoding."""
+        dev, s = self.device, self.slots
+        layout = WaveLayout.of(wave)
+        hidden = self.prefill(layout)
+        counts, firsts = layout.counts, layout.firsts
         last = [i for i, c in enumerate(wave) if c.last]
         if not last:
             return None

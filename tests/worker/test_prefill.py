@@ -1,0 +1,85 @@
+"""Prefill waves (worker/prefill.py): the fixed-shape path (padded buckets, CUDA graphs on the
+GPU) computes what the exact-shape path computes."""
+
+import pytest
+import torch
+
+from rlt_engine import LLM, SamplingParams
+from rlt_engine.core.plan import PrefillChunk
+from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, ROW_BUCKETS, WaveLayout
+
+
+def _chunk(slot: int, start: int, n: int, last: bool = True) -> PrefillChunk:
+    return PrefillChunk(f"r{slot}", slot, start, tuple(range(3 + slot, 3 + slot + n)), last)
+
+
+def test_wave_layout_lists_rows_in_chunk_order():
+    wave = WaveLayout.of((_chunk(2, 0, 3), _chunk(0, 4, 2, last=False)))
+    assert wave.ids == [5, 6, 7, 3, 4]
+    assert wave.positions == [0, 1, 2, 4, 5]
+    assert wave.row_seq == [0, 0, 0, 1, 1]
+    assert (wave.slots, wave.counts, wave.ends, wave.firsts) == ([2, 0], [3, 2], [3, 6], [0, 3, 5])
+    assert wave.rows == 5
+
+
+def _runner(tiny_ouro_dir, backend: str):
+    llm = LLM(
+        str(tiny_ouro_dir), dtype="float32", device="cpu", attention_backend=backend, block_size=4
+    )
+    return llm, llm.engine.runner
+
+
+def test_buckets_pad_rows_and_keep_a_padding_sequence(tiny_ouro_dir):
+    _, runner = _runner(tiny_ouro_dir, "triton")
+    prefill = runner.prefill
+    assert prefill.bucket(WaveLayout.of((_chunk(0, 0, 5),))) == (16, 2)
+    three = WaveLayout.of((_chunk(0, 0, 16), _chunk(1, 0, 1), _chunk(2, 0, 1)))
+    assert prefill.bucket(three) == (32, 4)  # 3 sequences + the padding one
+    too_big = WaveLayout.of((_chunk(0, 0, MAX_GRAPH_ROWS + 1),))
+    assert prefill.bucket(too_big) is None  # exact shape: GPU work dominates there
+    assert ROW_BUCKETS[-1] == MAX_GRAPH_ROWS
+    _, torch_runner = _runner(tiny_ouro_dir, "torch")
+    assert torch_runner.prefill.bucket(three) is None  # the torch backend: exact shapes only
+
+
+def test_padded_wave_equals_exact_wave(tiny_ouro_dir):
+    """The same wave through the padded path and the exact path (Triton kernels under the
+    interpreter): the same hidden states for the real rows, zeros nowhere near them."""
+    llm, runner = _runner(tiny_ouro_dir, "triton")
+    engine = llm.engine
+    prompts = [[7, 8, 9, 10, 11], [12, 13, 14]]
+    # admit the requests through the engine so their slots own blocks, then replay the wave
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+    plan = engine.scheduler.schedule()
+    engine.runner.execute(plan)
+    wave = WaveLayout.of(plan.prefill[0])
+    padded = runner.prefill(wave)[: wave.rows].clone()
+    exact = runner.prefill._exact(wave)
+    assert padded.shape == exact.shape
+    assert torch.isfinite(runner.prefill(wave)).all()  # padding rows stay finite
+    torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
+
+
+def _outputs(model_dir, device: str, **opts):
+    llm = LLM(str(model_dir), dtype="float32", device=device, block_size=4, **opts)
+    prompts = [[(5 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((3, 17, 40, 9, 70))]
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True, exit_threshold=t)
+        for t in (1.0, 0.6, 1.0, 0.6, 1.0)
+    ]
+    outs = [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
+    assert llm.engine.blocks.num_used == 0
+    return outs, llm.engine.runner
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_cuda_prefill_graphs_equal_eager_and_cpu(tiny_ouro_dir, chunk):
+    graphs, runner = _outputs(tiny_ouro_dir, "cuda", prefill_chunk_size=chunk)
+    assert runner.prefill.graphs, "no prefill wave was captured"
+    eager, _ = _outputs(tiny_ouro_dir, "cuda", prefill_chunk_size=chunk, enforce_eager=True)
+    assert graphs == eager
+    cpu, _ = _outputs(tiny_ouro_dir, "cpu", prefill_chunk_size=chunk)
+    assert graphs == cpu
