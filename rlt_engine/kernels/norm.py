@@ -24,13 +24,15 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
 __all__ = ["rms_norm", "rms_norm_reference", "supported"]
 
-# set by _import_triton(); the kernel's body reads the module globals `tl` and `round_bf16`
-triton = tl = round_bf16 = None
+# set by _import_triton(); the kernels' bodies read the module globals `tl`, `round_bf16` and
+# `normed_row` (the @jit form of _normed_row)
+triton = tl = round_bf16 = normed_row = None
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HIDDEN = 65536
@@ -121,7 +123,7 @@ def _launch(
 
     block = triton.next_power_of_2(hidden)
     if num_warps is None:
-        num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4 if block >= 512 else 1
+        num_warps = num_warps_for(block)
     kernel = _pa._kernel(_rms_norm_kernel, interpret)
     with _pa._on_device(x.device):
         kernel[(rows,)](
@@ -140,14 +142,23 @@ def _launch(
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
             num_warps=num_warps,
+            **_pdl.launch_options(x.device),
         )
     return out
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16
+    global triton, tl, round_bf16, normed_row
     _rope._import_triton()
     triton, tl, round_bf16 = _pa.triton, _pa.tl, _rope.round_bf16
+    if normed_row is None:
+        normed_row = _pa._kernel(_normed_row, _pa._interpreter_mode())
+
+
+def num_warps_for(block: int) -> int:
+    """Warps per row program for a row of `block` (a power of two) elements. The fp32 sum's
+    reduction tree follows it: every kernel normalising rows must use the same."""
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4 if block >= 512 else 1
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -180,11 +191,38 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
+    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    o = normed_row(x, w, eps, INV_H, EXACT_MUL, ROUND_BF16)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        o = r.to(tl.float32) + o
+        if ROUND_BF16:
+            o = round_bf16(o)
+    # exact for the interpreter's truncating cast once rounded (ROUND_BF16)
+    o = o.to(x.dtype)
+    tl.store(out_ptr + row * stride_o + cols, o, mask=mask)
+
+
+def _normed_row(
+    x,
+    w,
+    eps,
+    INV_H: tl.constexpr,
+    EXACT_MUL: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """`weight * norm(x)` of one row x [BLOCK] (x's dtype, zero past H) with w [BLOCK] fp32:
+    the fp32 value of the x.dtype result (each rounding step of torch's, see the module
+    docstring). Shared by every kernel that normalises a row, so they agree bit for bit."""
     x32 = x.to(tl.float32)
     if EXACT_MUL:  # torch rounds the squares before summing them: no FMA into the sum
         sq = tl.inline_asm_elementwise(
@@ -209,7 +247,6 @@ def _rms_norm_kernel(
         y = round_bf16(y)
     else:
         y = y.to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if EXACT_MUL:
         o = tl.inline_asm_elementwise(
             "mul.rn.f32 $0, $1, $2;", "=r,r,r", [w, y], dtype=tl.float32, is_pure=True, pack=1
@@ -220,11 +257,4 @@ def _rms_norm_kernel(
         o = round_bf16(o)
     else:
         o = o.to(x.dtype).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        o = r.to(tl.float32) + o
-        if ROUND_BF16:
-            o = round_bf16(o)
-    # exact for the interpreter's truncating cast once rounded (ROUND_BF16)
-    o = o.to(x.dtype)
-    tl.store(out_ptr + row * stride_o + cols, o, mask=mask)
+    return o

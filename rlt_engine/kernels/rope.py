@@ -119,14 +119,16 @@ def _launch(
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16
+    global triton, tl, round_bf16, rotate_halves
     _pa._import_triton()
     triton, tl = _pa.triton, _pa.tl
     if round_bf16 is None:
         round_bf16 = _pa._kernel(_round_bf16, _pa._interpreter_mode())
+        rotate_halves = _pa._kernel(_rotate_halves, _pa._interpreter_mode())
 
 
-round_bf16 = None  # the @jit form of _round_bf16, set by _import_triton()
+# the @jit forms of _round_bf16 and _rotate_halves, set by _import_triton()
+round_bf16 = rotate_halves = None
 
 
 def _round_bf16(v):
@@ -182,10 +184,21 @@ def _rope_kernel(
     x2q = tl.load(q_ptr + q_off + HALF, mask=is_q, other=0.0)
     x1k = tl.load(k_ptr + k_off, mask=is_k, other=0.0)
     x2k = tl.load(k_ptr + k_off + HALF, mask=is_k, other=0.0)
-    dtype = x1q.dtype
-    x1 = tl.where(is_q, x1q.to(tl.float32), x1k.to(tl.float32))
-    x2 = tl.where(is_q, x2q.to(tl.float32), x2k.to(tl.float32))
+    x1 = tl.where(is_q, x1q, x1k)
+    x2 = tl.where(is_q, x2q, x2k)
+    o1, o2 = rotate_halves(x1, x2, c1, c2, s1, s2, EXACT_MUL, ROUND_BF16)
+    tl.store(q_ptr + q_off, o1, mask=is_q)
+    tl.store(q_ptr + q_off + HALF, o2, mask=is_q)
+    tl.store(k_ptr + k_off, o1, mask=is_k)
+    tl.store(k_ptr + k_off + HALF, o2, mask=is_k)
 
+
+def _rotate_halves(x1, x2, c1, c2, s1, s2, EXACT_MUL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """RoPE of a head's halves x1 = x[:D/2], x2 = x[D/2:] (x's dtype) by the fp32 cos / sin
+    halves: (x1*c1 - x2*s1, x2*c2 + x1*s2) in x's dtype, each product rounded to the dtype as
+    torch rounds it (see the module docstring). Shared by the kernels that rotate heads."""
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     # first half: x1*c1 + (-x2)*s1; second half: x2*c2 + x1*s2 (each product rounded to dtype)
     if EXACT_MUL:
         a1 = tl.inline_asm_elementwise(
@@ -209,7 +222,4 @@ def _rope_kernel(
         # a - b == a + (-b) exactly: the negation of rotate_half costs no rounding
         o1 = (a1.to(dtype).to(tl.float32) - b1.to(dtype).to(tl.float32)).to(dtype)
         o2 = (a2.to(dtype).to(tl.float32) + b2.to(dtype).to(tl.float32)).to(dtype)
-    tl.store(q_ptr + q_off, o1, mask=is_q)
-    tl.store(q_ptr + q_off + HALF, o2, mask=is_q)
-    tl.store(k_ptr + k_off, o1, mask=is_k)
-    tl.store(k_ptr + k_off + HALF, o2, mask=is_k)
+    return o1, o2

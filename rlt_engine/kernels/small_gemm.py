@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
@@ -210,8 +211,10 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
             EVEN_K=k % bk == 0,
             UPCAST=interpret and x.dtype != torch.float32,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
+            LINE=max(1, min(bk, 128 // x.element_size())),  # elements per 128-byte line
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            **_pdl.launch_options(x.device),
         )
     return out.view(*lead, n)
 
@@ -289,6 +292,8 @@ def _small_gemm_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    LINE: tl.constexpr,  # weight elements per 128-byte line (the L2 prefetch's stride)
+    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -301,6 +306,23 @@ def _small_gemm_kernel(
     w_tile = w_ptr + n0.to(tl.int64) * K  # 64-bit base: N * K may pass 2^31 (int32 in-tile)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if USE_PDL:
+        # No kernel writes the weights: pull this program's weight slab into L2 while the
+        # previous kernel finishes, then wait for it before reading x (kernels/pdl.py).
+        line_rows = tl.minimum(rows, N - 1 - n0)[:, None] * K  # rows past N: clamped
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
+            addr = (w_tile + line_rows + ks[None, :]).to(tl.int64)
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; // dummy $0",
+                "=r,l",
+                [addr],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
@@ -58,6 +59,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             BLOCK=BLOCK,
             EXACT=not interpret,
             ROUND_BF16=interpret and gate_up.dtype == torch.bfloat16,
+            **_pdl.launch_options(gate_up.device),
         )
     return out
 
@@ -81,7 +83,11 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     EXACT: tl.constexpr,  # libdevice expf + IEEE division, as torch's CUDA silu (compiled only)
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
+    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width

@@ -49,9 +49,11 @@ class LoopedCausalLM(nn.Module):
 
     def use_fast_path(self) -> None:
         """Packed q/k/v and gate/up weights (one GEMM each), the fused Triton norm, RoPE and
-        SwiGLU-activation kernels, and the small-M GEMM kernel for the weight GEMMs and lm_head
-        where its table says it beats cuBLAS (kernels/small_gemm). Same function; the worker
-        turns it on with the Triton backend."""
+        SwiGLU-activation kernels, each residual add with the norm after it in one launch
+        (the layers' `forward_chained`), RoPE with the K/V write in one launch where the
+        backend offers `attend_rope`, and the small-M GEMM kernel for the weight GEMMs and
+        lm_head where its table says it beats cuBLAS (kernels/small_gemm). Same function; the
+        worker turns it on with the Triton backend."""
         from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
 
         for module in self.modules():
@@ -68,6 +70,7 @@ class LoopedCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.fused = True
         self.small_gemm_head = True
+        self.chained_norms = True
 
     def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -77,11 +80,34 @@ class LoopedCausalLM(nn.Module):
     ) -> RecurrentOutput:
         """One traversal of the shared stack for rows that may sit at different loops."""
         rope = self.model.rotary_emb(meta.positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, rope, meta, backend)
-        if self.config.norm_every_loop:
-            hidden = self.model.norm(hidden)
+        if getattr(self, "chained_norms", False):  # set by use_fast_path
+            hidden = self._chained_layers(hidden, rope, meta, backend)
+        else:
+            for layer in self.model.layers:
+                hidden = layer(hidden, rope, meta, backend)
+            if self.config.norm_every_loop:
+                hidden = self.model.norm(hidden)
         return RecurrentOutput(hidden, self.exit_hazard(hidden))
+
+    def _chained_layers(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The layer loop of the fast path: each layer also returns the first norm of the next
+        layer (after the last, the final norm when it runs every loop), computed in the same
+        launch as its last residual add. The same values as the plain loop bit for bit."""
+        layers = self.model.layers
+        h = layers[0].input_layernorm(hidden)
+        for i, layer in enumerate(layers):
+            if i + 1 < len(layers):
+                next_norm = layers[i + 1].input_layernorm
+            else:
+                next_norm = self.model.norm if self.config.norm_every_loop else None
+            hidden, h = layer.forward_chained(hidden, h, next_norm, rope, meta, backend)
+        return hidden if h is None else h
 
     def exit_hazard(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if not self.config.has_exit_gate:

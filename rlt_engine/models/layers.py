@@ -30,6 +30,19 @@ class RMSNorm(nn.Module):
         return out if residual is None else residual + out
 
 
+def add_norm(
+    y: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, y_norm: RMSNorm | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, norm(x)) with x = residual + y_norm(y), or residual + y without y_norm: the residual
+    add and the next norm in one launch (kernels/norm_chain; fast path only), bit-identical to
+    `y_norm(y, residual=residual)` (or `residual + y`) followed by `norm(x)` with fused norms."""
+    from rlt_engine.kernels.norm_chain import add_rms_norm
+
+    if y_norm is None:
+        return add_rms_norm(y, residual, norm.weight, norm.eps)
+    return add_rms_norm(y, residual, norm.weight, norm.eps, y_norm.weight, y_norm.eps)
+
+
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     return 1.0 / (theta**exponents)
@@ -148,13 +161,18 @@ class Attention(nn.Module):
             qkv = project(x, self.qkv, self.small_gemm)
             qkv = qkv.view(rows, self.num_heads + 2 * self.num_kv_heads, d)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.fused_rope:
-            from rlt_engine.kernels.rope import apply_rope_
-
-            apply_rope_(q, k, *rope)
+        attend_rope = getattr(backend, "attend_rope", None) if self.fused_rope else None
+        if attend_rope is not None:  # RoPE and the K/V write in one launch (Triton backend)
+            out = attend_rope(self.layer, q, k, v, rope, meta)
         else:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = backend.attend(self.layer, q, k, v, meta).reshape(rows, self.num_heads * d)
+            if self.fused_rope:
+                from rlt_engine.kernels.rope import apply_rope_
+
+                apply_rope_(q, k, *rope)
+            else:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            out = backend.attend(self.layer, q, k, v, meta)
+        out = out.reshape(rows, self.num_heads * d)
         if self.small_gemm:
             return project(out, self.o_proj.weight, True)
         return self.o_proj(out)

@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -28,6 +28,23 @@ class NanbeigeDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_chained(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        next_norm: RMSNorm | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fast path's form of `forward` (see OuroDecoderLayer.forward_chained): each
+        residual add and the norm after it in one launch."""
+        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
+        out = self.mlp(h)
+        if next_norm is None:
+            return x + out, None
+        return add_norm(out, x, next_norm)
 
 
 class NanbeigeForCausalLM(LoopedCausalLM):

@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
 
 
 class OuroDecoderLayer(nn.Module):
@@ -34,6 +34,26 @@ class OuroDecoderLayer(nn.Module):
         return self.post_attention_layernorm_2(
             self.mlp(self.post_attention_layernorm(x)), residual=x
         )
+
+    def forward_chained(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        next_norm: RMSNorm | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fast path's form of `forward`: h = input_layernorm(x) comes in already computed;
+        returns (the layer's output, next_norm of it) with every add-and-norm pair in one
+        launch (layers.add_norm), or (output, None) without next_norm. Bit-identical to
+        `forward` with fused norms."""
+        attn = self.self_attn(h, rope, meta, backend)
+        x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
+        out = self.mlp(h)
+        if next_norm is None:
+            return self.post_attention_layernorm_2(out, residual=x), None
+        return add_norm(out, x, next_norm, self.post_attention_layernorm_2)
 
 
 class OuroForCausalLM(LoopedCausalLM):

@@ -129,6 +129,23 @@ class TritonPagedAttention(PagedKVCache):
 
         write_kv_(self.k[layer], self.v[layer], k, v, meta.slot_mapping)  # one launch for K and V
 
+    def attend_rope(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`attend` for q and k before RoPE: rotates them (in place) and writes K/V in one
+        launch (kernels/rope_kv_write), the same values as apply_rope_ then `write`."""
+        from rlt_engine.kernels.rope_kv_write import rope_write_kv_
+
+        assert isinstance(meta, PagedMetadata)
+        rope_write_kv_(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
+        return self.attend(layer, q, k, v, meta, kv_written=True)
+
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         from rlt_engine.kernels.kv_copy import copy_slots_
 
@@ -141,11 +158,13 @@ class TritonPagedAttention(PagedKVCache):
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         from rlt_engine.kernels.paged_attention import paged_attention
 
         assert isinstance(meta, PagedMetadata)
-        self.write(layer, k, v, meta)
+        if not kv_written:
+            self.write(layer, k, v, meta)
         return paged_attention(
             q,
             self.k[layer],

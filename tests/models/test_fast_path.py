@@ -11,7 +11,8 @@ from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadat
 
 
 def _loops(model, ids: list[int]) -> torch.Tensor:
-    cache = ContiguousKVCache(model.config, 1, len(ids))
+    dtype = model.lm_head.weight.dtype
+    cache = ContiguousKVCache(model.config, 1, len(ids), dtype=dtype)
     positions = torch.arange(len(ids))
     hidden = model.prelude(torch.tensor(ids))
     states = []
@@ -42,3 +43,33 @@ def test_fast_path_matches_the_torch_path_and_keeps_parameter_names():
         # another order, the packed GEMM may block differently); a wrong kernel is O(1) off
         torch.testing.assert_close(got, want, atol=5e-5, rtol=0)
         assert torch.equal(got[-1, -1].argmax(), want[-1, -1].argmax())
+
+
+def _tiny(kind: str, root) -> object:
+    import tiny_checkpoints
+
+    if kind == "ouro":
+        return tiny_checkpoints.write_tiny_ouro(root / kind, tokenizer_from=None)
+    if kind == "ouro-no-final-norm":
+        return tiny_checkpoints.write_tiny_ouro(
+            root / kind, tokenizer_from=None, skip_loop_final_norm=True
+        )
+    return tiny_checkpoints.write_tiny_nanbeige(root / kind)
+
+
+@torch.inference_mode()
+def test_chained_norms_bit_identical_to_the_layer_loop(tmp_path):
+    """The fast path's chained layer loop (each residual add with the next norm in one launch,
+    kernels/norm_chain) equals the fast path's plain layer loop bit for bit, fp32 and bf16,
+    for Ouro (sandwich norms; with and without the final norm every loop) and Nanbeige."""
+    ids = [3, 17, 9, 30, 2, 11]
+    for kind in ("ouro", "ouro-no-final-norm", "nanbeige"):
+        path = _tiny(kind, tmp_path)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = load_model(path, dtype=dtype, device="cpu")
+            model.use_fast_path()
+            assert model.chained_norms
+            chained = _loops(model, ids)
+            model.chained_norms = False
+            plain = _loops(model, ids)
+            assert torch.equal(chained, plain), (kind, dtype)

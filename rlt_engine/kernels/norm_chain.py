@@ -1,0 +1,169 @@
+"""A residual add and the next RMSNorm in one Triton launch: the chain between two sublayers.
+
+`add_rms_norm(y, residual, weight, eps, y_weight=..., y_eps=...)` returns (x, h) with
+
+    x = residual + rms_norm(y, y_weight, y_eps)      (Ouro's sandwich norm: with y_weight)
+    x = residual + y                                 (pre-norm models: without y_weight)
+    h = rms_norm(x, weight, eps)
+
+which the layers otherwise compute with two launches of kernels/norm.rms_norm (or a torch add
+and one rms_norm). One program per row reads the row once and writes both results; each norm
+is norm.py's own row code (`_normed_row`) with the same block and warps, so the fp32 sums use
+the same reduction tree and x and h equal the two-launch results bit for bit in every dtype
+(the add `residual + y` is torch's: fp32 sum rounded once to the dtype). `h` is computed from x
+as rounded to the dtype, exactly what the second launch would read.
+
+Rows are independent (batch invariant). CUDA-graph capturable: no host synchronisation, the
+grid depends only on the shapes. triton is imported lazily (see paged_attention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlt_engine.kernels import norm as _norm
+from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
+from rlt_engine.kernels.norm import rms_norm_reference, supported
+
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "supported"]
+
+# set by _import_triton(); the kernel's body reads `tl`, `round_bf16` and `normed_row`
+triton = tl = round_bf16 = normed_row = None
+
+
+def add_rms_norm_reference(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    y_weight: torch.Tensor | None = None,
+    y_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch semantics: (x, rms_norm(x)) with x = residual + (norm(y) or y)."""
+    if y_weight is None:
+        x = residual + y
+    else:
+        x = rms_norm_reference(y, y_weight, y_eps if y_eps is not None else eps, residual)
+    return x, rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    y_weight: torch.Tensor | None = None,
+    y_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y, residual: [rows, H] of one float dtype (last dimension contiguous); weight and
+    y_weight: [H] (any float dtype, read in fp32). Returns new tensors (x, h), both [rows, H] in
+    y's dtype: x = residual + norm(y; y_weight, y_eps) (or residual + y without y_weight) and
+    h = norm(x; weight, eps)."""
+    if y.dim() != 2 or y.dtype not in _norm._DTYPES:
+        raise ValueError(f"y must be [rows, H] of {_norm._DTYPES}, got {y.dtype} {tuple(y.shape)}")
+    if residual.shape != y.shape or residual.dtype != y.dtype or residual.device != y.device:
+        raise ValueError(
+            f"residual must be {tuple(y.shape)} {y.dtype} on {y.device}, got "
+            f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"
+        )
+    rows, hidden = y.shape
+    if not 1 <= hidden <= _norm.MAX_HIDDEN:
+        raise ValueError(f"H must be in [1, {_norm.MAX_HIDDEN}], got {hidden}")
+    weights = [weight] if y_weight is None else [weight, y_weight]
+    for w in weights:
+        if w.shape != (hidden,) or w.dtype not in _norm._DTYPES or w.device != y.device:
+            raise ValueError(
+                f"weights must be [{hidden}] float on {y.device}, got {tuple(w.shape)} "
+                f"{w.dtype} on {w.device}"
+            )
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    weight = weight.contiguous()
+    y_weight = weight if y_weight is None else y_weight.contiguous()
+    x = torch.empty_like(y, memory_format=torch.contiguous_format)
+    h = torch.empty_like(x)
+    if rows == 0:
+        return x, h
+    ok, why = supported(y.device)
+    if not ok:
+        raise RuntimeError(f"Triton add_rms_norm cannot run on {y.device}: {why}")
+    _import_triton()
+    interpret = _pa._interpreter_mode()
+    block = triton.next_power_of_2(hidden)
+    kernel = _pa._kernel(_add_rms_norm_kernel, interpret)
+    with _pa._on_device(y.device):
+        kernel[(rows,)](
+            y,
+            residual,
+            y_weight,
+            weight,
+            x,
+            h,
+            y.stride(0),
+            residual.stride(0),
+            float(eps if y_eps is None else y_eps),
+            float(eps),
+            H=hidden,
+            BLOCK=block,
+            INV_H=1.0 / hidden,
+            NORM_Y=len(weights) == 2,
+            EXACT_MUL=not interpret,
+            ROUND_BF16=interpret and y.dtype == torch.bfloat16,
+            num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
+            **_pdl.launch_options(y.device),
+        )
+    return x, h
+
+
+def _import_triton() -> None:
+    global triton, tl, round_bf16, normed_row
+    _norm._import_triton()
+    triton, tl = _norm.triton, _norm.tl
+    round_bf16, normed_row = _norm.round_bf16, _norm.normed_row
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel (a plain function; see paged_attention._kernel). Annotations are strings (future
+# import), which triton reads as constexpr markers, so defining it needs no triton.
+
+
+def _add_rms_norm_kernel(
+    y_ptr,
+    res_ptr,
+    wy_ptr,
+    w_ptr,
+    x_ptr,  # out: residual + norm(y) (or + y), [rows, H] contiguous
+    h_ptr,  # out: norm(x), [rows, H] contiguous
+    stride_y,
+    stride_r,
+    eps_y,
+    eps,
+    H: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two of H
+    INV_H: tl.constexpr,  # fp32(1 / H)
+    NORM_Y: tl.constexpr,  # x = residual + norm(y) (else residual + y)
+    EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
+    ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
+):
+    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
+    r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    if NORM_Y:
+        wy = tl.load(wy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        o = r.to(tl.float32) + normed_row(y, wy, eps_y, INV_H, EXACT_MUL, ROUND_BF16)
+    else:
+        o = r.to(tl.float32) + y.to(tl.float32)
+    if ROUND_BF16:
+        o = round_bf16(o)
+    x = o.to(y.dtype)  # exact for the interpreter's truncating cast once rounded
+    tl.store(x_ptr + row * H + cols, x, mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = normed_row(x, w, eps, INV_H, EXACT_MUL, ROUND_BF16)
+    tl.store(h_ptr + row * H + cols, h.to(y.dtype), mask=mask)

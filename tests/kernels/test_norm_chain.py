@@ -1,0 +1,124 @@
+"""The fused add + RMSNorm chain (kernels/norm_chain.py) against its unfused form: two launches
+of kernels/norm.rms_norm (Ouro's sandwich: x = residual + norm_a(y), h = norm_b(x)) or a torch
+add and one rms_norm (pre-norm: x = residual + y). Both results must be bit-identical
+(atol = rtol = 0) in every dtype, on the interpreter and on the GPU.
+
+GPU tests (Ouro / Nanbeige shapes, CUDA graphs): pytest tests/kernels/test_norm_chain.py -m gpu
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rlt_engine.kernels.norm import rms_norm
+from rlt_engine.kernels.norm_chain import add_rms_norm, add_rms_norm_reference
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make(rows: int, hidden: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    y = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    res = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
+    wa = (torch.randn(hidden, generator=gen) * 0.5 + 1.0).to(dtype)
+    wb = (torch.randn(hidden, generator=gen) * 0.5 + 1.0).to(dtype)
+    return [t.to(device) for t in (y, res, wa, wb)]
+
+
+def unfused(y, res, wb, eps_b, wa=None, eps_a=None):
+    """What the layers launch without the chain kernel."""
+    x = res + y if wa is None else rms_norm(y, wa, eps_a, residual=res)
+    return x, rms_norm(x, wb, eps_b)
+
+
+def exact(got, want) -> None:
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 96, 256])
+def test_sandwich_bit_identical_to_two_launches(dtype, hidden):
+    y, res, wa, wb = make(7, hidden, dtype)
+    got = add_rms_norm(y, res, wb, 1e-6, y_weight=wa, y_eps=1e-5)
+    exact(got, unfused(y, res, wb, 1e-6, wa, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 200])
+def test_pre_norm_bit_identical_to_add_then_norm(dtype, hidden):
+    y, res, _, wb = make(5, hidden, dtype, seed=1)
+    exact(add_rms_norm(y, res, wb, 1e-6), unfused(y, res, wb, 1e-6))
+
+
+def test_reference_is_the_torch_semantics():
+    y, res, wa, wb = make(4, 64, torch.float32, seed=2)
+    x, h = add_rms_norm_reference(y, res, wb, 1e-6, wa, 1e-6)
+    torch.testing.assert_close(x, rms_norm(y, wa, 1e-6, residual=res), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h, rms_norm(x, wb, 1e-6), atol=1e-6, rtol=1e-6)
+
+
+def test_strided_rows_batch_invariant_and_empty():
+    y, res, wa, wb = make(6, 48, torch.bfloat16, seed=3)
+    wide = torch.zeros(6, 80, dtype=torch.bfloat16)
+    wide[:, 8:56] = y
+    exact(add_rms_norm(wide[:, 8:56], res, wb, 1e-6, wa), unfused(y, res, wb, 1e-6, wa, 1e-6))
+    x, h = add_rms_norm(y, res, wb, 1e-6, wa)
+    x1, h1 = add_rms_norm(y[3:4], res[3:4], wb, 1e-6, wa)
+    assert torch.equal(x1[0], x[3]) and torch.equal(h1[0], h[3])
+    x0, h0 = add_rms_norm(y[:0], res[:0], wb, 1e-6, wa)
+    assert x0.shape == h0.shape == (0, 48)
+
+
+def test_rejects_bad_arguments():
+    y, res, wa, wb = make(3, 48, torch.float32)
+    with pytest.raises(ValueError, match="residual must be"):
+        add_rms_norm(y, res[:2], wb, 1e-6)
+    with pytest.raises(ValueError, match="weights must be"):
+        add_rms_norm(y, res, wb[:8], 1e-6)
+    with pytest.raises(ValueError, match="weights must be"):
+        add_rms_norm(y, res, wb, 1e-6, y_weight=wa[:8])
+    with pytest.raises(ValueError, match="y must be"):
+        add_rms_norm(y[None], res[None], wb, 1e-6)
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [2048, 3072])
+@pytest.mark.parametrize("rows", [1, 8, 64, 300])
+def test_gpu_model_shapes_bit_identical(rows, hidden, dtype):
+    y, res, wa, wb = make(rows, hidden, dtype, device="cuda", seed=rows)
+    exact(add_rms_norm(y, res, wb, 1e-6, wa, 1e-6), unfused(y, res, wb, 1e-6, wa, 1e-6))
+    exact(add_rms_norm(y, res, wb, 1e-6), unfused(y, res, wb, 1e-6))
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph():
+    y, res, wa, wb = make(8, 2048, torch.bfloat16, device="cuda", seed=7)
+    sy, sres = y.clone(), res.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up compiles outside the capture
+        add_rms_norm(sy, sres, wb, 1e-6, wa)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = add_rms_norm(sy, sres, wb, 1e-6, wa)
+    for seed in (11, 12):
+        ny, nres, _, _ = make(8, 2048, torch.bfloat16, device="cuda", seed=seed)
+        sy.copy_(ny)
+        sres.copy_(nres)
+        graph.replay()
+        torch.cuda.synchronize()
+        exact(out, unfused(ny, nres, wb, 1e-6, wa, 1e-6))
