@@ -22,7 +22,8 @@ from rlt_engine.kernels.paged_attention import supported
 
 __all__ = ["silu_mul", "silu_mul_reference", "supported"]
 
-triton = tl = libdevice = round_bf16 = None  # set by _import_triton(); read by the kernel
+# set by _import_triton(); read by the kernels (silu_times: the @jit form of _silu_times)
+triton = tl = libdevice = round_bf16 = silu_times = None
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 1024  # columns per program
@@ -65,7 +66,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _import_triton() -> None:
-    global triton, tl, libdevice, round_bf16
+    global triton, tl, libdevice, round_bf16, silu_times
     triton, tl = _pa.require_triton()
     if libdevice is None:
         from triton.language.extra import libdevice as libdevice_module
@@ -73,6 +74,8 @@ def _import_triton() -> None:
         libdevice = libdevice_module
     _rope._import_triton()
     round_bf16 = _rope.round_bf16
+    if silu_times is None:
+        silu_times = _pa._kernel(_silu_times, _pa._interpreter_mode())
 
 
 def _silu_mul_kernel(
@@ -94,6 +97,13 @@ def _silu_mul_kernel(
     base = in_ptr + row * stride_row
     gate = tl.load(base + cols, mask=mask, other=0.0)
     up = tl.load(base + width + cols, mask=mask, other=0.0)
+    out = silu_times(gate, up, EXACT, ROUND_BF16)
+    tl.store(out_ptr + row * width + cols, out, mask=mask)
+
+
+def _silu_times(gate, up, EXACT: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """silu(gate) * up in gate's dtype with torch's two roundings (the module docstring).
+    Shared by the kernels that compute the activation (small_gemm's SwiGLU prologue)."""
     dtype = gate.dtype
     g, u = gate.to(tl.float32), up.to(tl.float32)
     if EXACT:  # noqa: SIM108 - a constexpr branch: only the taken one is compiled
@@ -104,4 +114,4 @@ def _silu_mul_kernel(
         out = round_bf16(round_bf16(silu) * u).to(dtype)
     else:
         out = (silu.to(dtype).to(tl.float32) * u).to(dtype)
-    tl.store(out_ptr + row * width + cols, out, mask=mask)
+    return out
