@@ -6,6 +6,8 @@ their modes with async scheduling too.)"""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from engine_helpers import oracle_greedy
 
@@ -125,3 +127,34 @@ def test_default_is_on_for_cuda_only(ckpt) -> None:
     llm = LLM(str(ckpt), dtype="float32", device="cpu")
     assert llm.engine.async_scheduling is False
     assert llm.engine.scheduler.lookahead == 1
+
+
+def test_first_tokens_end_their_plan_but_never_two_plans_in_a_row(ckpt) -> None:
+    """Async: a plan that samples first tokens carries no decode window (they are read back
+    at once: time to first token), unless the plan before it already deferred one — under a
+    stream of arrivals the running requests still decode every other plan. Same outputs."""
+    llm = _llm(ckpt, asynchronous=True)
+    engine = llm.engine
+    engine.scheduler.trace = []
+    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    finals = {}
+    for i, prompt in enumerate((PROMPT_A, PROMPT_B, PROMPT_U, PROMPT_A)):
+        engine.add_request(prompt, p, request_id=f"r{i}")
+        for out in engine.step():  # an arrival every step
+            if out.finished:
+                finals[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    trace = engine.scheduler.trace
+    firsts = [any(c.last for wave in plan.prefill for c in wave) for plan in trace]
+    assert not trace[0].decode_traversals and firsts[0]  # the first plan: prefill only
+    assert trace[1].decode_traversals  # its window follows at once
+    deferred = [f and not plan.decode_traversals for f, plan in zip(firsts, trace, strict=True)]
+    assert sum(deferred) >= 2  # the arrivals did get their first tokens early
+    assert not any(a and b for a, b in itertools.pairwise(deferred))
+    ref = _llm(ckpt, asynchronous=False)
+    for i, prompt in enumerate((PROMPT_A, PROMPT_B, PROMPT_U, PROMPT_A)):
+        got = finals[f"r{i}"]
+        assert (got.token_ids, got.exit_depths) == oracle_greedy(ref, prompt, p)

@@ -79,6 +79,7 @@ class Scheduler(Admission):
         self.trace: list[StepPlan] | None = None  # set to [] to record every plan
         self._chunks: list[tuple[Request, PrefillChunk]] = []  # prefill of the plan being built
         self._in_flight: deque[_PlanContext] = deque()  # planned, results not applied yet
+        self._window_deferred = False  # the last plan ended at its first tokens
 
     # -- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -107,7 +108,18 @@ class Scheduler(Admission):
         )
         if not (waves or decoding):
             return None  # pending bookkeeping rides with the next plan (or the idle flush)
-        plan = self._finish_plan(waves, window if decoding else 0, planned)
+        # Asynchronous: a plan that samples first tokens ends with them, so they are read back
+        # without waiting for a decode window (time to first token); the window follows in
+        # the next plan, which is launched before this one is collected (no idle GPU). Never
+        # twice in a row: under a stream of arrivals the running requests must still decode.
+        defer = (
+            self.lookahead == 2
+            and not self._window_deferred
+            and any(c.last for _, c in self._chunks)
+        )
+        self._window_deferred = defer and decoding
+        traversals = window if decoding and not defer else 0
+        plan = self._finish_plan(waves, traversals, planned)
         if self.trace is not None:
             self.trace.append(plan)
         return plan
