@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
-from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
@@ -142,7 +141,6 @@ def _launch(
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
             num_warps=num_warps,
-            **_pdl.launch_options(x.device),
         )
     return out
 
@@ -191,11 +189,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
-    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
-    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H

@@ -23,7 +23,6 @@ import torch
 
 from rlt_engine.kernels import norm as _norm
 from rlt_engine.kernels import paged_attention as _pa
-from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels.norm import rms_norm_reference, supported
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "supported"]
@@ -111,7 +110,6 @@ def add_rms_norm(
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
-            **_pdl.launch_options(y.device),
         )
     return x, h
 
@@ -145,11 +143,7 @@ def _add_rms_norm_kernel(
     NORM_Y: tl.constexpr,  # x = residual + norm(y) (else residual + y)
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
-    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
-    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H

@@ -32,8 +32,6 @@ import os
 
 import torch
 
-from rlt_engine.kernels import pdl as _pdl
-
 triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
 
 _LOG2E = 1.4426950408889634
@@ -175,7 +173,6 @@ def _launch(
         ws_l = torch.empty_like(ws_m)
 
     attn = _kernel(_paged_attention_kernel, interpret)
-    pdl_options = _pdl.launch_options(q.device)
     with _on_device(q.device):
         attn[(num_seqs * q_tiles, num_kv_heads, num_splits)](
             q,
@@ -213,7 +210,6 @@ def _launch(
             UPCAST=interpret and q.dtype == torch.bfloat16,
             num_warps=num_warps,
             num_stages=num_stages,
-            **pdl_options,
         )
         if num_splits > 1:
             merge = _kernel(_merge_splits_kernel, interpret)
@@ -232,7 +228,6 @@ def _launch(
                 NUM_SPLITS=num_splits,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
                 num_warps=4,
-                **pdl_options,
             )
     return out
 
@@ -402,11 +397,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32 (the triton 3.6 interpreter's tl.dot mishandles bf16)
-    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
-    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0) // q_tiles
     q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
     kv_head = tl.program_id(1)
@@ -516,12 +507,8 @@ def _merge_splits_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
     """One program per (sequence, query slot, head): log-sum-exp merge of the split partials."""
-    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0) // max_query_len
     i = tl.program_id(0) % max_query_len
     head = tl.program_id(1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
-from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
@@ -104,7 +103,6 @@ def _launch(
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and q.dtype == torch.bfloat16,
             num_warps=num_warps,
-            **_pdl.launch_options(q.device),
         )
 
 
@@ -184,11 +182,7 @@ def _rope_kv_write_kernel(
     BLOCK_H: tl.constexpr,  # heads per program
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
-    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
-    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]

@@ -40,9 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_engine.kernels import paged_attention as _pa
-from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
-from rlt_engine.kernels import swiglu as _swiglu
 from rlt_engine.kernels.paged_attention import supported
 
 __all__ = [
@@ -51,16 +49,14 @@ __all__ = [
     "choose",
     "gemm",
     "linear",
-    "linear_silu_mul",
     "lookup",
     "m_bucket",
     "supported",
     "table_key",
 ]
 
-# set by _import_triton(); the kernel's body reads the module globals `tl`, `round_bf16` and
-# `silu_times` (swiglu.py's activation, for the SILU_MUL prologue)
-triton = tl = round_bf16 = silu_times = None
+# set by _import_triton(); the kernel's body reads the module globals `tl` and `round_bf16`
+triton = tl = round_bf16 = None
 
 MAX_M = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -118,16 +114,14 @@ def _triton_version() -> str | None:
     return triton_module.__version__
 
 
-def choose(x: torch.Tensor, w: torch.Tensor, *, silu_mul: bool = False) -> GemmConfig | None:
-    """The table's Triton config for `x @ w.T`, or None for cuBLAS. With `silu_mul`, x is the
-    [..., 2K] gate/up input of `linear_silu_mul` (the GEMM is still [.., K] @ [N, K].T)."""
+def choose(x: torch.Tensor, w: torch.Tensor) -> GemmConfig | None:
+    """The table's Triton config for `x @ w.T`, or None for cuBLAS."""
     if _DISABLED or x.device.type != "cuda" or w.dim() != 2 or x.dim() < 1:
         return None
     n, k = w.shape
-    width = 2 * k if silu_mul else k
-    if x.shape[-1] != width or x.dtype != w.dtype or not w.is_contiguous() or x.numel() == 0:
+    if x.shape[-1] != k or x.dtype != w.dtype or not w.is_contiguous() or x.numel() == 0:
         return None
-    m = x.numel() // width
+    m = x.numel() // k
     if m > MAX_M or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return None
     entries = _table_for(x.device)
@@ -151,41 +145,25 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return gemm(x, w, config)
 
 
-def linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`F.linear(silu(gate) * up, w)` for SwiGLU's down projection: gate_up [rows, 2K] (the
-    packed gate/up output), w [N, K]. Where the table picks the Triton kernel for that GEMM, the
-    activation is computed in its prologue (no launch of its own, no round trip through memory);
-    else swiglu.silu_mul, then `linear`. Bit-identical either way on the GPU."""
-    config = choose(gate_up, w, silu_mul=True)
-    if config is None:
-        return linear(_swiglu.silu_mul(gate_up), w)
-    return gemm(gate_up, w, config, silu_mul=True)
-
-
 # -- launch ---------------------------------------------------------------------------------------
 
 
-def gemm(
-    x: torch.Tensor, w: torch.Tensor, config: GemmConfig, *, silu_mul: bool = False
-) -> torch.Tensor:
+def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
     """`x @ w.T` with the Triton kernel and an explicit config (tests, the benchmark): x [..., K]
-    with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device. With
-    `silu_mul`, x is [..., 2K] (gate, up) and the product is silu(gate) * up @ w.T, the
-    activation computed in the prologue with swiglu.silu_mul's arithmetic."""
+    with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device."""
     if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
         raise ValueError(
             f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "
             f"{tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}"
         )
     n, k = w.shape
-    width = 2 * k if silu_mul else k
-    if x.shape[-1] != width or x.device != w.device or not w.is_contiguous():
+    if x.shape[-1] != k or x.device != w.device or not w.is_contiguous():
         raise ValueError(
-            f"need x [..., {width}] on {w.device} and w contiguous, got x {tuple(x.shape)} on "
+            f"need x [..., {k}] on {w.device} and w contiguous, got x {tuple(x.shape)} on "
             f"{x.device}, w contiguous={w.is_contiguous()}"
         )
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, width)
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -232,12 +210,8 @@ def gemm(
             EVEN_K=k % bk == 0,
             UPCAST=interpret and x.dtype != torch.float32,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
-            LINE=max(1, min(bk, 128 // x.element_size())),  # elements per 128-byte line
-            SILU_MUL=silu_mul,
-            EXACT_ACT=not interpret,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
-            **_pdl.launch_options(x.device),
         )
     return out.view(*lead, n)
 
@@ -285,11 +259,9 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16, silu_times
+    global triton, tl, round_bf16
     _rope._import_triton()
-    _swiglu._import_triton()
     triton, tl, round_bf16 = _pa.triton, _pa.tl, _rope.round_bf16
-    silu_times = _swiglu.silu_times
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,10 +289,6 @@ def _small_gemm_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
-    LINE: tl.constexpr,  # weight elements per 128-byte line (the L2 prefetch's stride)
-    SILU_MUL: tl.constexpr,  # x_ptr holds gate/up [M, 2K]: x = silu(gate) * up (SwiGLU's down)
-    EXACT_ACT: tl.constexpr,  # swiglu's EXACT: torch's CUDA silu arithmetic (compiled only)
-    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -333,42 +301,21 @@ def _small_gemm_kernel(
     w_tile = w_ptr + n0.to(tl.int64) * K  # 64-bit base: N * K may pass 2^31 (int32 in-tile)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if USE_PDL:
-        # No kernel writes the weights: pull this program's weight slab into L2 while the
-        # previous kernel finishes, then wait for it before reading x (kernels/pdl.py).
-        line_rows = tl.minimum(rows, N - 1 - n0)[:, None] * K  # rows past N: clamped
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
-            addr = (w_tile + line_rows + ks[None, :]).to(tl.int64)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; // dummy $0",
-                "=r,l",
-                [addr],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w_ptrs = w_tile + rows[:, None] * K + ks[None, :]
         x_ptrs = x_ptr + cols[None, :] * stride_xm + ks[:, None]
         if EVEN_K:
-            x_ok = m_ok[None, :]
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
             if EVEN_N:  # noqa: SIM108  (constexpr branches: only one is compiled)
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = ks < K
-            x_ok = m_ok[None, :] & k_ok[:, None]
+            xt = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        xt = tl.load(x_ptrs, mask=x_ok, other=0.0)
-        if SILU_MUL:  # x = silu(gate) * up of the packed [M, 2K] gate/up rows (swiglu.py)
-            up = tl.load(x_ptrs + K, mask=x_ok, other=0.0)
-            xt = silu_times(xt, up, EXACT_ACT, ROUND_BF16)
         if UPCAST:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:  # ieee: fp32 inputs never use tf32 (ignored for 16-bit inputs)

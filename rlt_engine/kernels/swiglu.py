@@ -16,14 +16,12 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
-from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
 __all__ = ["silu_mul", "silu_mul_reference", "supported"]
 
-# set by _import_triton(); read by the kernels (silu_times: the @jit form of _silu_times)
-triton = tl = libdevice = round_bf16 = silu_times = None
+triton = tl = libdevice = round_bf16 = None  # set by _import_triton(); read by the kernel
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = 1024  # columns per program
@@ -60,13 +58,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             BLOCK=BLOCK,
             EXACT=not interpret,
             ROUND_BF16=interpret and gate_up.dtype == torch.bfloat16,
-            **_pdl.launch_options(gate_up.device),
         )
     return out
 
 
 def _import_triton() -> None:
-    global triton, tl, libdevice, round_bf16, silu_times
+    global triton, tl, libdevice, round_bf16
     triton, tl = _pa.require_triton()
     if libdevice is None:
         from triton.language.extra import libdevice as libdevice_module
@@ -74,8 +71,6 @@ def _import_triton() -> None:
         libdevice = libdevice_module
     _rope._import_triton()
     round_bf16 = _rope.round_bf16
-    if silu_times is None:
-        silu_times = _pa._kernel(_silu_times, _pa._interpreter_mode())
 
 
 def _silu_mul_kernel(
@@ -86,24 +81,13 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     EXACT: tl.constexpr,  # libdevice expf + IEEE division, as torch's CUDA silu (compiled only)
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
-    USE_PDL: tl.constexpr,  # griddepcontrol wait / launch_dependents (kernels/pdl.py)
 ):
-    if USE_PDL:  # kernels/pdl.py: wait for the previous kernel, then let the next one launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     base = in_ptr + row * stride_row
     gate = tl.load(base + cols, mask=mask, other=0.0)
     up = tl.load(base + width + cols, mask=mask, other=0.0)
-    out = silu_times(gate, up, EXACT, ROUND_BF16)
-    tl.store(out_ptr + row * width + cols, out, mask=mask)
-
-
-def _silu_times(gate, up, EXACT: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """silu(gate) * up in gate's dtype with torch's two roundings (the module docstring).
-    Shared by the kernels that compute the activation (small_gemm's SwiGLU prologue)."""
     dtype = gate.dtype
     g, u = gate.to(tl.float32), up.to(tl.float32)
     if EXACT:  # noqa: SIM108 - a constexpr branch: only the taken one is compiled
@@ -114,4 +98,4 @@ def _silu_times(gate, up, EXACT: tl.constexpr, ROUND_BF16: tl.constexpr):
         out = round_bf16(round_bf16(silu) * u).to(dtype)
     else:
         out = (silu.to(dtype).to(tl.float32) * u).to(dtype)
-    return out
+    tl.store(out_ptr + row * width + cols, out, mask=mask)

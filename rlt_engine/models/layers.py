@@ -115,10 +115,6 @@ class SwiGLU(nn.Module):
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = project(x, self.gate_up, self.small_gemm)
-        if self.fused_act and self.small_gemm:  # the activation in the down GEMM's prologue
-            from rlt_engine.kernels.small_gemm import linear_silu_mul
-
-            return linear_silu_mul(gate_up, self.down_proj.weight)
         if self.fused_act:
             from rlt_engine.kernels.swiglu import silu_mul
 
