@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/h200_serving.sh [OUT_DIR]      (default: $OUT, else ./h200-serving-out)
 #
-# Writes into OUT_DIR: serving.jsonl (one `rlt bench --url --json` report a line, each with a
+# Writes into OUT_DIR: inprocess.jsonl (benchmarks/bench_serving_inprocess.py: the same runs
+# against the AsyncEngine without HTTP), serving.jsonl (one `rlt bench --url --json` report a line, each with a
 # "run" label added), offline.json (`rlt bench --json`), server.log, cpu.txt (the server's CPU
 # seconds per thread over each serving run: the main thread runs the event loop, the others the
 # engine), metrics_c8.txt (/metrics after the c=8 run) and meta.txt (GPU, versions).
@@ -21,11 +22,13 @@ URL=http://127.0.0.1:$PORT
 MODEL=tests/fixtures/ouro-1.4b
 SERVE_ARGS=(--load-format dummy --max-num-seqs 256)
 OFFLINE_ARGS=(--load-format dummy -c 1,8,64)
+INPROCESS_RUNS=c8:64,c1:8,c64:512,r16:48,r64:192,r4:12
 OUTPUT_LEN=32
 if [ "${QUICK:-0}" = 1 ]; then
   MODEL=demo
   SERVE_ARGS=(--max-num-seqs 16 --dtype float32 --device cpu)
   OFFLINE_ARGS=(-c 1,2 --dtype float32 --device cpu --repeats 1 --warmup 0)
+  INPROCESS_RUNS="c2:2,r4:2 --warmup 2"
   OUTPUT_LEN=4
 fi
 export PYTHONUNBUFFERED=1
@@ -52,6 +55,15 @@ $PY -c 'import json, sys; r = json.load(open(sys.argv[1]));
 [print("offline c", x["concurrency"], round(x["decode_tokens_per_s"], 1), "tok/s, ttft p50",
 round(x["ttft_ms_p50"], 1), "ms, tpot p50", round(x["tpot_ms_p50"], 2), "ms") for x in r["results"]]' \
   "$OUT_DIR/offline.json"
+
+# the same serving runs without HTTP (the AsyncEngine in-process): served / in-process is the
+# HTTP path's own cost
+$PY benchmarks/bench_serving_inprocess.py --model $MODEL "${SERVE_ARGS[@]}" \
+  --runs $INPROCESS_RUNS --output-len $OUTPUT_LEN --json >"$OUT_DIR/inprocess.jsonl"
+$PY -c 'import json, sys; [print("in-process", r["run"], r["completed"], "ok",
+round(r["output_throughput"], 1), "out tok/s, ttft p50", round(r["ttft_ms"]["median"], 1),
+"ms, tpot p50", round(r["tpot_ms"]["median"], 2), "ms") for r in map(json.loads, open(sys.argv[1]))]' \
+  "$OUT_DIR/inprocess.jsonl"
 
 $PY -m rlt_cli.main serve $MODEL "${SERVE_ARGS[@]}" --port "$PORT" \
   >"$OUT_DIR/server.log" 2>&1 &
