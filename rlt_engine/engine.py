@@ -123,11 +123,19 @@ class LLMEngine:
             lookahead=2 if self.async_scheduling else 1,
         )
         self.runner = self._make_runner(self.num_blocks)
+        self.runner.capture_graphs(self._default_flags())
         self._launched: deque[tuple[StepPlan, Launched]] = deque()  # oldest first
         self._requests: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._decode_rows = 0
         self.info = self._describe()
+
+    def _default_flags(self) -> list[Flags]:
+        """Decode-graph variants of requests with default sampling parameters: greedy (the
+        API's default) and temperature sampling (the OpenAI server's default)."""
+        controls = self.loop_controls(SamplingParams())
+        early = controls.max_loops < self.model_config.num_loops or controls.exit_threshold < 1
+        return [Flags(False, False, None, early), Flags(True, False, None, early)]
 
     def _describe(self) -> EngineInfo:
         cfg, execution, plan = self.model_config, self.config.execution, self.memory_plan

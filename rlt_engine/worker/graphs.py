@@ -3,7 +3,8 @@
 A traversal reads and writes only the slot batch, the KV pool and the event buffers (fixed
 addresses), so replaying its graph N times is N traversals with no host work between them.
 Batch sizes are padded up to 1, 2, 4, 8, ... (capped at the slot count); padded rows are idle
-slots, which write to the trash slot and emit nothing. Graphs are captured on first use: the
+slots, which write to the trash slot and emit nothing. The common variants are captured when
+the engine starts (`ModelRunner.capture_graphs`), the others on first use; either way the
 warm-up run happens with every slot marked idle, so capturing never changes a request's state.
 """
 
@@ -35,12 +36,17 @@ class GraphCache:
     def replay(self, b: int, flags: Flags, traversals: int) -> int:
         """Run `traversals` traversals over slots [0, padded b); returns the padded size."""
         b = self.padded(b)
-        graph = self.graphs.get((b, flags))
-        if graph is None:
-            graph = self.graphs[(b, flags)] = self._capture(b, flags)
+        graph = self.ensure(b, flags)
         for _ in range(traversals):
             graph.replay()
         return b
+
+    def ensure(self, b: int, flags: Flags) -> torch.cuda.CUDAGraph:
+        """The graph of bucket `b` (a bucket size) with `flags`, captured if new."""
+        graph = self.graphs.get((b, flags))
+        if graph is None:
+            graph = self.graphs[(b, flags)] = self._capture(b, flags)
+        return graph
 
     def _capture(self, b: int, flags: Flags) -> torch.cuda.CUDAGraph:
         s, ev = self.traversal.s, self.traversal.ev

@@ -103,6 +103,20 @@ class PrefillRunner:
         seqs = next(b for b in self.seq_buckets if b >= len(wave.slots) + 1)
         return rows, seqs
 
+    def capture_single_sequence(self) -> int:
+        """Capture every row bucket for one sequence (the wave of a lone arrival, where a
+        first capture would be the request's whole wait); returns how many were new."""
+        if self.pool is None:
+            return 0
+        empty = WaveLayout([], [], [], [], [], [], [0])
+        new = 0
+        for rows in ROW_BUCKETS:
+            bucket = (rows, next(b for b in self.seq_buckets if b >= 2))
+            if bucket not in self.graphs:
+                self._capture(*bucket, empty)
+                new += 1
+        return new
+
     # -- the fixed-shape path --------------------------------------------------------------
     def _upload(self, wave: WaveLayout, rows: int) -> None:
         """One copy of the wave's inputs. Rows [wave.rows, rows) are padding: they write the

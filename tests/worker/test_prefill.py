@@ -85,3 +85,23 @@ def test_cuda_prefill_graphs_equal_eager_and_cpu(tiny_ouro_dir, chunk):
     assert graphs == eager
     cpu, _ = _outputs(tiny_ouro_dir, "cpu", prefill_chunk_size=chunk)
     assert graphs == cpu
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_common_graphs_are_captured_at_start(tiny_ouro_dir):
+    """A lone greedy request right after start-up finds every graph it needs."""
+    llm = LLM(str(tiny_ouro_dir), dtype="float32", device="cuda", max_num_seqs=8)
+    runner = llm.engine.runner
+    decode, prefill = len(runner.graphs.graphs), len(runner.prefill.graphs)
+    assert prefill == len(ROW_BUCKETS)
+    assert decode == 2 * len(runner.graphs.buckets)  # greedy and sampled, every batch bucket
+    llm.generate([[5, 6, 7] * 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.generate([list(range(3, 103))], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    assert (len(runner.graphs.graphs), len(runner.prefill.graphs)) == (decode, prefill)
+
+
+def test_no_graphs_captured_on_the_cpu(tiny_ouro_dir):
+    _, runner = _runner(tiny_ouro_dir, "triton")
+    assert runner.graphs is None and runner.prefill.graphs == {}
+    assert runner.capture_graphs([]) == 0
