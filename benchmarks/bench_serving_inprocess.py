@@ -98,7 +98,7 @@ async def run(
 
 async def main_async(args: argparse.Namespace) -> list[dict]:
     options = {"model": args.model, "max_num_seqs": args.max_num_seqs}
-    for name in ("load_format", "device", "dtype"):
+    for name in ("load_format", "device", "dtype", "decode_window"):
         if getattr(args, name):
             options[name] = getattr(args, name)
     config = EngineConfig.from_options(**options)
@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--load-format", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--decode-window", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--runs", type=lambda s: [parse_run(x) for x in s.split(",")], required=True)
     ap.add_argument("--input-len", type=int, default=64)
