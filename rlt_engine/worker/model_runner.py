@@ -35,7 +35,7 @@ from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sam
 from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags
 from rlt_engine.worker.graphs import GraphCache
 from rlt_engine.worker.prefill import PrefillRunner, WaveLayout
-from rlt_engine.worker.slot_batch import SlotBatch, SlotHost
+from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, upload
 
 MAX_LOGPROBS = 20
 
@@ -169,9 +169,9 @@ class ModelRunner:
         last = [i for i, c in enumerate(wave) if c.last]
         if not last:
             return None
-        rows = torch.tensor([firsts[i + 1] - 1 for i in last]).to(dev, non_blocking=True)
+        rows = upload(torch.tensor([firsts[i + 1] - 1 for i in last]), dev)
         slots = [wave[i].slot for i in last]
-        index = torch.tensor(slots).to(dev, non_blocking=True)
+        index = upload(torch.tensor(slots), dev)
         drawn = self._sample(self.model.coda(hidden[rows]), index, slots)
         s.start_decode(index, drawn.token, [wave[i].start + counts[i] for i in last], self.refill)
         return _FirstTokens(slots, drawn)
@@ -274,7 +274,7 @@ class ModelRunner:
     def _block_slots(self, blocks: tuple[int, ...]) -> torch.Tensor:
         offsets = torch.arange(self.block_size)
         slots = (torch.tensor(list(blocks))[:, None] * self.block_size + offsets).flatten()
-        return slots.to(self.device)
+        return upload(slots, self.device)
 
     def _swap_out(self, op: SwapOut) -> None:
         slots = self._block_slots(op.blocks)

@@ -22,7 +22,7 @@ from rlt_engine.core.plan import PrefillChunk
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import PagedKVCache, PagedMetadata
 from rlt_engine.worker.graphs import bucket_sizes
-from rlt_engine.worker.slot_batch import SlotBatch
+from rlt_engine.worker.slot_batch import SlotBatch, upload
 
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
 MAX_GRAPH_ROWS = ROW_BUCKETS[-1]
@@ -134,7 +134,7 @@ class PrefillRunner:
         seq_len[:k] = torch.tensor(wave.ends)
         query_start[: k + 1] = torch.tensor(wave.firsts)
         query_start[k + 1 :] = rows  # sequence k (seq_len 0) owns the padded rows
-        self.inputs.copy_(host, non_blocking=True)
+        self.inputs.copy_(upload(host, self.inputs.device))
 
     def _padded(self, rows: int, seqs: int) -> torch.Tensor:
         ids, positions, row_seq, valid, slot, seq_len, query_start = self.inputs.split(self._sizes)
@@ -169,17 +169,17 @@ class PrefillRunner:
     # -- the exact-shape path --------------------------------------------------------------
     def _exact(self, wave: WaveLayout) -> torch.Tensor:
         dev = self.s.device
-        host = torch.tensor([wave.ids, wave.positions, wave.row_seq])
-        ids, positions, row_seq = host.to(dev, non_blocking=True)
+        rows = torch.tensor([wave.ids, wave.positions, wave.row_seq])
+        ids, positions, row_seq = upload(rows, dev)
         lens = torch.tensor([wave.ends, wave.firsts[1:]], dtype=torch.int32)
-        seq_len, ends = lens.to(dev, non_blocking=True)
+        seq_len, ends = upload(lens, dev)
         query_start = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), ends])
         return self._traverse(
             ids,
             positions,
             row_seq,
             None,
-            torch.tensor(wave.slots).to(dev, non_blocking=True),
+            upload(torch.tensor(wave.slots), dev),
             seq_len,
             query_start,
             max_query_len=max(wave.counts),

@@ -94,7 +94,9 @@ class SlotBatch:
         # fixed depth as an unreachable threshold, so the device needs no `< 1` test
         self.threshold[s] = c.exit_threshold if c.exit_threshold < 1.0 else 2.0
         self.max_tokens[s] = p.max_tokens
-        self.stop_ids[s, : len(op.stop_token_ids)] = torch.tensor(op.stop_token_ids)
+        if op.stop_token_ids:
+            stop = upload(torch.tensor(op.stop_token_ids), self.device)
+            self.stop_ids[s, : len(op.stop_token_ids)] = stop
         self.temperature[s] = 0.0 if p.greedy else p.temperature
         self.top_k[s], self.top_p[s] = p.top_k, p.top_p
         self.seed[s] = _int64(op.seed)
@@ -108,8 +110,8 @@ class SlotBatch:
         if host.blocks + n > self.max_blocks:
             raise RuntimeError(f"slot {slot}: block table longer than {self.max_blocks} blocks")
         if n:
-            new = torch.tensor(blocks, dtype=torch.int32)
-            self.block_tables[slot, :, host.blocks : host.blocks + n] = new.to(self.device)
+            new = upload(torch.tensor(blocks, dtype=torch.int32), self.device)
+            self.block_tables[slot, :, host.blocks : host.blocks + n] = new
         host.blocks += n
 
     def clear(self, slot: int) -> None:
@@ -128,7 +130,7 @@ class SlotBatch:
     ) -> None:
         """Prefill ended for `slots` with first tokens `tokens`: they decode from now on,
         unless that token already ends them (a stop id, or max_tokens == 1)."""
-        pos = torch.tensor(prompt_lens, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = upload(torch.tensor(prompt_lens, dtype=torch.long), self.device)
         self.token[slots] = tokens
         self.position[slots] = pos
         self.loop[slots] = 0
@@ -154,7 +156,7 @@ class SlotBatch:
     ) -> None:
         state, host = saved
         for name in self.FIELDS:
-            getattr(self, name)[slot] = state[name].to(self.device)
+            getattr(self, name)[slot] = upload(state[name], self.device)
         self.host[slot] = SlotHost(host.params, host.early_exit, 0)
         self.append(slot, tables)
 
@@ -183,6 +185,17 @@ class SlotBatch:
     def max_context(self, block_size: int) -> int:
         """Keys any slot can see in this window: its tables' capacity."""
         return max((h.blocks for h in self.host.values()), default=0) * block_size
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the stream: on CUDA through pinned memory,
+    non-blocking. A plain `.to(device)` from pageable memory synchronises the stream, i.e. waits
+    for every window in flight, which stalls asynchronous scheduling at each block append and
+    slot init. The pinned block stays reserved until the copy has run (the caching host
+    allocator records it on the stream)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _int64(value: int) -> int:
