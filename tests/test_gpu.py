@@ -32,3 +32,16 @@ def test_cuda_seeded_sampling_is_batch_invariant(tiny_ouro_dir):
     other = SamplingParams(max_tokens=7, temperature=1.0, seed=3, ignore_eos=True)
     batched = llm.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], [other, p, other])[1].token_ids
     assert alone == batched
+
+
+def _one_row(model_dir, device: str):
+    llm = LLM(str(model_dir), dtype="float32", device=device, block_size=4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.6)
+    out = llm.generate([[11, 12, 13, 14, 15, 16, 17]], params)[0]
+    return out.token_ids, out.exit_depths
+
+
+def test_cuda_single_row_with_early_exits_matches_cpu(tiny_ouro_dir):
+    """A batch of one with early exits: its exit copies pass one source slot repeated for each
+    deeper plane (a stride-0 view the K/V copy kernel once read past)."""
+    assert _one_row(tiny_ouro_dir, "cuda") == _one_row(tiny_ouro_dir, "cpu")

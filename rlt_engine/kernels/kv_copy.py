@@ -39,8 +39,10 @@ def copy_slots_(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.
         kernel[(pairs, layers)](
             k,
             v,
-            src.to(torch.int64),
-            dst.to(torch.int64),
+            # the kernel reads pair i at offset i: an expanded view (stride 0, e.g. one row's
+            # source repeated for each deeper plane) must be materialised first
+            src.to(torch.int64).contiguous(),
+            dst.to(torch.int64).contiguous(),
             slots,
             WIDTH=width,
             BLOCK=triton.next_power_of_2(width),

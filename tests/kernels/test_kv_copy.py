@@ -22,6 +22,22 @@ def test_copy_slots_equals_torch_indexing(dtype):
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 
+def test_copy_slots_reads_expanded_index_views():
+    """One row's source slot repeated for each deeper plane is a stride-0 view (what the
+    decode traversal's exit copies pass for a batch of one): every pair must see it."""
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(2, 12, 2, 4, generator=gen)
+    v = torch.randn(2, 12, 2, 4, generator=gen)
+    dst = torch.tensor([[3, 6, 9]])
+    src = torch.tensor([1])[:, None].expand_as(dst).flatten()
+    assert src.stride() == (0,)  # the view itself, not a copy
+    want_k, want_v = k.clone(), v.clone()
+    want_k[:, dst.flatten()] = want_k[:, src]
+    want_v[:, dst.flatten()] = want_v[:, src]
+    copy_slots_(k, v, src, dst.flatten())
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 def test_rejects_mismatched_arguments():
     k = torch.zeros(1, 4, 1, 4)
     with pytest.raises(ValueError, match="contiguous"):

@@ -105,3 +105,25 @@ def test_no_graphs_captured_on_the_cpu(tiny_ouro_dir):
     _, runner = _runner(tiny_ouro_dir, "triton")
     assert runner.graphs is None and runner.prefill.graphs == {}
     assert runner.capture_graphs([]) == 0
+
+
+@pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
+def test_padded_waves_match_the_torch_backend_in_chunks(tiny_ouro_dir, kv_layout):
+    """Chunked prompts (chunks that start mid-prompt, several waves) through the padded path
+    (Triton kernels under the interpreter) give the torch backend's tokens and exit depths."""
+    prompts = [[7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, exit_threshold=0.6)
+
+    def run(backend: str) -> list:
+        llm = LLM(
+            str(tiny_ouro_dir),
+            dtype="float32",
+            device="cpu",
+            attention_backend=backend,
+            block_size=4,
+            prefill_chunk_size=3,
+            kv_layout=kv_layout,
+        )
+        return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
+
+    assert run("triton") == run("torch")
