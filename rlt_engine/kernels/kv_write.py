@@ -55,7 +55,7 @@ def write_kv_(
             v_pool,
             k,
             v,
-            slot_mapping.to(torch.int64),
+            slot_mapping.to(torch.int64).contiguous(),  # read as row i at offset i
             k.stride(0),
             v.stride(0),
             WIDTH=width,

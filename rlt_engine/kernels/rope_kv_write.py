@@ -86,7 +86,7 @@ def _launch(
             sin,
             k_pool,
             v_pool,
-            slot_mapping.to(torch.int64),
+            slot_mapping.to(torch.int64).contiguous(),  # read as row i at offset i
             q.stride(0),
             q.stride(1),
             k.stride(0),
