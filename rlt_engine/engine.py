@@ -133,8 +133,7 @@ class LLMEngine:
     def _default_flags(self) -> list[Flags]:
         """Decode-graph variants of requests with default sampling parameters: greedy (the
         API's default) and temperature sampling (the OpenAI server's default)."""
-        controls = self.loop_controls(SamplingParams())
-        early = controls.max_loops < self.model_config.num_loops or controls.exit_threshold < 1
+        early = self.loop_controls(SamplingParams()).may_exit_early(self.model_config.num_loops)
         return [Flags(False, False, None, early), Flags(True, False, None, early)]
 
     def _describe(self) -> EngineInfo:

@@ -33,6 +33,10 @@ class LoopControls:
         if not 0.0 <= self.exit_threshold <= 1.0:
             raise ValueError(f"exit_threshold must lie in [0, 1], got {self.exit_threshold}")
 
+    def may_exit_early(self, depth: int) -> bool:
+        """Can a token leave before the model's depth (so its K/V needs exit copies)?"""
+        return self.max_loops < depth or self.exit_threshold < 1.0
+
 
 @dataclass
 class ExitTracker:

@@ -100,8 +100,7 @@ class SlotBatch:
         self.temperature[s] = 0.0 if p.greedy else p.temperature
         self.top_k[s], self.top_p[s] = p.top_k, p.top_p
         self.seed[s] = _int64(op.seed)
-        early = c.max_loops < depth or c.exit_threshold < 1.0
-        self.host[s] = SlotHost(p, early, 0)
+        self.host[s] = SlotHost(p, c.may_exit_early(depth), 0)
         self.append(s, op.block_tables)
 
     def append(self, slot: int, blocks: Tables) -> None:
