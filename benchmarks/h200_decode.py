@@ -224,39 +224,58 @@ def adaptive() -> dict:
 
 
 def _steady(llm: LLM, prompts, params) -> dict:
-    engine, runner = llm.engine, llm.engine.runner
+    """Run every request to the end; time the engine steps that applied a decode-only plan.
+    Works under async scheduling (the default on CUDA), where a step launches plan n and applies
+    plan n - 1: in steady state a step's wall time is one window of GPU work, and the tokens it
+    returns are plan n - 1's. "full": every slot was decoding when that plan was made."""
+    engine = llm.engine
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(prompt, p, request_id=f"s{i}")
     from rlt_engine.core.plan import Stage
 
-    real = runner.execute
+    sched, slots = engine.scheduler, engine.config.scheduler.max_num_seqs
+    real_schedule, real_apply, real_step = sched.schedule, engine._apply_oldest, engine.step
+    kinds: dict[int, tuple[bool, bool]] = {}  # id(plan) -> (decode only, full occupancy)
+    applied: list[tuple[bool, bool]] = []
     stats = {"tokens": 0, "seconds": 0.0, "steps": 0, "full_tokens": 0, "full_seconds": 0.0}
-    slots = engine.config.scheduler.max_num_seqs
 
-    def timed(plan):
-        # full: every slot decodes for the whole window (no queue or tail effects)
-        full = sum(r.stage is Stage.DECODE for r in engine.scheduler.running) == slots
+    def schedule():
+        full = sum(r.stage is Stage.DECODE for r in sched.running) == slots
+        plan = real_schedule()
+        if plan is not None:
+            kinds[id(plan)] = (not plan.prefill and plan.decode_traversals > 0, full)
+        return plan
+
+    def apply_oldest():
+        applied.append(kinds.pop(id(engine._launched[0][0]), (False, False)))
+        return real_apply()
+
+    def step():
+        applied.clear()
         t = time.perf_counter()
-        result = real(plan)  # ends with the step's one read back (synchronised)
-        if not plan.prefill:
-            seconds = time.perf_counter() - t
+        outs = real_step()
+        seconds = time.perf_counter() - t
+        tokens = sum(len(o.new_token_ids) for o in outs)
+        if applied and all(decode for decode, _ in applied):
             stats["seconds"] += seconds
-            stats["tokens"] += len(result.events)
+            stats["tokens"] += tokens
             stats["steps"] += 1
-            if full:
+            if all(full for _, full in applied):
                 stats["full_seconds"] += seconds
-                stats["full_tokens"] += len(result.events)
-        return result
+                stats["full_tokens"] += tokens
+        return outs
 
-    runner.execute = timed
+    sched.schedule, engine._apply_oldest, engine.step = schedule, apply_oldest, step
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    runner.execute = real
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        del sched.schedule, engine._apply_oldest, engine.step  # back to the class methods
     full = stats["full_tokens"] / stats["full_seconds"] if stats["full_seconds"] else None
     return {
         **stats,
-        "decode_tok_s": stats["tokens"] / stats["seconds"],
+        "decode_tok_s": stats["tokens"] / stats["seconds"] if stats["seconds"] else None,
         "full_occupancy_tok_s": full,
         "e2e_s": time.perf_counter() - t0,
     }

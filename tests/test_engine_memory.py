@@ -38,9 +38,9 @@ def _record_model_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
         seen["recurrent"].append((tuple(hidden.shape), meta.positions.tolist()))
         return recurrent(hidden, meta, backend)
 
-    def recording_coda(hidden):
+    def recording_coda(hidden, gate=None):
         seen["coda"].append(tuple(hidden.shape))
-        return coda(hidden)
+        return coda(hidden, gate)
 
     monkeypatch.setattr(model, "recurrent", recording_recurrent)
     monkeypatch.setattr(model, "coda", recording_coda)

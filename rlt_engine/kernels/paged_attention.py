@@ -78,6 +78,7 @@ def paged_attention(
     max_query_len: int,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    long_context: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `q` over the paged cache; returns `out` [num_tokens, num_heads, d].
 
@@ -87,7 +88,9 @@ def paged_attention(
     [num_seqs + 1]. Query i of sequence s with q_len queries sits at position
     seq_lens[s] - q_len + i and sees keys [0, position]. Sequences with no queries are no-ops;
     rows of `out` owned by no sequence are left untouched. `max_query_len` (host int) bounds
-    q_len; `num_splits` splits each program's keys (split-K, mainly for long decode contexts).
+    q_len; `num_splits` splits each program's keys (split-K, mainly for long decode contexts;
+    see `decode_splits`). `long_context`: the caller's hint that some sequence may see
+    >= LONG_CONTEXT keys (it picks the kernel for decode rows; results agree either way).
     """
     return _launch(
         q,
@@ -101,7 +104,19 @@ def paged_attention(
         max_query_len,
         num_splits,
         out,
+        long_context=long_context,
     )
+
+
+LONG_CONTEXT = 1024  # keys from which a decode batch counts as long (another launch plan)
+
+
+def decode_splits(num_seqs: int, long_context: bool) -> int:
+    """Split-K for decode rows: few sequences over long contexts leave most SMs idle with one
+    program per (sequence, kv head). Measured on the H200 (Ouro shapes,
+    benchmarks/results/2026-12-01-paged-attention-h200.json): 4 splits are 1.3-1.9x faster at
+    8 sequences from 1k keys on, and no help at 64."""
+    return 4 if long_context and num_seqs <= 16 else 1
 
 
 def _launch(
@@ -119,10 +134,14 @@ def _launch(
     *,
     block_n: int | None = None,
     block_q: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    kernel: str = "auto",
+    long_context: bool = False,
 ) -> torch.Tensor:
-    """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark)."""
+    """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
+    `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
+    where it was measured faster: `_rows_wins`)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, max_query_len)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -154,6 +173,7 @@ def _launch(
     # Tiles sized by bytes per K/V row: bf16 d=128 -> 64 keys x 64 rows; fp32 or d=256 halve them.
     block_d = max(16, triton.next_power_of_2(head_dim))
     row_bytes = block_d * q.element_size()
+    block_n_override = block_n
     if block_n is None:
         block_n = max(16, min(64, 64 * 256 // row_bytes))
     rows = 64 if row_bytes <= 256 else 32  # target BLOCK_M for prefill tiles
@@ -172,46 +192,92 @@ def _launch(
         ws_m = torch.empty((num_tokens, num_heads, num_splits), **f32)
         ws_l = torch.empty_like(ws_m)
 
-    attn = _kernel(_paged_attention_kernel, interpret)
-    with _on_device(q.device):
-        attn[(num_seqs * q_tiles, num_kv_heads, num_splits)](
-            q,
-            k_cache,
-            v_cache,
-            out,
-            ws_acc,
-            ws_m,
-            ws_l,
-            block_tables,
-            seq_lens,
-            query_start,
-            scale * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            block_tables.stride(0),
-            block_tables.shape[1],
-            num_heads,
-            q_tiles,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_SIZE=block_size,
-            GROUP=group,
-            BLOCK_Q=block_q,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            NUM_SPLITS=num_splits,
-            PRECISION=precision,
-            UPCAST=interpret and q.dtype == torch.bfloat16,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )
-        if num_splits > 1:
+    if kernel not in ("auto", "mma", "rows"):
+        raise ValueError(f"kernel must be auto, mma or rows, got {kernel!r}")
+    rows_kernel = kernel == "rows" or (
+        kernel == "auto"
+        and max_query_len == 1
+        and group == 1
+        and _rows_wins(num_seqs * num_heads, num_splits, long_context)
+    )
+    if rows_kernel and (max_query_len != 1 or group != 1):
+        raise ValueError("the rows kernel runs decode rows (max_query_len 1) of MHA (group 1)")
+    if rows_kernel:
+        rows_block_n, warps, stages = _rows_tiles(num_seqs * num_heads, row_bytes)
+        with _on_device(q.device):
+            _kernel(_decode_rows_kernel, interpret)[(num_seqs, num_heads, num_splits)](
+                q,
+                k_cache,
+                v_cache,
+                out,
+                ws_acc,
+                ws_m,
+                ws_l,
+                block_tables,
+                seq_lens,
+                query_start,
+                scale * _LOG2E,
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                v_cache.stride(0),
+                v_cache.stride(1),
+                block_tables.stride(0),
+                block_tables.shape[1],
+                num_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_SIZE=block_size,
+                BLOCK_N=block_n_override or rows_block_n,
+                NUM_SPLITS=num_splits,
+                num_warps=num_warps or warps,
+                num_stages=num_stages or stages,
+            )
+    else:
+        attn = _kernel(_paged_attention_kernel, interpret)
+        with _on_device(q.device):
+            attn[(num_seqs * q_tiles, num_kv_heads, num_splits)](
+                q,
+                k_cache,
+                v_cache,
+                out,
+                ws_acc,
+                ws_m,
+                ws_l,
+                block_tables,
+                seq_lens,
+                query_start,
+                scale * _LOG2E,
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                v_cache.stride(0),
+                v_cache.stride(1),
+                block_tables.stride(0),
+                block_tables.shape[1],
+                num_heads,
+                q_tiles,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_SIZE=block_size,
+                GROUP=group,
+                BLOCK_Q=block_q,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                NUM_SPLITS=num_splits,
+                PRECISION=precision,
+                UPCAST=interpret and q.dtype == torch.bfloat16,
+                num_warps=num_warps or 4,
+                num_stages=num_stages or 2,
+            )
+    if num_splits > 1:
+        with _on_device(q.device):
             merge = _kernel(_merge_splits_kernel, interpret)
             merge[(num_seqs * max_query_len, num_heads)](
                 out,
@@ -230,6 +296,23 @@ def _launch(
                 num_warps=4,
             )
     return out
+
+
+def _rows_wins(programs: int, num_splits: int, long_context: bool) -> bool:
+    """Whether the rows kernel beats the tensor-core one on MHA decode rows. Measured on the
+    H200, Ouro shapes, bf16, CUDA graphs (benchmarks/results/2026-12-01-decode-attention-h200.md):
+    at 96 keys 13.4 vs 18.7 us (64 sequences) and 54.3 vs 62.1 us (256); a tie or worse with
+    fewer than 32 sequences (one program per SM at most, latency-bound either way) and 9%
+    slower at 64 sequences x 1k keys, where the tensor-core kernel's pipelined tiles win."""
+    return programs >= 512 and num_splits == 1 and not long_context
+
+
+def _rows_tiles(programs: int, row_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the rows kernel for `programs` (sequence, head)
+    pairs and K/V rows of `row_bytes`: one warp per program was best at every measured shape
+    (more programs resident per SM, more loads in flight)."""
+    block_n = max(16, min(32, 32 * 256 // row_bytes))
+    return block_n, 1, 2
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, max_query_len):
@@ -491,6 +574,94 @@ def _paged_attention_kernel(
         )
         tl.store(ws_m_ptr + part, m_i, mask=row_ok)
         tl.store(ws_l_ptr + part, l_i, mask=row_ok)
+
+
+def _decode_rows_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Decode rows of multi-head attention (one query per sequence, one kv head per head):
+    a program owns one (sequence, head, split). With a single query row a tensor-core tile
+    would be 15/16 padding, so scores and P @ V are register reductions over [BLOCK_N, d]
+    tiles in fp32 (no shared memory: many programs per SM to keep loads in flight)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + seq)
+    if tl.load(query_start_ptr + seq + 1) == q_begin:  # a padding sequence: no query
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)  # the query sits at seq_len - 1 and sees every key
+    token = q_begin.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
+    q = q.to(tl.float32) * qk_scale
+
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + head.to(tl.int64) * stride_kh
+    v_base = v_ptr + head.to(tl.int64) * stride_vh
+    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), axis=0)
+    l_i = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for t in range(t_begin, t_end):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < seq_len
+        blk = pos // BLOCK_SIZE
+        phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
+        slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_ok = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        s = tl.where(pos_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile has a key
+        p = tl.exp2(s - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(
+            out_ptr + token * stride_ot + head * stride_oh + d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d_ok,
+        )
+    else:
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(ws_acc_ptr + part * HEAD_DIM + d, acc, mask=d_ok)
+        tl.store(ws_m_ptr + part, m_i)
+        tl.store(ws_l_ptr + part, l_i)
 
 
 def _merge_splits_kernel(

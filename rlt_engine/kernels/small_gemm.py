@@ -114,8 +114,9 @@ def _triton_version() -> str | None:
     return triton_module.__version__
 
 
-def choose(x: torch.Tensor, w: torch.Tensor) -> GemmConfig | None:
-    """The table's Triton config for `x @ w.T`, or None for cuBLAS."""
+def choose(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> GemmConfig | None:
+    """The table's Triton config for `x @ w.T`, or None for cuBLAS. `gated`: the kernel's
+    config even where cuBLAS is a little faster (a gate that skips the work wins more)."""
     if _DISABLED or x.device.type != "cuda" or w.dim() != 2 or x.dim() < 1:
         return None
     n, k = w.shape
@@ -125,32 +126,41 @@ def choose(x: torch.Tensor, w: torch.Tensor) -> GemmConfig | None:
     if m > MAX_M or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return None
     entries = _table_for(x.device)
-    return None if entries is None else lookup(entries, n, k, m, x.dtype)
+    return None if entries is None else lookup(entries, n, k, m, x.dtype, gated)
 
 
-def lookup(entries: dict, n: int, k: int, m: int, dtype: torch.dtype) -> GemmConfig | None:
+def lookup(
+    entries: dict, n: int, k: int, m: int, dtype: torch.dtype, gated: bool = False
+) -> GemmConfig | None:
     """The Triton config the table's entries give for [m, k] @ [n, k].T, or None (cuBLAS)."""
     row = entries.get(table_key(n, k, m, dtype))  # small_gemm_table.FIELDS
-    if row is None or row[0] != "triton":
+    if row is None or (row[0] != "triton" and not gated):
         return None
     return GemmConfig(*row[1:6])
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w)` (no bias): x [..., K], w [N, K] -> [..., N], through the Triton kernel
-    where the table says it beats cuBLAS, else through cuBLAS."""
-    config = choose(x, w)
+    where the table says it beats cuBLAS, else through cuBLAS.
+
+    `gate` (a one-element device tensor): where the Triton kernel runs, a zero gate skips the
+    GEMM and leaves the output's contents undefined; the caller must not read it then. Without
+    a Triton config the GEMM simply runs (the same values, no saving)."""
+    config = choose(x, w, gated=gate is not None)
     if config is None:
         return F.linear(x, w)
-    return gemm(x, w, config)
+    return gemm(x, w, config, gate)
 
 
 # -- launch ---------------------------------------------------------------------------------------
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
+def gemm(
+    x: torch.Tensor, w: torch.Tensor, config: GemmConfig, gate: torch.Tensor | None = None
+) -> torch.Tensor:
     """`x @ w.T` with the Triton kernel and an explicit config (tests, the benchmark): x [..., K]
-    with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device."""
+    with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device.
+    `gate`: see `linear`."""
     if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
         raise ValueError(
             f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "
@@ -169,6 +179,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
     m = x2.shape[0]
     if m > MAX_M:
         raise ValueError(f"at most {MAX_M} rows, got {m}")
+    if gate is not None and (gate.numel() != 1 or gate.device != x.device):
+        raise ValueError(f"gate must be one element on {x.device}, got {tuple(gate.shape)}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*lead, n)
@@ -196,6 +208,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
             out,
             workspace,
             counters,
+            out if gate is None else gate,
             m,
             n,
             k,
@@ -206,6 +219,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> torch.Tensor:
             BLOCK_N=bn,
             BLOCK_K=bk,
             SPLIT=splits > 1,
+            GATED=gate is not None,
             EVEN_N=n % bn == 0,
             EVEN_K=k % bk == 0,
             UPCAST=interpret and x.dtype != torch.float32,
@@ -275,6 +289,7 @@ def _small_gemm_kernel(
     out_ptr,
     ws_ptr,  # fp32 partials [n_tiles, splits, M, BLOCK_N] (SPLIT only)
     count_ptr,  # int32 ticket counter per N tile, zero between launches (SPLIT only)
+    gate_ptr,  # one element: 0 = skip the whole GEMM (GATED only)
     M,
     N,
     K,
@@ -285,11 +300,15 @@ def _small_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
+    GATED: tl.constexpr,
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
 ):
+    if GATED:  # noqa: SIM102  (a constexpr test, then a runtime one)
+        if tl.load(gate_ptr) == 0:  # every program of every split returns: counters stay 0
+            return
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)

@@ -116,11 +116,13 @@ class LoopedCausalLM(nn.Module):
         logit = F.linear(hidden.float(), gate.weight.float(), gate.bias.float())
         return torch.sigmoid(logit).squeeze(-1)
 
-    def coda(self, hidden: torch.Tensor) -> torch.Tensor:
+    def coda(self, hidden: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `hidden`. `gate` (fast path only): a zero-valued one-element tensor lets
+        the lm_head GEMM skip its work; the logits are then undefined (no row needs them)."""
         if not self.config.norm_every_loop:
             hidden = self.model.norm(hidden)
         if getattr(self, "small_gemm_head", False):  # set by use_fast_path
             from rlt_engine.kernels.small_gemm import linear
 
-            return linear(hidden, self.lm_head.weight)
+            return linear(hidden, self.lm_head.weight, gate)
         return self.lm_head(hidden)

@@ -35,7 +35,7 @@ class PagedMetadata(AttentionMetadata):
 class PagedKVCache:
     """Owns the K/V pool; `attend` is implemented by the backends below."""
 
-    num_splits = 1  # split-K over the context for decode (Triton), set per traversal variant
+    long_context = False  # decode tables may reach LONG_CONTEXT keys (Triton), per variant
 
     def __init__(
         self,
@@ -160,7 +160,7 @@ class TritonPagedAttention(PagedKVCache):
         meta: AttentionMetadata,
         kv_written: bool = False,
     ) -> torch.Tensor:
-        from rlt_engine.kernels.paged_attention import paged_attention
+        from rlt_engine.kernels.paged_attention import decode_splits, paged_attention
 
         assert isinstance(meta, PagedMetadata)
         if not kv_written:
@@ -175,7 +175,12 @@ class TritonPagedAttention(PagedKVCache):
             block_size=self.block_size,
             scale=self.scale,
             max_query_len=meta.max_query_len,
-            num_splits=self.num_splits if meta.max_query_len == 1 else 1,
+            num_splits=(
+                decode_splits(meta.block_tables.shape[0], self.long_context)
+                if meta.max_query_len == 1
+                else 1
+            ),
+            long_context=self.long_context,
         )
 
 

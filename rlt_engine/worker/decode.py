@@ -29,7 +29,7 @@ class Flags:
     any_filter: bool
     num_logprobs: int | None
     early_exits: bool
-    attention_splits: int = 1  # split-K over the context (Triton backend)
+    long_context: bool = False  # tables reach LONG_CONTEXT keys: attention's launch plan
 
 
 class EventBuffers:
@@ -71,7 +71,7 @@ class DecodeTraversal:
     @torch.inference_mode()
     def __call__(self, b: int, flags: Flags) -> None:
         s, bs, trash = self.s, self.kv.block_size, self.kv.trash_slot
-        self.kv.num_splits = flags.attention_splits
+        self.kv.long_context = flags.long_context
         active, parked = s.active[:b], s.parked[:b]
         if not self.refill:  # the cohort starts together once everyone has exited
             release = (parked | ~active).all()
@@ -110,7 +110,9 @@ class DecodeTraversal:
             exits = exits | early
         exits = exits & run
         drawn = sample(
-            self.model.coda(out.hidden),
+            # a traversal in which no row exits (most of them at fixed depth in lockstep)
+            # skips the lm_head's weight read; its draws are then never recorded or used
+            self.model.coda(out.hidden, gate=exits.any()),
             SamplingTensors(
                 s.temperature[:b], s.top_k[:b], s.top_p[:b], s.seed[:b], s.generated[:b]
             ),

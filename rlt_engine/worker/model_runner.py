@@ -29,6 +29,7 @@ from rlt_engine.core.plan import (
     SwapOut,
     TokenEvent,
 )
+from rlt_engine.kernels.paged_attention import LONG_CONTEXT
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import TritonPagedAttention, attention_backend
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
@@ -198,7 +199,7 @@ class ModelRunner:
         b = self.slots.span()
         if b == 0:
             return None
-        flags = Flags(*self.slots.flags(), attention_splits=self._splits(b))
+        flags = Flags(*self.slots.flags(), long_context=self._long_context())
         ev = self.events
         if traversals > ev.window:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
@@ -212,13 +213,13 @@ class ModelRunner:
                 self.traversal(b, flags)
         return traversals, b, flags
 
-    def _splits(self, b: int) -> int:
-        """Split-K for decode attention: few sequences over long contexts leave most SMs idle
-        with one program per (sequence, kv head). Measured on the H200 (Ouro shapes): 4
-        splits are 1.3-1.9x faster at 8 sequences from 1k keys on, and no help at 64."""
-        if not isinstance(self.kv, TritonPagedAttention) or b > 16:
-            return 1
-        return 4 if self.slots.max_context(self.block_size) >= 1024 else 1
+    def _long_context(self) -> bool:
+        """Whether this window's tables reach LONG_CONTEXT keys: the Triton attention picks
+        its kernel and split-K by it (a static variant: the kernel cannot read seq_lens on the
+        host)."""
+        if not isinstance(self.kv, TritonPagedAttention):
+            return False
+        return self.slots.max_context(self.block_size) >= LONG_CONTEXT
 
     # -- the one read back ---------------------------------------------------------------
     def _start_read_back(
@@ -262,12 +263,14 @@ class ModelRunner:
                 smp = _as_sample(launched.logprobs_wanted.get(slot), token, extra, i)
                 events.append(TokenEvent(slot, smp, self.depth))
         if window is not None:
-            tokens, depths = next(it), next(it)
+            tokens, depths = next(it).tolist(), next(it).tolist()  # one conversion each
             extra = (next(it), next(it), next(it)) if window[2].num_logprobs is not None else None
-            for t, slot in (tokens >= 0).nonzero().tolist():
-                wanted = launched.logprobs_wanted.get(slot)
-                smp = _as_sample(wanted, int(tokens[t, slot]), extra, (t, slot))
-                events.append(TokenEvent(slot, smp, int(depths[t, slot])))
+            wanted = launched.logprobs_wanted
+            for t, (row, row_depths) in enumerate(zip(tokens, depths, strict=True)):
+                for slot, token in enumerate(row):
+                    if token >= 0:
+                        smp = _as_sample(wanted.get(slot), token, extra, (t, slot))
+                        events.append(TokenEvent(slot, smp, row_depths[slot]))
         return StepResult(tuple(events))
 
     # -- preemption: every plane's pages and the slot's device state, exactly -----------

@@ -20,7 +20,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from rlt_engine.kernels.paged_attention import _launch, paged_attention, supported
+from rlt_engine.kernels import paged_attention as pa
+from rlt_engine.kernels.paged_attention import _launch, decode_splits, paged_attention, supported
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -162,6 +163,55 @@ def test_decode_split_k(heads):
     check(one, ref, FP32_TOL)
     check(four, ref, FP32_TOL)
     check(one, four.float().cpu(), FP32_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("block_size", "block_n"), [(16, None), (5, 16), (1, 32)])
+def test_decode_rows_kernel_matches_reference_and_mma(block_size, block_n, num_splits):
+    """MHA decode rows take the register kernel ("rows"); it agrees with the reference and
+    with the general tensor-core kernel, padding sequences (no query) stay untouched, and
+    head_dim need not be a power of two."""
+    specs = [(1, n) for n in (1, 15, 16, 17, 50, 3)] + [(0, 7)]
+    case = Case(specs, 3, 3, head_dim=24, block_size=block_size, pad_rows=2, seed=5)
+    sentinel = torch.full_like(case.q, 7.0)
+    tiles = {} if block_n is None else {"block_n": block_n}
+    rows = case.run(num_splits, out=sentinel.clone(), kernel="rows", **tiles)
+    mma = case.run(num_splits, kernel="mma")
+    owned = int(case.query_start[-1])
+    check(rows, case.reference(), FP32_TOL, owned)
+    check(rows, mma.float().cpu(), FP32_TOL, owned)
+    assert torch.equal(rows[owned:], sentinel[owned:])
+
+
+def test_auto_takes_the_rows_kernel_for_many_short_decode_rows_only(monkeypatch):
+    """The measured rule: >= 512 (sequence, head) programs, no split, no long context; and
+    "auto" dispatches by it (the rule is patched here: 512 programs are slow to interpret)."""
+    assert pa._rows_wins(512, 1, False)
+    assert not pa._rows_wins(511, 1, False)
+    assert not pa._rows_wins(512, 2, False)
+    assert not pa._rows_wins(512, 1, True)
+    case = Case([(1, 5 + i) for i in range(4)], 2, 2, head_dim=16, block_size=4, seed=6)
+    rows, mma = case.run(kernel="rows"), case.run(kernel="mma")
+    assert not torch.equal(rows, mma)  # different arithmetic: tells them apart
+    seen = []
+    monkeypatch.setattr(pa, "_rows_wins", lambda *a: seen.append(a) or True)
+    assert torch.equal(case.run(), rows)
+    monkeypatch.setattr(pa, "_rows_wins", lambda *a: seen.append(a) or False)
+    args = (case.q, case.k, case.v, case.block_tables, case.seq_lens, case.query_start, 4)
+    assert torch.equal(paged_attention(*args, case.scale, 1, long_context=True), mma)
+    assert seen == [(8, 1, False), (8, 1, True)]  # programs = 4 sequences x 2 heads
+    assert decode_splits(8, True) == 4 and decode_splits(8, False) == decode_splits(64, True) == 1
+
+
+def test_decode_rows_kernel_refuses_what_it_cannot_run():
+    gqa = Case([(1, 9)], 4, 2, head_dim=16, block_size=4)
+    with pytest.raises(ValueError, match="rows kernel"):
+        gqa.run(kernel="rows")
+    chunk = Case([(3, 9)], 2, 2, head_dim=16, block_size=4)
+    with pytest.raises(ValueError, match="rows kernel"):
+        chunk.run(kernel="rows")
+    with pytest.raises(ValueError, match="kernel must be"):
+        chunk.run(kernel="flash")
 
 
 @pytest.mark.parametrize(
@@ -404,3 +454,26 @@ def test_gpu_64bit_offsets():
     for num_splits in (1, 2):
         out = paged_attention(*args, num_splits=num_splits)
         check(out, ref.cpu(), BF16_TOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("num_seqs", "max_ctx"), [(64, 128), (256, 128), (64, 1024), (256, 1024)])
+def test_gpu_ouro_decode_rows_kernel(num_seqs, max_ctx):
+    """The rows kernel at Ouro shapes (bf16) against the reference and the tensor-core
+    kernel, and under a CUDA graph (replay = eager)."""
+    specs = _decode_specs(num_seqs, max_ctx, num_seqs + max_ctx)
+    case = Case(specs, 16, 16, 128, 16, torch.bfloat16, "cuda")
+    ref = case.reference()
+    rows = case.run(kernel="rows")
+    check(rows, ref, BF16_TOL)
+    check(rows, case.run(kernel="mma").float().cpu(), BF16_TOL)
+    out = torch.empty_like(case.q)
+    case.run(out=out, kernel="rows")  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.run(out=out, kernel="rows")
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, rows)

@@ -140,6 +140,34 @@ def test_rejects_bad_arguments():
         gemm(torch.zeros(65, 64), w, GemmConfig())
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gate_skips_the_gemm_or_runs_it_unchanged(split_k):
+    """An open gate (any non-zero value) gives the ungated result bit for bit; a closed one
+    writes nothing (the output keeps whatever the buffer held) and leaves the counters at 0."""
+    x, w = make(5, 96, 200, torch.bfloat16, seed=4)
+    config = GemmConfig(block_n=32, block_k=32, split_k=split_k)
+    want = gemm(x, w, config)
+    for on in (torch.tensor(True), torch.tensor(7, dtype=torch.int32)):
+        assert torch.equal(gemm(x, w, config, gate=on), want)
+    closed = gemm(x, w, config, gate=torch.tensor(False))
+    assert closed.shape == want.shape  # contents undefined: nothing to compare
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
+    assert torch.equal(gemm(x, w, config), want)  # and the next launch is unaffected
+    with pytest.raises(ValueError, match="gate must be one element"):
+        gemm(x, w, config, gate=torch.ones(2, dtype=torch.bool))
+
+
+def test_gated_dispatch_takes_the_kernel_where_the_table_prefers_cublas():
+    """A gated GEMM on a shape whose entry says cuBLAS still gets the entry's Triton config
+    (the skip is worth more than the few percent); an ungated one stays on cuBLAS."""
+    entries = {"64x32:m4:bfloat16": ("cublas", 32, 32, 1, 4, 2, 5.0, 4.9)}
+    assert lookup(entries, 64, 32, 3, torch.bfloat16) is None
+    assert lookup(entries, 64, 32, 3, torch.bfloat16, gated=True) == GemmConfig(32, 32, 1, 4, 2)
+    assert lookup(entries, 64, 32, 9, torch.bfloat16, gated=True) is None  # no entry: cuBLAS
+    x, w = make(4, 32, 64, torch.float32)
+    assert torch.equal(linear(x, w, gate=torch.tensor(False)), F.linear(x, w))  # CPU: runs
+
+
 def test_linear_falls_back_to_cublas_off_the_table():
     """CPU tensors, M > 64, fp32 and unknown shapes go to F.linear: bitwise torch's result."""
     x, w = make(4, 32, 64, torch.float32)
@@ -249,3 +277,32 @@ def test_gpu_linear_uses_the_table():
         x, w = make(int(bucket[1:]), n, k, getattr(torch, dtype), device="cuda")
         assert choose(x, w) is not None, key
         check(linear(x, w), x, w, ACC_TOL_GPU)
+
+
+@gpu
+@needs_cuda
+def test_gpu_gated_lm_head_under_a_graph():
+    """The lm_head shape gated inside one CUDA graph: an open gate replays the eager result,
+    a closed one leaves the previous replay's output in place (nothing written)."""
+    x, w = make(8, 49152, 2048, torch.bfloat16, device="cuda", seed=13)
+    config = lookup(TABLE["entries"], 49152, 2048, 8, torch.bfloat16, gated=True)
+    config = config or GemmConfig(64, 128, 1)
+    gate = torch.ones((), dtype=torch.bool, device="cuda")
+    gemm(x, w, config, gate)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemm(x, w, config, gate)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = gemm(x, w, config)
+    assert torch.equal(out, want)
+    gate.fill_(False)
+    x.copy_(make(8, 1, 2048, torch.bfloat16, device="cuda", seed=14)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)  # skipped: still the open replay's values
+    gate.fill_(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemm(x, w, config))
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
