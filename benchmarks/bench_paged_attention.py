@@ -5,8 +5,9 @@ sequence of a cell has the same context; blocks are shuffled over the pool. Time
 ms: `triton` with triton.testing.do_bench (eager, includes the Python launch), `graph` with
 do_bench_cudagraph (GPU time, as inside the engine's CUDA graphs), per num_splits; `torch` is
 the torch backend's math (gather K/V by slot, fp32 masked softmax). GB/s = K/V bytes read / best
-graph time; err = max |triton - torch| over the splits. --num-warps / --num-stages try other
-launch options (through the private `_launch`; `paged_attention` uses the defaults, 4 / 2).
+graph time; err = max |triton - torch| over the splits. --kernel / --block-n / --num-warps /
+--num-stages try other kernels and launch options (through the private `_launch`; by default
+the choices `paged_attention` makes).
 
     python benchmarks/bench_paged_attention.py                      # table + JSON to $OUT if set
     python benchmarks/bench_paged_attention.py --concurrency 8 --contexts 4096 --splits 1 4 16
@@ -75,7 +76,12 @@ def bench_cell(num_seqs, q_len, ctx, args, dtype, gen):
     row = {"num_seqs": num_seqs, "q_len": q_len, "context": ctx, "kv_bytes": kv_bytes}
 
     def run(splits):
-        tune = {"num_warps": args.num_warps, "num_stages": args.num_stages}
+        tune = {
+            "num_warps": args.num_warps,
+            "num_stages": args.num_stages,
+            "block_n": args.block_n,
+            "kernel": args.kernel,
+        }
         return lambda: _launch(
             q,
             k,
@@ -132,8 +138,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--num-warps", type=int, default=4, help="kernel launch option")
-    parser.add_argument("--num-stages", type=int, default=2, help="kernel launch option")
+    parser.add_argument("--num-warps", type=int, default=None, help="kernel launch option")
+    parser.add_argument("--num-stages", type=int, default=None, help="kernel launch option")
+    parser.add_argument("--block-n", type=int, default=None, help="keys per inner tile")
+    parser.add_argument(
+        "--kernel",
+        choices=("auto", "mma", "rows"),
+        default="auto",
+        help="tensor-core kernel, decode-rows kernel (MHA decode only), or the engine's choice",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default: $OUT/... when set)")
     args = parser.parse_args()
 
