@@ -10,6 +10,9 @@ Parts (each writes <part>.json under --out):
 - bench:   committed decode tok/s (DESIGN §9: from every request's first token to the last
            completion), 64-token prompts, 32 outputs, fixed depth, c = 1/8/64/256, plus eager,
            window sizes, adaptive exit (max_loops drawn from {2,3,4}), 1k prompts, Nanbeige.
+- adaptive: steady-state gain of per-request max_loops from {2,3,4}, 8x as many requests as
+           slots (refills and prefill between windows included in the traffic).
+- adaptive_lockstep: the decode path's gain alone (one cohort, equal traversals per request).
 - profile: torch.profiler over decode at c=8: GPU-busy share of the decode wall time.
 """
 
@@ -21,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -220,6 +224,46 @@ def adaptive() -> dict:
         }
         del llm
         torch.cuda.empty_cache()
+    return report
+
+
+def adaptive_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
+    """Adaptive-exit gain of the decode path alone: one cohort of requests whose depths d are
+    drawn from {2, 3, 4} and whose lengths make every request need the same traversals (128
+    after its first token: 128 / d tokens), so all slots decode from the first token to the
+    end together; no refills, no prefill, no stragglers. Against the same cohort at fixed
+    depth 4 (32 tokens each), the ideal gain is the ratio of tokens per traversal; what is
+    measured includes what early exits cost (exit copies, the lm_head in more traversals)."""
+    report = {}
+    for slots in slot_counts:
+        llm = _engine(OURO, max_num_seqs=slots)
+        draw = random.Random(3)
+        depths = [draw.choice((2, 3, 4)) for _ in range(slots)]
+        tokens = [round(128 / d) for d in depths]  # committed tokens (after the first)
+        rng = random.Random(2)
+        prompts = [[rng.randrange(3, 49152) for _ in range(64)] for _ in range(slots)]
+        fixed = [SamplingParams(max_tokens=33, ignore_eos=True) for _ in range(slots)]
+        adapt = [
+            SamplingParams(max_tokens=n + 1, ignore_eos=True, max_loops=d)
+            for n, d in zip(tokens, depths, strict=True)
+        ]
+        rates = {}
+        for label, params in (("fixed", fixed), ("adaptive", adapt)):
+            decode_rate(llm, prompts, params)  # warm-up: its graph variants captured
+            runs = [decode_rate(llm, prompts, params)["decode_tok_s"] for _ in range(3)]
+            rates[label] = {"median": statistics.median(runs), "runs": runs}
+        traversals = max(n * d for n, d in zip(tokens, depths, strict=True))
+        theory = (sum(tokens) / traversals) / (32 * slots / 128)
+        gain = rates["adaptive"]["median"] / rates["fixed"]["median"]
+        report[f"slots{slots}"] = {
+            **rates,
+            "depths": dict(sorted(Counter(depths).items())),
+            "theoretical_gain": theory,
+            "measured_gain": gain,
+            "share_of_loop_savings": (gain - 1) / (theory - 1),
+        }
+        print(json.dumps({f"slots{slots}": report[f"slots{slots}"]}), flush=True)
+        del llm
     return report
 
 

@@ -114,6 +114,12 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused_act and self.small_gemm:  # the GEMM and the activation in one launch
+            from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
+
+            act = gate_up_silu(x, self.gate_up)
+            if act is not None:
+                return project(act, self.down_proj.weight, True)
         gate_up = project(x, self.gate_up, self.small_gemm)
         if self.fused_act:
             from rlt_engine.kernels.swiglu import silu_mul
