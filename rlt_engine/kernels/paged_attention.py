@@ -1,15 +1,20 @@
 """Triton paged attention over the depth-aware paged KV cache (docs/kv-cache.md).
 
-One kernel serves decode rows and prefill chunks. A program owns one (sequence, tile of BLOCK_Q
-queries, kv head, split) and processes every query head of that kv head's GQA group together:
-its BLOCK_M rows are (query, head-in-group) pairs, row r = query r // GROUP, head r % GROUP. It
-walks the keys the tile can see in tiles of BLOCK_N positions; each key position is resolved
-through the sequence's block table (slot = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos %
-BLOCK_SIZE), so the key tile is independent of the cache block size and every block size >= 1
+The tensor-core kernel serves decode rows and prefill chunks. A program owns one (sequence, tile
+of BLOCK_Q queries, kv head, split) and processes every query head of that kv head's GQA group
+together: its BLOCK_M rows are (query, head-in-group) pairs, row r = query r // GROUP, head r %
+GROUP. It walks the keys the tile can see in tiles of BLOCK_N positions; each key position is
+resolved through the sequence's block table (slot = table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos
+% BLOCK_SIZE), so the key tile is independent of the cache block size and every block size >= 1
 works, powers of two or not. Each K/V row read is head_dim contiguous elements (vector loads),
 read once per (sequence, query tile, kv head, split). Softmax is online in fp32 (base-2 with the
 scale folded into log2(e)); masked keys never touch memory, so padding table entries and unused
 slots may hold anything.
+
+The rows kernel serves many short decode rows of MHA (one kv head per head), where a query
+row in a tensor-core tile would be 15/16 padding: a program (one warp) owns one (sequence, head,
+split) and does the scores and P @ V as fp32 register reductions over [BLOCK_N, d] tiles, with
+the same table walk, masking and split-K partials. `auto` picks between them by `_rows_wins`.
 
 Split-K (num_splits > 1): the key tiles of a program's range are cut into num_splits contiguous
 parts on the device (from seq_lens), each program writes its unnormalised partial (acc, max, sum)
@@ -202,75 +207,57 @@ def _launch(
     )
     if rows_kernel and (max_query_len != 1 or group != 1):
         raise ValueError("the rows kernel runs decode rows (max_query_len 1) of MHA (group 1)")
-    if rows_kernel:
-        rows_block_n, warps, stages = _rows_tiles(num_seqs * num_heads, row_bytes)
-        with _on_device(q.device):
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        out,
+        ws_acc,
+        ws_m,
+        ws_l,
+        block_tables,
+        seq_lens,
+        query_start,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        num_heads,
+    )
+    shapes = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": block_d,
+        "BLOCK_SIZE": block_size,
+        "NUM_SPLITS": num_splits,
+    }
+    with _on_device(q.device):
+        if rows_kernel:
+            rows_block_n, warps, stages = _rows_tiles(row_bytes)
             _kernel(_decode_rows_kernel, interpret)[(num_seqs, num_heads, num_splits)](
-                q,
-                k_cache,
-                v_cache,
-                out,
-                ws_acc,
-                ws_m,
-                ws_l,
-                block_tables,
-                seq_lens,
-                query_start,
-                scale * _LOG2E,
-                q.stride(0),
-                q.stride(1),
-                out.stride(0),
-                out.stride(1),
-                k_cache.stride(0),
-                k_cache.stride(1),
-                v_cache.stride(0),
-                v_cache.stride(1),
-                block_tables.stride(0),
-                block_tables.shape[1],
-                num_heads,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_SIZE=block_size,
+                *args,
+                **shapes,
                 BLOCK_N=block_n_override or rows_block_n,
-                NUM_SPLITS=num_splits,
                 num_warps=num_warps or warps,
                 num_stages=num_stages or stages,
             )
-    else:
-        attn = _kernel(_paged_attention_kernel, interpret)
-        with _on_device(q.device):
-            attn[(num_seqs * q_tiles, num_kv_heads, num_splits)](
-                q,
-                k_cache,
-                v_cache,
-                out,
-                ws_acc,
-                ws_m,
-                ws_l,
-                block_tables,
-                seq_lens,
-                query_start,
-                scale * _LOG2E,
-                q.stride(0),
-                q.stride(1),
-                out.stride(0),
-                out.stride(1),
-                k_cache.stride(0),
-                k_cache.stride(1),
-                v_cache.stride(0),
-                v_cache.stride(1),
-                block_tables.stride(0),
-                block_tables.shape[1],
-                num_heads,
+        else:
+            _kernel(_paged_attention_kernel, interpret)[
+                (num_seqs * q_tiles, num_kv_heads, num_splits)
+            ](
+                *args,
                 q_tiles,
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_SIZE=block_size,
+                **shapes,
                 GROUP=group,
                 BLOCK_Q=block_q,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
-                NUM_SPLITS=num_splits,
                 PRECISION=precision,
                 UPCAST=interpret and q.dtype == torch.bfloat16,
                 num_warps=num_warps or 4,
@@ -307,10 +294,10 @@ def _rows_wins(programs: int, num_splits: int, long_context: bool) -> bool:
     return programs >= 512 and num_splits == 1 and not long_context
 
 
-def _rows_tiles(programs: int, row_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the rows kernel for `programs` (sequence, head)
-    pairs and K/V rows of `row_bytes`: one warp per program was best at every measured shape
-    (more programs resident per SM, more loads in flight)."""
+def _rows_tiles(row_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the rows kernel for K/V rows of `row_bytes`: one
+    warp per program was best at every measured shape (more programs resident per SM, more
+    loads in flight)."""
     block_n = max(16, min(32, 32 * 256 // row_bytes))
     return block_n, 1, 2
 
