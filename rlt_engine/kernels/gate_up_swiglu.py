@@ -20,12 +20,14 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import small_gemm as _gemm
 from rlt_engine.kernels import swiglu as _swiglu
 
 __all__ = ["gate_up_silu"]
 
-triton = tl = libdevice = round_bf16 = None  # set by _import_triton(); read by the kernel
+# set by _import_triton(); read by the kernel
+triton = tl = libdevice = round_bf16 = prefetch_l2 = None
 
 
 def gate_up_silu(
@@ -56,6 +58,8 @@ def gate_up_silu(
     interpret = _gemm._ready(x.device)
     _import_triton()
     half = config.block_n // 2
+    pdl = _pdl.enabled(x.device)
+    prefetch_k = _pdl.prefetch_k(2 * n, 1, k, config.block_k, x.element_size()) if pdl else 0
     kernel = _pa._kernel(_gate_up_silu_kernel, interpret)
     with _pa._on_device(x.device):
         kernel[(triton.cdiv(n, half),)](
@@ -66,6 +70,7 @@ def gate_up_silu(
             n,
             k,
             x2.stride(0),
+            prefetch_k,
             BLOCK_M=max(16, triton.next_power_of_2(m)),
             BLOCK_N=half,
             BLOCK_K=config.block_k,
@@ -73,16 +78,21 @@ def gate_up_silu(
             EXACT=not interpret,
             UPCAST=interpret and x.dtype != torch.float32,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
+            PDL=pdl,
+            LINE=_pdl.LINE_BYTES // x.element_size(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            **_pdl.launch_options(pdl),
         )
     return out.view(*lead, n)
 
 
 def _import_triton() -> None:
-    global triton, tl, libdevice, round_bf16
+    global triton, tl, libdevice, round_bf16, prefetch_l2
     _swiglu._import_triton()
+    _pdl._import_triton()
     triton, tl, libdevice, round_bf16 = _pa.triton, _pa.tl, _swiglu.libdevice, _swiglu.round_bf16
+    prefetch_l2 = _pdl.prefetch_l2
 
 
 def _gate_up_silu_kernel(
@@ -93,6 +103,7 @@ def _gate_up_silu_kernel(
     N,  # I: columns of the activation (the packed weight has 2N rows)
     K,
     stride_xm,
+    prefetch_k,  # PDL: columns of its gate and up rows each program prefetches before the wait
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # gate rows (and as many up rows) per program
     BLOCK_K: tl.constexpr,
@@ -100,6 +111,8 @@ def _gate_up_silu_kernel(
     EXACT: tl.constexpr,  # libdevice expf + IEEE division, as torch's CUDA silu
     UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
     ROUND_BF16: tl.constexpr,  # interpreter: its fp32->bf16 conversion truncates
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    LINE: tl.constexpr,  # elements per 128-byte line (PDL's prefetch)
 ):
     rows = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_M)
@@ -108,6 +121,12 @@ def _gate_up_silu_kernel(
     m_ok = cols < M
     gate_tile = w_ptr + n0.to(tl.int64) * K
     up_tile = w_ptr + (N + n0).to(tl.int64) * K
+    if PDL:  # the weights depend on no kernel: start their stream, then wait (kernels/pdl.py)
+        k_end = tl.minimum(prefetch_k, K)
+        prefetch_l2(gate_tile, rows, n_ok, K, 0, k_end, BLOCK_K, LINE)
+        prefetch_l2(up_tile, rows, n_ok, K, 0, k_end, BLOCK_K, LINE)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
@@ -124,6 +125,7 @@ def _launch(
     if num_warps is None:
         num_warps = num_warps_for(block)
     kernel = _pa._kernel(_rms_norm_kernel, interpret)
+    pdl = _pdl.enabled(x.device)
     with _pa._on_device(x.device):
         kernel[(rows,)](
             x2,
@@ -140,7 +142,9 @@ def _launch(
             HAS_RESIDUAL=res2 is not None,
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
+            PDL=pdl,
             num_warps=num_warps,
+            **_pdl.launch_options(pdl),
         )
     return out
 
@@ -189,10 +193,14 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     o = normed_row(x, w, eps, INV_H, EXACT_MUL, ROUND_BF16)

@@ -23,6 +23,7 @@ import torch
 
 from rlt_engine.kernels import norm as _norm
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels.norm import rms_norm_reference, supported
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "supported"]
@@ -91,6 +92,7 @@ def add_rms_norm(
     interpret = _pa._interpreter_mode()
     block = triton.next_power_of_2(hidden)
     kernel = _pa._kernel(_add_rms_norm_kernel, interpret)
+    pdl = _pdl.enabled(y.device)
     with _pa._on_device(y.device):
         kernel[(rows,)](
             y,
@@ -109,7 +111,9 @@ def add_rms_norm(
             NORM_Y=len(weights) == 2,
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
+            PDL=pdl,
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
+            **_pdl.launch_options(pdl),
         )
     return x, h
 
@@ -143,10 +147,14 @@ def _add_rms_norm_kernel(
     NORM_Y: tl.constexpr,  # x = residual + norm(y) (else residual + y)
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
     r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
     if NORM_Y:

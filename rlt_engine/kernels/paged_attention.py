@@ -37,6 +37,8 @@ import os
 
 import torch
 
+from rlt_engine.kernels import pdl as _pdl
+
 triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
 
 _LOG2E = 1.4426950408889634
@@ -169,6 +171,7 @@ def _launch(
     if not ok:
         raise RuntimeError(f"Triton paged attention cannot run on {q.device}: {why}")
     interpret = _interpreter_mode()
+    pdl = _pdl.enabled(q.device)
 
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -236,6 +239,7 @@ def _launch(
         "BLOCK_D": block_d,
         "BLOCK_SIZE": block_size,
         "NUM_SPLITS": num_splits,
+        "PDL": pdl,
     }
     with _on_device(q.device):
         if rows_kernel:
@@ -246,6 +250,7 @@ def _launch(
                 BLOCK_N=block_n_override or rows_block_n,
                 num_warps=num_warps or warps,
                 num_stages=num_stages or stages,
+                **_pdl.launch_options(pdl),
             )
         else:
             _kernel(_paged_attention_kernel, interpret)[
@@ -262,6 +267,7 @@ def _launch(
                 UPCAST=interpret and q.dtype == torch.bfloat16,
                 num_warps=num_warps or 4,
                 num_stages=num_stages or 2,
+                **_pdl.launch_options(pdl),
             )
     if num_splits > 1:
         with _on_device(q.device):
@@ -467,7 +473,11 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32 (the triton 3.6 interpreter's tl.dot mishandles bf16)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0) // q_tiles
     q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
     kv_head = tl.program_id(1)
@@ -591,11 +601,15 @@ def _decode_rows_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Decode rows of multi-head attention (one query per sequence, one kv head per head):
     a program owns one (sequence, head, split). With a single query row a tensor-core tile
     would be 15/16 padding, so scores and P @ V are register reductions over [BLOCK_N, d]
     tiles in fp32 (no shared memory: many programs per SM to keep loads in flight)."""
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
@@ -77,6 +78,7 @@ def _launch(
     if block_h is None:  # ~1024 elements per half tile: Ouro 16 + 16 + 16 heads -> 3 programs
         block_h = max(1, min(triton.next_power_of_2(total), 1024 // block_half))
     kernel = _pa._kernel(_rope_kv_write_kernel, interpret)
+    pdl = _pdl.enabled(q.device)
     with _pa._on_device(q.device):
         kernel[(rows, triton.cdiv(total, block_h))](
             q,
@@ -102,7 +104,9 @@ def _launch(
             BLOCK_H=block_h,
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and q.dtype == torch.bfloat16,
+            PDL=pdl,
             num_warps=num_warps,
+            **_pdl.launch_options(pdl),
         )
 
 
@@ -182,7 +186,11 @@ def _rope_kv_write_kernel(
     BLOCK_H: tl.constexpr,  # heads per program
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
 
@@ -55,13 +56,18 @@ __all__ = [
     "table_key",
 ]
 
-# set by _import_triton(); the kernel's body reads the module globals `tl` and `round_bf16`
-triton = tl = round_bf16 = None
+# set by _import_triton(); the kernel's body reads the module globals `tl`, `round_bf16` and
+# `prefetch_l2`
+triton = tl = round_bf16 = prefetch_l2 = None
 
 MAX_M = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
-_DISABLED = os.environ.get("RLT_SMALL_GEMM", "1") == "0"  # A/B switch for benchmarks
+# A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's Triton
+# config wherever it has one (also where its entry says cuBLAS is a little faster)
+_MODE = os.environ.get("RLT_SMALL_GEMM", "1")
+_DISABLED = _MODE == "0"
+_PREFER_TRITON = _MODE == "triton"
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ def choose(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> GemmConfig 
     if m > MAX_M or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return None
     entries = _table_for(x.device)
-    return None if entries is None else lookup(entries, n, k, m, x.dtype, gated)
+    return None if entries is None else lookup(entries, n, k, m, x.dtype, gated or _PREFER_TRITON)
 
 
 def lookup(
@@ -200,6 +206,11 @@ def gemm(
         counters = _counters(x.device)
     else:
         workspace = counters = out  # unused
+    pdl = _pdl.enabled(x.device)
+    # a gated launch does not prefetch: where the gate is zero those bytes would be wasted
+    prefetch_k = 0
+    if pdl and gate is None:
+        prefetch_k = _pdl.prefetch_k(n, splits, k_per_split, bk, x.element_size())
     kernel = _compiled(interpret)
     with _pa._on_device(x.device):
         kernel[(n_tiles, splits)](
@@ -215,6 +226,7 @@ def gemm(
             x2.stride(0),
             out.stride(0),
             k_per_split,
+            prefetch_k,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_K=bk,
@@ -224,8 +236,11 @@ def gemm(
             EVEN_K=k % bk == 0,
             UPCAST=interpret and x.dtype != torch.float32,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
+            PDL=pdl,
+            LINE=_pdl.LINE_BYTES // x.element_size(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            **_pdl.launch_options(pdl),
         )
     return out.view(*lead, n)
 
@@ -273,9 +288,10 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16
+    global triton, tl, round_bf16, prefetch_l2
     _rope._import_triton()
-    triton, tl, round_bf16 = _pa.triton, _pa.tl, _rope.round_bf16
+    _pdl._import_triton()
+    triton, tl, round_bf16, prefetch_l2 = _pa.triton, _pa.tl, _rope.round_bf16, _pdl.prefetch_l2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,6 +312,7 @@ def _small_gemm_kernel(
     stride_xm,
     stride_om,
     k_per_split,  # a multiple of BLOCK_K
+    prefetch_k,  # PDL: columns of its weight rows each program prefetches before the wait
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -305,10 +322,9 @@ def _small_gemm_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    LINE: tl.constexpr,  # elements per 128-byte line (PDL's prefetch)
 ):
-    if GATED:  # noqa: SIM102  (a constexpr test, then a runtime one)
-        if tl.load(gate_ptr) == 0:  # every program of every split returns: counters stay 0
-            return
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -320,6 +336,13 @@ def _small_gemm_kernel(
     w_tile = w_ptr + n0.to(tl.int64) * K  # 64-bit base: N * K may pass 2^31 (int32 in-tile)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:  # the weights depend on no kernel: start their stream, then wait (kernels/pdl.py)
+        prefetch_l2(w_tile, rows, n_ok, K, k_lo, tl.minimum(k_lo + prefetch_k, k_hi), BLOCK_K, LINE)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if GATED:  # noqa: SIM102  (a constexpr test, then a runtime one)
+        if tl.load(gate_ptr) == 0:  # every program of every split returns: counters stay 0
+            return
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)

@@ -1,0 +1,93 @@
+"""Programmatic dependent launch (PDL) for the decode traversal's Triton kernels (sm_90+).
+
+A decode traversal is ~200 short kernels in a row. Between two of them the GPU idles for the
+launch, and each weight GEMM then ramps its stream up from nothing: the Ouro o_proj reads 8 MB
+in 6.3 us where the copy rate would take 2. With PDL (CUDA's programmatic stream
+serialization) a kernel's programs are placed on the SMs while its predecessor still runs; they
+do what needs nothing from it (the GEMMs ask L2 to prefetch their first weight tiles), then
+wait until the predecessor has completed and its writes are visible, and only then release
+their own successor and compute. The weight stream thus continues through the small kernels
+(norms, RoPE, attention) that sit between the GEMMs.
+
+The protocol every kernel launched with PDL keeps, which is what keeps it exact:
+- nothing another kernel writes is read, and nothing is written, before `gdc_wait`;
+- every program executes `gdc_wait`, even one that returns early (a gated GEMM): a kernel then
+  completes only after its predecessor has, so completion stays transitive down the chain;
+- successors are released (`gdc_launch_dependents`) only after the wait: at most one kernel
+  runs ahead, so prefetches do not pile up in L2.
+Kernels launched without PDL (cuBLAS, torch's) keep full stream order on both sides. The
+arithmetic is unchanged, so outputs are the same bits with PDL on or off.
+
+On CUDA devices of compute capability >= 9 only (never under the interpreter, which runs on
+CPU tensors); RLT_PDL=0 turns it off for A/B runs. CUDA-graph capture keeps the programmatic
+edges (CUDA >= 12.3). RLT_PDL_PREFETCH_MB sets the L2 prefetch budget of one GEMM launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["enabled", "launch_options", "prefetch_k"]
+
+_DISABLED = os.environ.get("RLT_PDL", "1") == "0"
+# bytes of weight one GEMM launch prefetches into L2 before its wait. Measured on the H200
+# (benchmarks/results/2026-12-01-pdl-h200.md): 2 MB is best; 16-40 MB lose to none at all (the
+# predecessor's own weight stream evicts the lines before they are used)
+PREFETCH_BYTES = int(float(os.environ.get("RLT_PDL_PREFETCH_MB", "2")) * (1 << 20))
+LINE_BYTES = 128  # one L2 prefetch request per 128-byte line
+
+_CAPABLE: dict[int, bool] = {}
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (and compile their PDL branch)."""
+    if _DISABLED or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+def launch_options(on: bool) -> dict[str, bool]:
+    """Extra launch keywords for a Triton kernel launched with PDL `on`."""
+    return {"launch_pdl": True} if on else {}
+
+
+def prefetch_k(n_rows: int, programs_per_row: int, k_range: int, block_k: int, elt: int) -> int:
+    """Columns (a multiple of block_k, at most k_range) each program of a GEMM over `n_rows`
+    weight rows prefetches: PREFETCH_BYTES spread over the launch, at least one K tile."""
+    if PREFETCH_BYTES <= 0:
+        return 0
+    per_program = PREFETCH_BYTES // max(1, n_rows * programs_per_row * elt)
+    return min(k_range, max(block_k, per_program // block_k * block_k))
+
+
+# the @jit form of _prefetch_l2, set by _import_triton()
+prefetch_l2 = None
+tl = None
+
+
+def _import_triton() -> None:
+    global prefetch_l2, tl
+    from rlt_engine.kernels import paged_attention as _pa
+
+    _pa._import_triton()
+    tl = _pa.tl
+    if prefetch_l2 is None:
+        prefetch_l2 = _pa._kernel(_prefetch_l2, _pa._interpreter_mode())
+
+
+def _prefetch_l2(tile_ptr, rows, row_ok, K, k_lo, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for the weight lines of rows `rows` (those with row_ok) of a row-major [*, K]
+    tile at `tile_ptr`, columns [k_lo, k_end): one fire-and-forget request per LINE elements.
+    Compiled (PDL) only: the interpreter has no inline assembly."""
+    for k0 in range(k_lo, k_end, BLOCK_K):
+        lines = k0 + tl.arange(0, BLOCK_K // LINE) * LINE
+        ptrs = tile_ptr + rows[:, None] * K + lines[None, :]
+        ptrs = tl.where(row_ok[:, None] & (lines < k_end)[None, :], ptrs, tile_ptr)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
