@@ -45,3 +45,36 @@ def test_cuda_single_row_with_early_exits_matches_cpu(tiny_ouro_dir):
     """A batch of one with early exits: its exit copies pass one source slot repeated for each
     deeper plane (a stride-0 view the K/V copy kernel once read past)."""
     assert _one_row(tiny_ouro_dir, "cuda") == _one_row(tiny_ouro_dir, "cpu")
+
+
+@pytest.mark.parametrize("refill", [True, False])
+def test_cuda_fused_row_bookkeeping_equals_the_torch_path(tiny_ouro_dir, monkeypatch, refill):
+    """kernels/slot_step (prepare, exit rule, advance) and the gated greedy argmax, compiled and
+    graph-replayed, against their torch references on the same CUDA engine, in fp32: tokens,
+    exit depths, stop-id and max_tokens finishes, adaptive exits with LAST_EXITED copies."""
+    from rlt_engine.kernels import slot_step
+
+    prompts = [[(5 * i + j) % 400 + 3 for j in range(4 + 5 * i)] for i in range(7)]
+
+    def params(stops):
+        return [
+            SamplingParams(
+                max_tokens=6 + 3 * i, exit_threshold=(1.0, 0.6, 0.3)[i % 3],
+                min_loops=1 + i % 2, stop_token_ids=stops if i % 2 else None, ignore_eos=True,
+            )
+            for i in range(len(prompts))
+        ]  # fmt: skip
+
+    def run(mode, stops):
+        monkeypatch.setattr(slot_step, "_MODE", mode)
+        llm = LLM(str(tiny_ouro_dir), dtype="float32", device="cuda", block_size=4, refill=refill)
+        assert llm.engine.runner.traversal.fused == (mode == "1")
+        outs = llm.generate(prompts, params(stops))
+        assert llm.engine.blocks.num_used == 0
+        return [(o.token_ids, o.exit_depths, o.finish_reason) for o in outs]
+
+    plain = run("0", None)
+    stops = [plain[1][0][2], plain[3][0][4]]  # tokens these requests make: they stop early
+    fused, reference = run("1", stops), run("0", stops)
+    assert fused == reference
+    assert {reason for _, _, reason in reference} == {"stop", "length"}

@@ -169,6 +169,7 @@ def sample(
     any_random: bool,
     any_filter: bool,
     num_logprobs: int | None,
+    gate: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Sample one token per row of `logits` [rows, vocab] (any float dtype; fp32 inside).
 
@@ -177,7 +178,15 @@ def sample(
     top-k / top-p; num_logprobs=None returns no logprobs, 0 only the chosen token's, n also the
     top n (ids and logprobs of log_softmax of the raw fp32 logits, temperature not applied).
     Rows with temperature 0 are greedy in every variant; greedy equals `logits.float().argmax(-1)`.
+
+    `gate` (the fused decode path, Triton backends only): a one-element device tensor. The
+    greedy-only variant then takes the argmax with kernels/argmax, which a zero gate skips
+    (no row needs a token: the tokens are undefined).
     """
+    if gate is not None and not any_random and num_logprobs is None:
+        from rlt_engine.kernels.argmax import argmax_rows
+
+        return SampleOutput(argmax_rows(logits, gate), None, None, None)
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if any_random:

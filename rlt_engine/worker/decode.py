@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlt_engine.kernels import slot_step
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import PagedKVCache, PagedMetadata
 from rlt_engine.worker.batched_sampler import SamplingTensors, sample
@@ -57,10 +58,15 @@ class DecodeTraversal:
         *,
         refill: bool,
         shared: bool,
+        fused: bool = False,
     ) -> None:
         self.model, self.kv, self.s, self.ev = model, kv, slots, events
         self.depth = model.num_loops
         self.refill, self.shared = refill, shared
+        # the rows' bookkeeping (prepare, exit rule, advance) as three Triton launches and
+        # greedy draws through the gated argmax, instead of ~50 torch kernels
+        # (kernels/slot_step.py, whose torch references run otherwise)
+        self.fused = fused
         device = slots.device
         self.query_start = torch.arange(slots.num_slots + 1, dtype=torch.int32, device=device)
         self.deeper = torch.arange(1, self.depth, device=device)  # planes an exit may copy to
@@ -76,67 +82,69 @@ class DecodeTraversal:
         if not self.refill:  # the cohort starts together once everyone has exited
             release = (parked | ~active).all()
             parked.logical_and_(~release)
-        run = active & ~parked
         loop, pos = s.loop[:b], s.position[:b]
-        embedded = self.model.prelude(s.token[:b])
-        x = torch.where((loop == 0)[:, None], embedded, s.hidden[:b])
-        plane = torch.zeros_like(loop) if self.shared else loop
-        width = s.max_blocks
-        tables = s.block_tables[:b].gather(1, plane[:, None, None].expand(b, 1, width))[:, 0]
-        # an idle row's position may sit one past its tables (its last token never runs):
-        # clamp so the gather stays in bounds; such rows write only the trash slot
-        block, offset = (pos // bs).clamp(max=width - 1), pos % bs
-        own = tables.gather(1, block[:, None])[:, 0].long() * bs + offset
-        slot_mapping = torch.where(run, own, trash)
+        prepare = slot_step.prepare if self.fused else slot_step.prepare_reference
+        rows = prepare(
+            loop, pos, active, parked, self.model.prelude(s.token[:b]), s.hidden[:b],
+            s.block_tables[:b], bs, trash, self.shared,
+        )  # fmt: skip
+        run, block, offset, slot_mapping = rows.run, rows.block, rows.offset, rows.slot_mapping
         meta = PagedMetadata(
             positions=pos,
             loop_indices=loop,
             slot_mapping=slot_mapping,
-            block_tables=tables,
-            seq_lens=(pos + 1).to(torch.int32),
+            block_tables=rows.tables,
+            seq_lens=rows.seq_lens,
             query_start=self.query_start[: b + 1],
             max_query_len=1,
             max_seq_len=self.max_seq_len,
         )
-        out = self.model.recurrent(x, meta, self.kv)
-        done = loop + 1
-        exits = done >= s.max_loops[:b]
-        remaining = s.remaining[:b]
-        if out.hazard is not None:
-            # f32 exactly as ExitTracker: R = R * (1 - h); exit when 1 - R >= threshold
-            remaining = remaining * (1.0 - out.hazard)
-            # (a threshold of 1 is stored as 2: fixed depth never exits early)
-            early = (done >= s.min_loops[:b]) & (1.0 - remaining >= s.threshold[:b])
-            exits = exits | early
-        exits = exits & run
+        out = self.model.recurrent(rows.x, meta, self.kv)
+        exits, remaining, gate = self._exit_rule(b, out.hazard, loop)
         drawn = sample(
             # a traversal in which no row exits (most of them at fixed depth in lockstep)
             # skips the lm_head's weight read; its draws are then never recorded or used
-            self.model.coda(out.hidden, gate=exits.any()),
+            self.model.coda(out.hidden, gate=gate),
             SamplingTensors(
                 s.temperature[:b], s.top_k[:b], s.top_p[:b], s.seed[:b], s.generated[:b]
             ),
             any_random=flags.any_random,
             any_filter=flags.any_filter,
             num_logprobs=flags.num_logprobs,
+            gate=gate if self.fused else None,
         )
         if flags.early_exits and not self.shared and self.depth > 1:
             self._exit_copies(b, exits, loop, block, offset, slot_mapping)
-        self._record(b, exits, done, drawn)
         if self.trace is not None:
             self.trace.append((loop.tolist(), run.tolist(), exits.tolist()))
-        # advance every running row; rows that exited start their next token at loop 0
-        s.hidden[:b] = torch.where(run[:, None], out.hidden, s.hidden[:b])
-        s.token[:b] = torch.where(exits, drawn.token, s.token[:b])
-        s.loop[:b] = torch.where(exits, 0, torch.where(run, done, loop))
-        s.remaining[:b] = torch.where(exits, 1.0, torch.where(run, remaining, s.remaining[:b]))
-        s.position[:b] += exits
-        generated = s.generated[:b] + exits
-        s.generated[:b] = generated
-        finished = exits & s.finishes(slice(0, b), drawn.token, generated)
-        active.logical_and_(~finished)
-        if not self.refill:
-            parked.logical_or_(exits)
+        self._record_logprobs(b, drawn)
+        self._advance(b, exits, remaining, drawn, out.hidden)
+        self.ev.step.add_(1)  # the next traversal writes the next row of the event buffers
+
+    def _exit_rule(
+        self, b: int, hazard: torch.Tensor | None, loop: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(exits, the new exit mass, the lm_head gate) of rows [0, b)."""
+        s = self.s
+        rule = slot_step.exit_rule if self.fused else slot_step.exit_rule_reference
+        return rule(
+            loop, s.active[:b], s.parked[:b], s.remaining[:b], hazard,
+            s.min_loops[:b], s.max_loops[:b], s.threshold[:b],
+        )  # fmt: skip
+
+    def _advance(
+        self, b: int, exits: torch.Tensor, remaining: torch.Tensor, drawn, hidden: torch.Tensor
+    ) -> None:
+        """Row `step` of the token and depth events, then every running row one loop on;
+        rows that exited start their next token at loop 0 (or finish)."""
+        s, ev = self.s, self.ev
+        advance = slot_step.advance if self.fused else slot_step.advance_reference
+        rows = slot_step.Rows(
+            s.token[:b], s.hidden[:b], s.loop[:b], s.remaining[:b], s.position[:b],
+            s.generated[:b], s.active[:b], s.parked[:b], s.max_tokens[:b], s.stop_ids[:b],
+        )  # fmt: skip
+        events = slot_step.Events(ev.token, ev.depth, ev.step)
+        advance(exits, drawn.token, remaining, hidden, rows, events, self.refill)
 
     def _exit_copies(self, b, exits, loop, block, offset, src) -> None:
         """LAST_EXITED: a token that exits after loop e lends its K/V (every layer) to each
@@ -148,19 +156,14 @@ class DecodeTraversal:
         dst = torch.where(wanted, dst_own, self.kv.trash_slot)
         self.kv.copy_slots(src[:, None].expand_as(dst).flatten(), dst.flatten())
 
-    def _record(self, b, exits, done, drawn) -> None:
-        """Row `step` of the event buffers (a device counter: no host index in the graph)."""
+    def _record_logprobs(self, b: int, drawn) -> None:
+        """Row `step` of the logprob event buffers (a device counter: no host index in the
+        graph); the token and depth events are written by the advance."""
+        if drawn.logprob is None:
+            return
         ev, t = self.ev, self.ev.step
-
-        def put(buffer: torch.Tensor, values: torch.Tensor) -> None:
-            buffer[:, :b].index_copy_(0, t, values[None])
-
-        put(ev.token, torch.where(exits, drawn.token, -1))
-        put(ev.depth, done)
-        if drawn.logprob is not None:
-            put(ev.logprob, drawn.logprob)
-            n = drawn.top_ids.shape[1]
-            if n:
-                ev.top_ids[:, :b, :n].index_copy_(0, t, drawn.top_ids[None])
-                ev.top_logprobs[:, :b, :n].index_copy_(0, t, drawn.top_logprobs[None])
-        ev.step.add_(1)
+        ev.logprob[:, :b].index_copy_(0, t, drawn.logprob[None])
+        n = drawn.top_ids.shape[1]
+        if n:
+            ev.top_ids[:, :b, :n].index_copy_(0, t, drawn.top_ids[None])
+            ev.top_logprobs[:, :b, :n].index_copy_(0, t, drawn.top_logprobs[None])

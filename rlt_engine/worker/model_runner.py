@@ -29,6 +29,7 @@ from rlt_engine.core.plan import (
     SwapOut,
     TokenEvent,
 )
+from rlt_engine.kernels import slot_step
 from rlt_engine.kernels.paged_attention import LONG_CONTEXT
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import TritonPagedAttention, attention_backend
@@ -98,10 +99,17 @@ class ModelRunner:
             num_slots, num_planes, max_blocks, cfg.hidden_size, self.dtype, self.device
         )
         self.events = EventBuffers(execution.decode_window, num_slots, MAX_LOGPROBS, self.device)
+        triton = isinstance(self.kv, TritonPagedAttention)
         self.traversal = DecodeTraversal(
-            model, self.kv, self.slots, self.events, refill=refill, shared=self.shared
+            model,
+            self.kv,
+            self.slots,
+            self.events,
+            refill=refill,
+            shared=self.shared,
+            fused=triton and slot_step.enabled(self.device),
         )
-        if isinstance(self.kv, TritonPagedAttention):
+        if triton:
             model.use_fast_path()  # packed weights, fused norm and RoPE kernels
         capturable = isinstance(self.kv, TritonPagedAttention) and self.device.type == "cuda"
         self.graphs = (

@@ -1,0 +1,515 @@
+"""A decode traversal's per-row bookkeeping in three Triton launches instead of ~50 torch
+kernels.
+
+Around the layer stack, a traversal prepares each row's inputs, and afterwards decides which
+rows exit (the fp32 exit rule), runs the lm_head and the sampler, and advances every row's
+state. In torch that is ~50 tiny elementwise, gather and copy kernels per traversal, 1-4 us each
+on the H200 and serialised: ~80 us of a ~1.4 ms traversal at c=8. Here:
+
+- `prepare` (one program per row): run = active & ~parked; the layer input (the embedded token
+  at loop 0, else the hidden state); the row's block table in the plane it reads (its loop's,
+  or plane 0 with SHARED KV); the slot its K/V goes to (the trash slot for rows that do not
+  run); seq_lens; the position's block and offset (for LAST_EXITED exit copies).
+- `exit_rule` (one program over all rows): done = loop + 1; exits where done reaches max_loops,
+  or (with a gate hazard) R' = R * (1 - h) in fp32 reaches 1 - R' >= threshold at
+  done >= min_loops; only running rows exit. Also writes the lm_head gate (one int32: any row
+  exits), which the caller passes to the coda.
+- `advance` (one program per row): the token event and depth at the window's row `step`, then
+  token / loop / remaining / position / generated, the finish test (a stop id, or max_tokens
+  reached) on active, parked (no refill) and the hidden state of running rows.
+
+Each has a torch reference (`*_reference`, what worker/decode.py runs off the Triton backend)
+with the same arithmetic: integer and boolean logic, and two fp32 operations rounded as torch
+rounds them (the product with mul.rn, so the compiler cannot fuse it into the subtraction after
+it). Rows are independent except for the gate. CUDA-graph capturable; launched with PDL where
+available (kernels/pdl.py). triton is imported lazily (see paged_attention).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from rlt_engine.kernels import paged_attention as _pa
+from rlt_engine.kernels import pdl as _pdl
+from rlt_engine.kernels.paged_attention import supported
+
+__all__ = [
+    "Events",
+    "Prepared",
+    "Rows",
+    "advance",
+    "advance_reference",
+    "enabled",
+    "exit_rule",
+    "exit_rule_reference",
+    "prepare",
+    "prepare_reference",
+    "supported",
+]
+
+triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
+
+# Not yet on by default on CUDA: the compiled kernels have passed only an offline sm_90 compile,
+# not the GPU suite. RLT_SLOT_STEP=1 turns them on there (A/B runs), =0 off everywhere.
+_MODE = os.environ.get("RLT_SLOT_STEP", "")
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the worker runs these kernels (on the Triton backend) on `device`."""
+    if _MODE == "0":
+        return False
+    return device.type != "cuda" or _MODE == "1"
+
+
+class Prepared(NamedTuple):
+    """A traversal's per-row inputs (see `prepare`)."""
+
+    x: torch.Tensor  # [b, H]: the embedded token at loop 0, else the hidden state
+    tables: torch.Tensor  # [b, width] int32: each row's block table in the plane it reads
+    slot_mapping: torch.Tensor  # [b] int64: the slot a running row writes (else trash)
+    seq_lens: torch.Tensor  # [b] int32: keys each row attends to (position + 1)
+    run: torch.Tensor  # [b] bool: active and not parked
+    block: torch.Tensor  # [b] int64: index of the position's block in the tables
+    offset: torch.Tensor  # [b] int64: the position's offset in that block
+
+
+class Rows(NamedTuple):
+    """Rows [0, b) of the slot state that `advance` updates in place (views of the worker's
+    slot batch; field order = the advance kernel's arguments)."""
+
+    token: torch.Tensor  # [b] int64
+    hidden: torch.Tensor  # [b, H], rows contiguous
+    loop: torch.Tensor  # [b] int64
+    remaining: torch.Tensor  # [b] fp32
+    position: torch.Tensor  # [b] int64
+    generated: torch.Tensor  # [b] int64
+    active: torch.Tensor  # [b] bool
+    parked: torch.Tensor  # [b] bool
+    max_tokens: torch.Tensor  # [b] int64
+    stop_ids: torch.Tensor  # [b, S] int64, rows contiguous (-1 = none)
+
+
+class Events(NamedTuple):
+    """A decode window's token and depth event buffers and its row counter."""
+
+    token: torch.Tensor  # [window, >= b] int64
+    depth: torch.Tensor  # [window, >= b] int64
+    step: torch.Tensor  # [1] int64: the row this traversal writes (read, not advanced)
+
+
+def prepare_reference(
+    loop: torch.Tensor,
+    position: torch.Tensor,
+    active: torch.Tensor,
+    parked: torch.Tensor,
+    embedded: torch.Tensor,
+    hidden: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    trash_slot: int,
+    shared: bool,
+) -> Prepared:
+    """The torch semantics of `prepare` (any device)."""
+    b, width = loop.shape[0], block_tables.shape[2]
+    run = active & ~parked
+    x = torch.where((loop == 0)[:, None], embedded, hidden)
+    plane = torch.zeros_like(loop) if shared else loop
+    tables = block_tables.gather(1, plane[:, None, None].expand(b, 1, width))[:, 0]
+    # an idle row's position may sit one past its tables (its last token never runs):
+    # clamp so the gather stays in bounds; such rows write only the trash slot
+    block, offset = (position // block_size).clamp(max=width - 1), position % block_size
+    own = tables.gather(1, block[:, None])[:, 0].long() * block_size + offset
+    slot_mapping = torch.where(run, own, trash_slot)
+    seq_lens = (position + 1).to(torch.int32)
+    return Prepared(x, tables, slot_mapping, seq_lens, run, block, offset)
+
+
+def prepare(
+    loop: torch.Tensor,
+    position: torch.Tensor,
+    active: torch.Tensor,
+    parked: torch.Tensor,
+    embedded: torch.Tensor,
+    hidden: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    trash_slot: int,
+    shared: bool,
+) -> Prepared:
+    """Rows [0, b) of the slot state before a traversal: loop / position int64 [b], active /
+    parked bool [b], embedded / hidden [b, H] (rows contiguous), block_tables int32
+    [b, planes, width] contiguous. One program per row; `prepare_reference` is the spec."""
+    b, width = loop.shape[0], block_tables.shape[2]
+    device = loop.device
+    out = Prepared(
+        torch.empty_like(hidden),
+        torch.empty((b, width), dtype=torch.int32, device=device),
+        torch.empty(b, dtype=torch.int64, device=device),
+        torch.empty(b, dtype=torch.int32, device=device),
+        torch.empty(b, dtype=torch.bool, device=device),
+        torch.empty(b, dtype=torch.int64, device=device),
+        torch.empty(b, dtype=torch.int64, device=device),
+    )
+    if b == 0:
+        return out
+    if not block_tables.is_contiguous() or embedded.stride(-1) != 1 or hidden.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous; embedded and hidden rows too")
+    interpret, pdl = _ready(device)
+    with _pa._on_device(device):
+        _pa._kernel(_prepare_kernel, interpret)[(b,)](
+            loop,
+            position,
+            active,
+            parked,
+            embedded,
+            hidden,
+            block_tables,
+            *out,
+            embedded.stride(0),
+            hidden.stride(0),
+            block_tables.stride(0),
+            block_tables.stride(1),
+            hidden.shape[1],
+            width,
+            block_size,
+            trash_slot,
+            BLOCK_H=triton.next_power_of_2(hidden.shape[1]),
+            BLOCK_W=min(1024, triton.next_power_of_2(width)),
+            SHARED=shared,
+            PDL=pdl,
+            num_warps=4,
+            **_pdl.launch_options(pdl),
+        )
+    return out
+
+
+def exit_rule_reference(
+    loop: torch.Tensor,
+    active: torch.Tensor,
+    parked: torch.Tensor,
+    remaining: torch.Tensor,
+    hazard: torch.Tensor | None,
+    min_loops: torch.Tensor,
+    max_loops: torch.Tensor,
+    threshold: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch semantics of `exit_rule` (any device); the gate is a bool tensor."""
+    run = active & ~parked
+    done = loop + 1
+    exits = done >= max_loops
+    if hazard is not None:
+        # f32 exactly as ExitTracker: R = R * (1 - h); exit when 1 - R >= threshold
+        remaining = remaining * (1.0 - hazard)
+        # (a threshold of 1 is stored as 2: fixed depth never exits early)
+        early = (done >= min_loops) & (1.0 - remaining >= threshold)
+        exits = exits | early
+    exits = exits & run
+    return exits, remaining, exits.any()
+
+
+def advance_reference(
+    exits: torch.Tensor,
+    drawn: torch.Tensor,
+    new_remaining: torch.Tensor,
+    new_hidden: torch.Tensor,
+    rows: Rows,
+    events: Events,
+    refill: bool,
+) -> None:
+    """The torch semantics of `advance` (any device), in place."""
+    r, b = rows, exits.shape[0]
+    run = r.active & ~r.parked
+    done = r.loop + 1
+    events.token[:, :b].index_copy_(0, events.step, torch.where(exits, drawn, -1)[None])
+    events.depth[:, :b].index_copy_(0, events.step, done[None])
+    r.hidden.copy_(torch.where(run[:, None], new_hidden, r.hidden))
+    r.token.copy_(torch.where(exits, drawn, r.token))
+    r.loop.copy_(torch.where(exits, 0, torch.where(run, done, r.loop)))
+    r.remaining.copy_(torch.where(exits, 1.0, torch.where(run, new_remaining, r.remaining)))
+    r.position.add_(exits)
+    r.generated.add_(exits)
+    # the host's rule (Scheduler._accept_token): a stop id, or max_tokens reached
+    stopped = (drawn[:, None] == r.stop_ids).any(dim=1)
+    r.active.logical_and_(~(exits & (stopped | (r.generated >= r.max_tokens))))
+    if not refill:
+        r.parked.logical_or_(exits)
+
+
+def exit_rule(
+    loop: torch.Tensor,
+    active: torch.Tensor,
+    parked: torch.Tensor,
+    remaining: torch.Tensor,
+    hazard: torch.Tensor | None,
+    min_loops: torch.Tensor,
+    max_loops: torch.Tensor,
+    threshold: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [0, b) of the slot state (loop, min/max_loops int64; active, parked bool;
+    remaining, threshold fp32; hazard fp32 [b] or None). Returns (exits bool [b], the new
+    exit mass fp32 [b] (`remaining` itself without a hazard), gate int32 [1]: 1 if any row
+    exits)."""
+    b = loop.shape[0]
+    device = loop.device
+    exits = torch.empty(b, dtype=torch.bool, device=device)
+    new_remaining = remaining if hazard is None else torch.empty_like(remaining)
+    gate = torch.empty(1, dtype=torch.int32, device=device)
+    interpret, pdl = _ready(device)
+    with _pa._on_device(device):
+        _pa._kernel(_exit_rule_kernel, interpret)[(1,)](
+            loop,
+            active,
+            parked,
+            remaining,
+            remaining if hazard is None else hazard,
+            min_loops,
+            max_loops,
+            threshold,
+            exits,
+            new_remaining,
+            gate,
+            b,
+            BLOCK=max(16, triton.next_power_of_2(b)),
+            HAS_HAZARD=hazard is not None,
+            EXACT_MUL=not interpret,
+            PDL=pdl,
+            num_warps=4,
+            **_pdl.launch_options(pdl),
+        )
+    return exits, new_remaining, gate
+
+
+def advance(
+    exits: torch.Tensor,
+    drawn: torch.Tensor,
+    new_remaining: torch.Tensor,
+    new_hidden: torch.Tensor,
+    rows: Rows,
+    events: Events,
+    refill: bool,
+) -> None:
+    """Advance `rows` in place after sampling (see the module docstring) and write this
+    traversal's token and depth events. exits [b] bool, drawn [b] int64 (the sampled tokens),
+    new_remaining fp32 [b] (from `exit_rule`), new_hidden [b, H] (the traversal's output)."""
+    b, width = rows.hidden.shape
+    if b == 0:
+        return
+    if new_hidden.stride(-1) != 1:
+        new_hidden = new_hidden.contiguous()
+    interpret, pdl = _ready(rows.hidden.device)
+    with _pa._on_device(rows.hidden.device):
+        _pa._kernel(_advance_kernel, interpret)[(b,)](
+            exits,
+            drawn,
+            new_remaining,
+            new_hidden,
+            *rows,
+            *events,
+            new_hidden.stride(0),
+            rows.hidden.stride(0),
+            rows.stop_ids.stride(0),
+            events.token.stride(0),
+            events.depth.stride(0),
+            width,
+            rows.stop_ids.shape[1],
+            BLOCK_H=triton.next_power_of_2(width),
+            BLOCK_S=max(2, triton.next_power_of_2(rows.stop_ids.shape[1])),
+            REFILL=refill,
+            PDL=pdl,
+            num_warps=4,
+            **_pdl.launch_options(pdl),
+        )
+
+
+def _ready(device: torch.device) -> tuple[bool, bool]:
+    ok, why = supported(device)
+    if not ok:
+        raise RuntimeError(f"Triton slot step cannot run on {device}: {why}")
+    _import_triton()
+    return _pa._interpreter_mode(), _pdl.enabled(device)
+
+
+def _import_triton() -> None:
+    global triton, tl
+    _pa._import_triton()
+    triton, tl = _pa.triton, _pa.tl
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (plain functions; see paged_attention._kernel). Annotations are strings (future
+# import), which triton reads as constexpr markers, so defining them needs no triton.
+
+
+def _exit_rule_kernel(
+    loop_ptr,
+    active_ptr,
+    parked_ptr,
+    remaining_ptr,
+    hazard_ptr,
+    min_loops_ptr,
+    max_loops_ptr,
+    threshold_ptr,
+    exits_ptr,  # out: bool [b]
+    new_remaining_ptr,  # out: fp32 [b] (HAS_HAZARD)
+    gate_ptr,  # out: int32 [1]
+    b,
+    BLOCK: tl.constexpr,
+    HAS_HAZARD: tl.constexpr,
+    EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
+    PDL: tl.constexpr,
+):
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    rows = tl.arange(0, BLOCK)
+    ok = rows < b
+    run = (tl.load(active_ptr + rows, mask=ok, other=0) != 0) & (
+        tl.load(parked_ptr + rows, mask=ok, other=1) == 0
+    )
+    done = tl.load(loop_ptr + rows, mask=ok, other=0) + 1
+    exits = done >= tl.load(max_loops_ptr + rows, mask=ok, other=1)
+    if HAS_HAZARD:
+        # fp32 exactly as ExitTracker: R = R * (1 - h); exit when 1 - R >= threshold
+        keep = 1.0 - tl.load(hazard_ptr + rows, mask=ok, other=0.0)
+        r = tl.load(remaining_ptr + rows, mask=ok, other=1.0)
+        if EXACT_MUL:  # torch rounds the product before the subtraction: no FMA
+            r = tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=r,r,r", [r, keep], dtype=tl.float32, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+        else:
+            r = r * keep
+        early = done >= tl.load(min_loops_ptr + rows, mask=ok, other=0)
+        early = early & (1.0 - r >= tl.load(threshold_ptr + rows, mask=ok, other=2.0))
+        exits = exits | early
+        tl.store(new_remaining_ptr + rows, r, mask=ok)
+    exits = exits & run & ok
+    tl.store(exits_ptr + rows, exits, mask=ok)
+    tl.store(gate_ptr, tl.max(exits.to(tl.int32), axis=0))
+
+
+def _advance_kernel(
+    exits_ptr,
+    drawn_ptr,
+    new_remaining_ptr,
+    new_hidden_ptr,
+    token_ptr,
+    hidden_ptr,
+    loop_ptr,
+    remaining_ptr,
+    position_ptr,
+    generated_ptr,
+    active_ptr,
+    parked_ptr,
+    max_tokens_ptr,
+    stop_ids_ptr,
+    event_token_ptr,
+    event_depth_ptr,
+    step_ptr,
+    stride_new_hidden,
+    stride_hidden,
+    stride_stop,
+    stride_event_token,
+    stride_event_depth,
+    H,
+    S,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    REFILL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    exits = tl.load(exits_ptr + row) != 0
+    run = (tl.load(active_ptr + row) != 0) & (tl.load(parked_ptr + row) == 0)
+    loop = tl.load(loop_ptr + row)
+    done = loop + 1
+    drawn = tl.load(drawn_ptr + row)
+    step = tl.load(step_ptr)
+    tl.store(event_token_ptr + step * stride_event_token + row, tl.where(exits, drawn, -1))
+    tl.store(event_depth_ptr + step * stride_event_depth + row, done)
+
+    tl.store(token_ptr + row, tl.where(exits, drawn, tl.load(token_ptr + row)))
+    tl.store(loop_ptr + row, tl.where(exits, 0, tl.where(run, done, loop)))
+    old = tl.load(remaining_ptr + row)
+    r = tl.where(exits, 1.0, tl.where(run, tl.load(new_remaining_ptr + row), old))
+    tl.store(remaining_ptr + row, r)
+    step_up = exits.to(tl.int64)
+    tl.store(position_ptr + row, tl.load(position_ptr + row) + step_up)
+    generated = tl.load(generated_ptr + row) + step_up
+    tl.store(generated_ptr + row, generated)
+    s = tl.arange(0, BLOCK_S)
+    stops = tl.load(stop_ids_ptr + row * stride_stop + s, mask=s < S, other=-1)
+    stopped = tl.max((stops == drawn).to(tl.int32), axis=0) != 0
+    finished = exits & (stopped | (generated >= tl.load(max_tokens_ptr + row)))
+    tl.store(active_ptr + row, (tl.load(active_ptr + row) != 0) & ~finished)
+    if not REFILL:
+        tl.store(parked_ptr + row, (tl.load(parked_ptr + row) != 0) | exits)
+
+    cols = tl.arange(0, BLOCK_H)
+    mask = (cols < H) & run  # rows that did not run keep their hidden state
+    new = tl.load(new_hidden_ptr + row * stride_new_hidden + cols, mask=mask)
+    tl.store(hidden_ptr + row * stride_hidden + cols, new, mask=mask)
+
+
+def _prepare_kernel(
+    loop_ptr,
+    position_ptr,
+    active_ptr,
+    parked_ptr,
+    embedded_ptr,
+    hidden_ptr,
+    tables_in_ptr,  # [b, planes, width] int32
+    x_ptr,  # out [b, H]
+    tables_ptr,  # out [b, width] int32
+    slot_ptr,  # out [b] int64
+    seq_lens_ptr,  # out [b] int32
+    run_ptr,  # out [b] bool
+    block_ptr,  # out [b] int64
+    offset_ptr,  # out [b] int64
+    stride_embedded,
+    stride_hidden,
+    stride_t_row,
+    stride_t_plane,
+    H,
+    width,
+    block_size,
+    trash_slot,
+    BLOCK_H: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SHARED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    loop = tl.load(loop_ptr + row)
+    position = tl.load(position_ptr + row)
+    run = (tl.load(active_ptr + row) != 0) & (tl.load(parked_ptr + row) == 0)
+    tl.store(run_ptr + row, run)
+
+    cols = tl.arange(0, BLOCK_H)
+    h_ok = cols < H
+    fresh = loop == 0  # loop 0 reads the embedded token, later loops the hidden state
+    e = tl.load(embedded_ptr + row * stride_embedded + cols, mask=h_ok & fresh, other=0.0)
+    h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=h_ok & ~fresh, other=0.0)
+    tl.store(x_ptr + row * H + cols, tl.where(fresh, e, h), mask=h_ok)
+
+    plane = 0 if SHARED else loop
+    src = tables_in_ptr + row * stride_t_row + plane * stride_t_plane
+    for w0 in range(0, width, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        tl.store(tables_ptr + row * width + w, tl.load(src + w, mask=w < width), mask=w < width)
+    block = tl.minimum(position // block_size, width - 1)
+    offset = position % block_size
+    own = tl.load(src + block).to(tl.int64) * block_size + offset
+    tl.store(slot_ptr + row, tl.where(run, own, trash_slot))
+    tl.store(seq_lens_ptr + row, (position + 1).to(tl.int32))
+    tl.store(block_ptr + row, block)
+    tl.store(offset_ptr + row, offset)

@@ -1,0 +1,58 @@
+"""The decode traversal's fused row bookkeeping (kernels/slot_step.py and the gated argmax,
+interpreted on the CPU) against its torch references, through the whole engine on the Triton
+backend: the same tokens, exit depths and finish reasons with SHARED KV and without refill,
+with stop ids and max_tokens finishes. The kernel-level tests
+(tests/kernels/test_slot_step.py) cover random states; this covers the wiring."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from engine_helpers import PROMPTS, check_no_blocks_in_use, make_llm, params_for
+
+from rlt_engine.kernels import slot_step
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks():
+    yield
+    check_no_blocks_in_use()
+
+
+CASES = [  # refill with LAST_EXITED runs fused in test_engine_equivalence (against the oracle)
+    dict(refill=False),
+    dict(refill=True, kv_layout="shared"),
+]
+N = 4  # prompts of 1, 2, 3 and 5 tokens: the interpreter is slow
+
+
+def _generate(ckpt, monkeypatch, mode: str, stops: list[int] | None, **options):
+    monkeypatch.setattr(slot_step, "_MODE", mode)
+    llm = make_llm(ckpt, attention_backend="triton", block_size=4, decode_window=3, **options)
+    assert llm.engine.runner.traversal.fused == (mode != "0")
+    params = [params_for(i, stop_token_ids=stops if i % 2 else None) for i in range(N)]
+    outs = llm.generate(PROMPTS[:N], params)
+    return [(o.token_ids, o.exit_depths, o.finish_reason) for o in outs]
+
+
+def _stopped(run, stops: list[int]):
+    """The outputs the same requests give with `stops` on the odd ones: each cut after its
+    first stop token (outputs do not depend on the batch, so only the cut changes)."""
+    out = []
+    for i, (tokens, depths, reason) in enumerate(run):
+        hit = [j for j, t in enumerate(tokens) if t in stops] if i % 2 else []
+        if hit:
+            tokens, depths, reason = tokens[: hit[0] + 1], depths[: hit[0] + 1], "stop"
+        out.append((tokens, depths, reason))
+    return out
+
+
+@pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_fused_rows_equal_the_torch_references(ckpt, monkeypatch, options):
+    reference = _generate(ckpt, monkeypatch, "0", None, **options)
+    stops = [reference[1][0][1], reference[3][0][2]]  # tokens these requests make: early stops
+    fused = _generate(ckpt, monkeypatch, "", stops, **options)
+    assert fused == _stopped(reference, stops)
+    assert {reason for _, _, reason in fused} == {"stop", "length"}
