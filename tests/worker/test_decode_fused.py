@@ -1,7 +1,8 @@
 """The decode traversal's fused row bookkeeping (kernels/slot_step.py and the gated argmax,
-interpreted on the CPU) against its torch references, through the whole engine on the Triton
-backend: the same tokens, exit depths and finish reasons with SHARED KV and without refill,
-with stop ids and max_tokens finishes. The kernel-level tests
+interpreted on the CPU) through the whole engine on the Triton backend against the torch
+backend (whose traversal runs the torch references): the same tokens, exit depths and finish
+reasons with SHARED KV and without refill, with stop ids and max_tokens finishes. The
+kernel-level tests
 (tests/kernels/test_slot_step.py) cover random states; this covers the wiring."""
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ CASES = [  # refill with LAST_EXITED runs fused in test_engine_equivalence (agai
 N = 4  # prompts of 1, 2, 3 and 5 tokens: the interpreter is slow
 
 
-def _generate(ckpt, monkeypatch, mode: str, stops: list[int] | None, **options):
-    monkeypatch.setattr(slot_step, "_MODE", mode)
-    llm = make_llm(ckpt, attention_backend="triton", block_size=4, decode_window=3, **options)
-    assert llm.engine.runner.traversal.fused == (mode != "0")
+def _generate(ckpt, stops: list[int] | None, **options):
+    llm = make_llm(ckpt, block_size=4, decode_window=3, **options)
     params = [params_for(i, stop_token_ids=stops if i % 2 else None) for i in range(N)]
     outs = llm.generate(PROMPTS[:N], params)
-    return [(o.token_ids, o.exit_depths, o.finish_reason) for o in outs]
+    return llm, [(o.token_ids, o.exit_depths, o.finish_reason) for o in outs]
 
 
 def _stopped(run, stops: list[int]):
@@ -50,9 +49,14 @@ def _stopped(run, stops: list[int]):
 
 
 @pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_fused_rows_equal_the_torch_references(ckpt, monkeypatch, options):
-    reference = _generate(ckpt, monkeypatch, "0", None, **options)
+def test_fused_rows_equal_the_torch_path(ckpt, monkeypatch, options):
+    """The torch backend (torch references of the row bookkeeping, torch attention) against
+    the Triton backend with the fused rows: fp32 outputs are equal across backends."""
+    torch_llm, reference = _generate(ckpt, None, attention_backend="torch", **options)
+    assert not torch_llm.engine.runner.traversal.fused
     stops = [reference[1][0][1], reference[3][0][2]]  # tokens these requests make: early stops
-    fused = _generate(ckpt, monkeypatch, "", stops, **options)
+    monkeypatch.setattr(slot_step, "_MODE", "")  # the default: on under the interpreter
+    llm, fused = _generate(ckpt, stops, attention_backend="triton", **options)
+    assert llm.engine.runner.traversal.fused
     assert fused == _stopped(reference, stops)
     assert {reason for _, _, reason in fused} == {"stop", "length"}
