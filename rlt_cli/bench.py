@@ -417,6 +417,7 @@ def engine_summary(engine: LLMEngine, w: Workload) -> dict[str, Any]:
         "enforce_eager": engine.config.execution.enforce_eager,
         "cuda_graphs": info.cuda_graphs,
         "decode_window": info.decode_window,
+        "kernels": info.kernels,
         "prompt_len": w.prompt_len,
         "output_len": w.output_len,
         "warmup": w.warmup,

@@ -164,11 +164,22 @@ class LLMEngine:
             attention_impl=impl,
             cuda_graphs=self.runner.graphs is not None,
             decode_window=execution.decode_window,
+            kernels=self._kernel_switches(impl),
             default_min_loops=defaults.min_loops,
             default_max_loops=defaults.max_loops,
             default_exit_threshold=defaults.exit_threshold,
             notice=self.notice,
         )
+
+    def _kernel_switches(self, impl: str) -> dict[str, bool | str]:
+        from rlt_engine.kernels import pdl, small_gemm
+
+        triton = impl == "triton"
+        return {
+            "pdl": triton and pdl.enabled(self.device),
+            "small_gemm": small_gemm.dispatch_mode() if triton else "cublas",
+            "fused_rows": self.runner.traversal.fused,
+        }
 
     def _make_runner(self, num_blocks: int) -> ModelRunner:
         cache = self.config.cache

@@ -33,6 +33,9 @@ class EngineInfo:
     attention_impl: str  # what runs: torch | triton
     cuda_graphs: bool
     decode_window: int
+    # the decode fast path's kernel switches as resolved (benchmarks/README.md, "A/B
+    # switches"): pdl, small_gemm (table | cublas | triton), fused_rows (kernels/slot_step)
+    kernels: dict[str, Any]
     # loop controls a request gets when it sets none (min loops, max loops, exit threshold)
     default_min_loops: int
     default_max_loops: int

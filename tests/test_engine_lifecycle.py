@@ -394,3 +394,13 @@ def test_request_that_can_never_fit_is_rejected(ckpt):
 def test_bad_engine_options_raise(ckpt, options, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(ckpt), device="cpu", **options)
+
+
+def test_info_reports_the_kernel_switches_that_run(ckpt: Path) -> None:
+    """`LLM.info.kernels` (and so `rlt bench --json`'s "kernels") says which fast-path switches
+    are live: none on the torch backend; on the Triton backend (interpreted here) the fused
+    rows and the small-GEMM table (PDL needs sm_90+)."""
+    torch_llm = make_llm(ckpt)
+    assert torch_llm.info.kernels == {"pdl": False, "small_gemm": "cublas", "fused_rows": False}
+    triton_llm = make_llm(ckpt, attention_backend="triton")
+    assert triton_llm.info.kernels == {"pdl": False, "small_gemm": "table", "fused_rows": True}

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) for the decode traversal's Triton kernels (sm_90+).
 
-A decode traversal is ~200 short kernels in a row. Between two of them the GPU idles for the
+A decode traversal is ~265 short kernels in a row. Between two of them the GPU idles for the
 launch, and each weight GEMM then ramps its stream up from nothing: the Ouro o_proj reads 8 MB
 in 6.3 us where the copy rate would take 2. With PDL (CUDA's programmatic stream
 serialization) a kernel's programs are placed on the SMs while its predecessor still runs; they

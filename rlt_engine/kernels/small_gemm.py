@@ -48,6 +48,7 @@ __all__ = [
     "MAX_M",
     "GemmConfig",
     "choose",
+    "dispatch_mode",
     "gemm",
     "linear",
     "lookup",
@@ -68,6 +69,11 @@ _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N 
 _MODE = os.environ.get("RLT_SMALL_GEMM", "1")
 _DISABLED = _MODE == "0"
 _PREFER_TRITON = _MODE == "triton"
+
+
+def dispatch_mode() -> str:
+    """What `linear` dispatches by (RLT_SMALL_GEMM): "table", "cublas" or "triton"."""
+    return {"0": "cublas", "triton": "triton"}.get(_MODE, "table")
 
 
 @dataclass(frozen=True)
