@@ -1,0 +1,78 @@
+"""The PDL protocol (kernels/pdl.py), checked on the kernels' source: in every Triton kernel
+with a `PDL` constexpr, nothing before its `if PDL:` block reads or writes memory or returns,
+and that block waits (`gdc_wait`) before it releases the next kernel (`gdc_launch_dependents`),
+touching memory only through `prefetch_l2` (weights) before the wait. A kernel that broke this
+would race with its predecessor only on sm_90+ GPUs, and only sometimes; this test fails on
+any machine the moment such a kernel is written. Also: every launch that passes
+`launch_options(pdl)` passes `PDL=pdl` too (launched with PDL <=> compiled with the wait)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+KERNELS = Path(__file__).resolve().parents[2] / "rlt_engine" / "kernels"
+# calls allowed before the wait: index arithmetic, no memory access
+PURE = {"program_id", "num_programs", "arange", "minimum", "maximum", "zeros", "to", "where"}
+
+
+def _kernels_with_pdl() -> list[tuple[str, ast.FunctionDef]]:
+    found = []
+    for path in sorted(KERNELS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args):
+                found.append((f"{path.name}::{node.name}", node))
+    return found
+
+
+def _calls(node: ast.AST) -> list[str]:
+    names = []
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            f = sub.func
+            names.append(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "?"))
+    return names
+
+
+def _is_pdl_block(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and stmt.test.id == "PDL"
+
+
+KERNEL_DEFS = _kernels_with_pdl()
+
+
+def test_the_pdl_kernels_are_found():
+    names = {name.split("::")[1] for name, _ in KERNEL_DEFS}
+    assert {"_small_gemm_kernel", "_paged_attention_kernel", "_advance_kernel"} <= names
+
+
+@pytest.mark.parametrize("name,fn", KERNEL_DEFS, ids=[n for n, _ in KERNEL_DEFS])
+def test_nothing_touches_memory_before_the_wait(name, fn):
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    blocks = [i for i, s in enumerate(body) if _is_pdl_block(s)]
+    assert len(blocks) == 1, f"{name}: one `if PDL:` block expected"
+    for stmt in body[: blocks[0]]:
+        assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
+        impure = [c for c in _calls(stmt) if c not in PURE]
+        assert not impure, f"{name}: {impure} before the wait (line {stmt.lineno})"
+    block = body[blocks[0]].body
+    calls = [c for stmt in block for c in _calls(stmt)]
+    assert "gdc_wait" in calls and "gdc_launch_dependents" in calls, name
+    assert calls.index("gdc_wait") < calls.index("gdc_launch_dependents"), name
+    before = calls[: calls.index("gdc_wait")]
+    assert set(before) <= PURE | {"prefetch_l2"}, f"{name}: {before} before the wait"
+
+
+def test_every_pdl_launch_compiles_the_wait():
+    for path in sorted(KERNELS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            unpacked = [k.value for k in node.keywords if k.arg is None]
+            if not any("launch_options" in _calls(v) for v in unpacked):
+                continue
+            given = {k.arg for k in node.keywords if k.arg is not None}
+            shapes = any(isinstance(v, ast.Name) for v in unpacked)  # **shapes carries PDL
+            assert "PDL" in given or shapes, f"{path.name}:{node.lineno}: PDL= not passed"
