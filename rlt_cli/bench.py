@@ -570,7 +570,12 @@ def execution_text(report: dict[str, Any]) -> str:
     backend = report["attention_impl"] or report["attention_backend"]
     if report["attention_backend"] == "auto":
         backend += " (auto)"
-    return f"attention {backend}, {graphs}, decode window {report['decode_window']}"
+    text = f"attention {backend}, {graphs}, decode window {report['decode_window']}"
+    kernels = report.get("kernels") or {}
+    live = [name for name in ("pdl", "fused_rows") if kernels.get(name)]
+    if kernels.get("small_gemm", "cublas") != "cublas":
+        live.append(f"small GEMMs: {kernels['small_gemm']}")
+    return text + (f", {', '.join(live)}" if live else "")
 
 
 def _table(report: dict[str, Any]) -> Table:

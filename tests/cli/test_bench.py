@@ -298,3 +298,23 @@ def test_bench_on_cuda_measures_bandwidth_and_memory(ckpt: Path, eager: bool) ->
     for r in data["results"]:
         assert r["peak_memory_bytes"] >= r["memory_start_bytes"] > 0
         assert r["floor_tokens_per_s"] > 0 and r["floor_share"] > 0
+
+
+def test_the_header_names_the_live_kernel_switches():
+    from rlt_cli.bench import execution_text
+
+    base = {
+        "cuda_graphs": True,
+        "enforce_eager": False,
+        "attention_impl": "triton",
+        "attention_backend": "auto",
+        "decode_window": 8,
+    }
+    plain = "attention triton (auto), CUDA graphs, decode window 8"
+    assert execution_text(base) == plain
+    off = {"pdl": False, "small_gemm": "cublas", "fused_rows": False}
+    assert execution_text({**base, "kernels": off}) == plain
+    live = {"pdl": True, "small_gemm": "table", "fused_rows": True}
+    assert execution_text({**base, "kernels": live}) == (
+        f"{plain}, pdl, fused_rows, small GEMMs: table"
+    )
