@@ -43,9 +43,7 @@ def argmax_rows(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tens
     ok, why = supported(x.device)
     if not ok:
         raise RuntimeError(f"Triton argmax cannot run on {x.device}: {why}")
-    _pa._import_triton()
-    global triton, tl
-    triton, tl = _pa.triton, _pa.tl
+    _import_triton()
     interpret = _pa._interpreter_mode()
     pdl = _pdl.enabled(x.device)
     block = min(BLOCK, triton.next_power_of_2(vocab))
@@ -63,6 +61,12 @@ def argmax_rows(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tens
             **_pdl.launch_options(pdl),
         )
     return out
+
+
+def _import_triton() -> None:
+    global triton, tl
+    _pa._import_triton()
+    triton, tl = _pa.triton, _pa.tl
 
 
 def _argmax_kernel(
