@@ -249,21 +249,31 @@ def kv_budget_from_profile(
     non_torch_bytes: int,
     gpu_memory_utilization: float,
     reserve_bytes: int,
+    stranded_bytes: int = 0,
 ) -> int:
     """allowed - (peak PyTorch allocation of the largest step + memory outside PyTorch +
-    reserve), where allowed = total * gpu_memory_utilization. Raises when nothing is left."""
+    memory PyTorch holds but cannot hand out whole + reserve), where allowed = total *
+    gpu_memory_utilization. Raises when nothing is left.
+
+    `stranded_bytes`: cached memory that empty_cache could not return (free pieces of segments
+    that some live tensor still pins, CUDA-graph pools of a previous engine in the process). The
+    KV pool is two large tensors that need fresh segments, so those pieces are not room for it:
+    counting them as free once made a second engine in one process ask for 62 GiB that existed
+    only as a 61.77 GiB fragment."""
     check_utilization(gpu_memory_utilization)
     if reserve_bytes < 0:
         raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
     allowed = int(total_bytes * gpu_memory_utilization)
-    used = peak_allocated_bytes + max(0, non_torch_bytes) + reserve_bytes
+    outside = max(0, non_torch_bytes) + max(0, stranded_bytes)
+    used = peak_allocated_bytes + outside + reserve_bytes
     budget = allowed - used
     if budget <= 0:
         raise ValueError(
             f"no memory left for the KV cache: the model and activations use "
             f"{used / GiB:.2f} GiB (peak PyTorch {peak_allocated_bytes / GiB:.2f} GiB, outside "
-            f"PyTorch {max(0, non_torch_bytes) / GiB:.2f} GiB, reserve {reserve_bytes / GiB:.2f} "
-            f"GiB) of the {allowed / GiB:.2f} GiB allowed by gpu_memory_utilization="
+            f"PyTorch or stranded in its cache {outside / GiB:.2f} GiB, reserve "
+            f"{reserve_bytes / GiB:.2f} GiB) of the {allowed / GiB:.2f} GiB allowed by "
+            f"gpu_memory_utilization="
             f"{gpu_memory_utilization}; raise it or lower max_num_batched_tokens"
         )
     return budget
@@ -279,7 +289,8 @@ def profile_kv_budget(
     """KV bytes left on a CUDA device after the largest step, `run_max_step()`, has run.
 
     Call it with the weights loaded and before the KV pool exists. Memory used outside
-    PyTorch's allocator (CUDA context, other processes) is deducted too.
+    PyTorch's allocator (CUDA context, other processes) and memory stranded in its cache are
+    deducted too.
     """
     import torch
 
@@ -293,12 +304,14 @@ def profile_kv_budget(
     run_max_step()
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
+    torch.cuda.empty_cache()  # give back the step's activations: what stays cached is stranded
     free, total = torch.cuda.mem_get_info(dev)
-    non_torch = total - free - torch.cuda.memory_reserved(dev)
+    reserved = torch.cuda.memory_reserved(dev)
     return kv_budget_from_profile(
         total_bytes=total,
         peak_allocated_bytes=peak,
-        non_torch_bytes=non_torch,
+        non_torch_bytes=total - free - reserved,
         gpu_memory_utilization=gpu_memory_utilization,
         reserve_bytes=reserve_bytes,
+        stranded_bytes=reserved - torch.cuda.memory_allocated(dev),
     )

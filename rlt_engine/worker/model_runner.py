@@ -107,7 +107,7 @@ class ModelRunner:
             self.events,
             refill=refill,
             shared=self.shared,
-            fused=triton and slot_step.enabled(self.device),
+            fused=triton and slot_step.enabled(),
         )
         if triton:
             model.use_fast_path()  # packed weights, fused norm and RoPE kernels

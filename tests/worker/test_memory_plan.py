@@ -226,11 +226,14 @@ def test_no_room_left_is_explained():
 
 
 class _FakeCuda:
-    """Stands in for torch.cuda: the step allocates `step_bytes` on top of `weights`."""
+    """Stands in for torch.cuda: the step allocates `step_bytes` on top of `weights` (and frees
+    them); `stranded` bytes stay cached through empty_cache (a segment a live tensor pins)."""
 
-    def __init__(self, total: int, weights: int, step_bytes: int, context: int) -> None:
+    def __init__(
+        self, total: int, weights: int, step_bytes: int, context: int, stranded: int = 0
+    ) -> None:
         self.total, self.weights, self.context = total, weights, context
-        self.step_bytes = step_bytes
+        self.step_bytes, self.stranded = step_bytes, stranded
         self.peak = weights
         self.calls: list[str] = []
 
@@ -246,13 +249,14 @@ class _FakeCuda:
             self.calls.append("reset")
             self.peak = self.weights
 
-        reserved = lambda *a: self.peak  # noqa: E731
-        free = lambda *a: (self.total - self.context - self.peak, self.total)  # noqa: E731
+        reserved = lambda *a: self.weights + self.stranded  # noqa: E731
+        free = lambda *a: (self.total - self.context - reserved(), self.total)  # noqa: E731
         monkeypatch.setattr(torch.cuda, "synchronize", record("sync"))
         monkeypatch.setattr(torch.cuda, "empty_cache", record("empty"))
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
         monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: self.peak)
         monkeypatch.setattr(torch.cuda, "memory_reserved", reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: self.weights)
         monkeypatch.setattr(torch.cuda, "mem_get_info", free)
 
 
@@ -268,6 +272,25 @@ def test_profile_with_a_fake_device(monkeypatch: pytest.MonkeyPatch):
         profile_kv_budget(
             "cuda:0", gpu_memory_utilization=0.06, run_max_step=fake.run_step, reserve_bytes=0
         )
+
+
+def test_memory_stranded_in_the_cache_is_not_counted_as_room(monkeypatch: pytest.MonkeyPatch):
+    """A previous engine's freed pool, pinned by one live tensor, stays reserved through
+    empty_cache: the KV pool cannot be placed there, so the budget leaves it out (the H200 run
+    where it did not: a 62 GiB tensor asked of 14 GiB free plus a 61.77 GiB fragment)."""
+    kw = dict(total=80 * GiB, weights=3 * GiB, step_bytes=2 * GiB, context=GiB // 2)
+    budgets = []
+    for stranded in (0, 20 * GiB):
+        fake = _FakeCuda(**kw, stranded=stranded)
+        fake.install(monkeypatch)
+        budgets.append(
+            profile_kv_budget(
+                "cuda:0", gpu_memory_utilization=0.9, run_max_step=fake.run_step, reserve_bytes=0
+            )
+        )
+    assert budgets[0] - budgets[1] == 20 * GiB
+    # and what is left fits in the memory the device really has free
+    assert budgets[1] <= fake.total - fake.context - fake.weights - fake.stranded
 
 
 def test_profile_refuses_a_cpu_device():

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The standard device check, in one call, in order of importance (a call cut short still answers
+# the first questions); the key numbers go to stdout, the files to OUT_DIR.
+#
+#   bash benchmarks/h200_check.sh [OUT_DIR]            (default: $OUT, else ./h200-check-out)
+#   AB=RLT_SLOT_STEP bash benchmarks/h200_check.sh     (also an A/B of one switch: =0 and =1)
+#
+# 1. the GPU tests (the server's need the openai package, which the device image lacks);
+# 2. h200_decode.py --only exact (fp32: official code = torch = triton = graphs = CPU);
+# 3. rlt bench, Ouro-1.4B dummy bf16, 64/32, depth 4, c = 1/8/64/256 (with AB: once per value);
+# 4. rlt profile at c=8 (kernels per traversal, GPU busy).
+set -uo pipefail
+OUT_DIR=${1:-${OUT:-h200-check-out}}
+mkdir -p "$OUT_DIR"
+PY=${PYTHON:-python3}
+export PYTHONPATH=.:tests
+MODEL=tests/fixtures/ouro-1.4b
+BENCH=("$PY" -m rlt_cli.main bench --model "$MODEL" --load-format dummy --prompt-len 64
+  --output-len 32 -c 1,8,64,256 --json)
+start=$(date +%s)
+elapsed() { echo "[$(($(date +%s) - start)) s]"; }
+
+summary() {  # one line per bench report: tok/s and TTFT p50 per concurrency, the switches
+  "$PY" - "$1" "$2" <<'PYEOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+runs = " ".join(
+    f"c{r['concurrency']}={r['decode_tokens_per_s']:.1f}/ttft{r['ttft_ms_p50']:.1f}"
+    for r in d["results"]
+)
+print(sys.argv[2], runs, d.get("kernels"), flush=True)
+PYEOF
+}
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT_DIR/meta.txt"
+timeout 360 "$PY" -m pytest -q -m gpu --ignore=tests/server -p no:cacheprovider \
+  > "$OUT_DIR/gpu-tests.txt" 2>&1
+echo "gpu tests: $(tail -1 "$OUT_DIR/gpu-tests.txt") $(elapsed)"
+grep -E "^FAILED" "$OUT_DIR/gpu-tests.txt" | head -10
+timeout 200 "$PY" benchmarks/h200_decode.py --only exact --out "$OUT_DIR" > "$OUT_DIR/exact.log" 2>&1
+echo "exact: rc=$? $(grep -o '"all_exact": [a-z]*' "$OUT_DIR/exact.log") $(elapsed)"
+for value in ${AB:+0 1} default; do
+  [ "$value" = default ] && [ -n "${AB:-}" ] && break
+  name=bench${AB:+-$AB-$value}
+  env ${AB:+$AB=$value} timeout 200 "${BENCH[@]}" > "$OUT_DIR/$name.json" 2> "$OUT_DIR/$name.err" \
+    && summary "$OUT_DIR/$name.json" "$name" || tail -3 "$OUT_DIR/$name.err"
+  elapsed
+done
+timeout 150 "$PY" -m rlt_cli.main profile --model "$MODEL" --load-format dummy \
+  --prompt-len 64 --output-len 32 -c 8 --top 40 --trace-out /tmp/check-c8.json --json \
+  > "$OUT_DIR/profile-c8.json" 2> "$OUT_DIR/profile.err"
+"$PY" - "$OUT_DIR/profile-c8.json" <<'PYEOF' || tail -3 "$OUT_DIR/profile.err"
+import json, sys
+d = json.load(open(sys.argv[1]))
+g = d["gpu"]
+print("profile c8:", round(d["decode_tokens_per_s"], 1), "tok/s,",
+      round(g["kernels_per_traversal"], 1), "kernels/traversal, GPU busy",
+      round(g["busy_share_decode_window"], 3), "of decode windows")
+PYEOF
+elapsed
