@@ -114,6 +114,7 @@ class LLMEngine:
         )
         asynchronous = config.execution.async_scheduling
         self.async_scheduling = self.device.type == "cuda" if asynchronous is None else asynchronous
+        self.runner = self._make_runner(self.num_blocks)
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
@@ -121,8 +122,8 @@ class LLMEngine:
             cache,
             config.execution.decode_window,
             lookahead=2 if self.async_scheduling else 1,
+            ride_waves=self.runner.rides_waves,
         )
-        self.runner = self._make_runner(self.num_blocks)
         self.runner.capture_graphs(self._default_flags())
         self._launched: deque[tuple[StepPlan, Launched]] = deque()  # oldest first
         self._requests: dict[str, _Tracked] = {}

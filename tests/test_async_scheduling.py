@@ -132,9 +132,12 @@ def test_default_is_on_for_cuda_only(ckpt) -> None:
 def test_first_tokens_end_their_plan_but_never_two_plans_in_a_row(ckpt) -> None:
     """Async: a plan that samples first tokens carries no decode window (they are read back
     at once: time to first token), unless the plan before it already deferred one — under a
-    stream of arrivals the running requests still decode every other plan. Same outputs."""
+    stream of arrivals the running requests still decode every other plan. Same outputs.
+    (Waves that do not ride a window, as with CUDA graphs today: a riding wave's first tokens
+    come back with its window, tests/worker/test_riding_wave.py.)"""
     llm = _llm(ckpt, asynchronous=True)
     engine = llm.engine
+    engine.scheduler.ride_waves = False
     engine.scheduler.trace = []
     p = SamplingParams(max_tokens=6, ignore_eos=True)
     finals = {}

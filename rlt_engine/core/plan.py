@@ -90,7 +90,9 @@ class PrefillChunk:
 class StepPlan:
     """Worker order: swap_outs, slot_frees, snapshot_drops, slot_inits, swap_ins,
     block_appends, then the prefill waves (each wave one batch, waves in order), then the
-    decode window over every decoding slot."""
+    decode window over every decoding slot. `wave_rides`: the one wave runs inside the first
+    `depth` traversals of the window instead (its first tokens come back as the window's
+    events of traversal depth - 1); the window then has at least `depth` traversals."""
 
     swap_outs: tuple[SwapOut, ...] = ()
     slot_frees: tuple[int, ...] = ()
@@ -100,6 +102,7 @@ class StepPlan:
     block_appends: tuple[BlockAppend, ...] = ()
     prefill: tuple[tuple[PrefillChunk, ...], ...] = ()
     decode_traversals: int = 0
+    wave_rides: bool = False
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -69,8 +69,12 @@ class Scheduler(Admission):
         cache: CacheConfig | None = None,
         decode_window: int = 1,
         lookahead: int = 1,
+        ride_waves: bool = False,
     ) -> None:
+        """`ride_waves`: the worker can run a prefill wave inside the first `depth` traversals
+        of a decode window (worker/decode.py's RidingWave) instead of before it."""
         super().__init__(config, cache or CacheConfig(), blocks, depth)
+        self.ride_waves = ride_waves
         if lookahead not in (1, 2):
             raise ValueError(
                 f"lookahead must be 1 (synchronous) or 2 (asynchronous), got {lookahead}"
@@ -108,18 +112,33 @@ class Scheduler(Admission):
         )
         if not (waves or decoding):
             return None  # pending bookkeeping rides with the next plan (or the idle flush)
+        # One wave and a window at least `depth` long: the wave rides the window's first
+        # traversals, its rows sharing their weight reads (no pass of its own per loop). Not
+        # with no-refill cohorts (a slot would join mid-cohort), several waves (a later wave
+        # needs the earlier one's every loop first), or where the traversal would exceed
+        # max_num_batched_tokens rows (a wave that large amortises its weight reads anyway).
+        span = max((r.slot + 1 for r in self.running if r.slot is not None), default=0)
+        rides = (
+            self.ride_waves
+            and self.config.refill
+            and decoding
+            and len(waves) == 1
+            and window >= self.depth
+            and span + sum(len(c.token_ids) for c in waves[0]) <= self.config.max_num_batched_tokens
+        )
         # Asynchronous: a plan that samples first tokens ends with them, so they are read back
         # without waiting for a decode window (time to first token); the window follows in
         # the next plan, which is launched before this one is collected (no idle GPU). Never
         # twice in a row: under a stream of arrivals the running requests must still decode.
         defer = (
             self.lookahead == 2
+            and not rides
             and not self._window_deferred
             and any(c.last for _, c in self._chunks)
         )
         self._window_deferred = defer and decoding
         traversals = window if decoding and not defer else 0
-        plan = self._finish_plan(waves, traversals, planned)
+        plan = self._finish_plan(waves, traversals, planned, rides=rides)
         if self.trace is not None:
             self.trace.append(plan)
         return plan
@@ -198,6 +217,7 @@ class Scheduler(Admission):
         traversals: int,
         owners: list[Request],
         register: bool = True,
+        rides: bool = False,
     ) -> StepPlan:
         # slots this plan creates (inits, resumes), with or without work for them this step
         started = {op.slot for op in (*self._slot_inits, *self._swap_ins)}
@@ -224,6 +244,7 @@ class Scheduler(Admission):
             block_appends=self._block_appends(),
             prefill=waves,
             decode_traversals=traversals,
+            wave_rides=rides,
         )
         chunks, self._chunks = self._chunks, []
         if register:

@@ -8,7 +8,8 @@ The engine is not edited for this: `instrument(engine)` wraps its methods from o
     rlt.schedule       Scheduler.schedule
     rlt.update         Scheduler.update (the detokenizer's stop-string checks nest inside)
     rlt.execute        ModelRunner.launch (its own time: the bookkeeping diffs, copies in)
-    rlt.prefill        ModelRunner._prefill, one range per wave
+    rlt.prefill        ModelRunner._prefill, one range per wave; ModelRunner._rider, the host
+                       side of a wave that rides a decode window (its GPU work is the window's)
     rlt.decode_window  ModelRunner._decode: the window's traversals (or graph replays)
     rlt.read_back      ModelRunner.collect: waiting for the one device-to-host read, decoding it
                        (async scheduling: while the next window already runs)
@@ -95,6 +96,7 @@ def instrument(engine: LLMEngine) -> Iterator[Counters]:
     wrap(scheduler, "update", "rlt.update")
     wrap(runner, "launch", "rlt.execute")
     wrap(runner, "_prefill", "rlt.prefill")
+    wrap(runner, "_rider", "rlt.prefill")
     wrap(runner, "_decode", "rlt.decode_window", count_traversals)
     wrap(runner, "collect", "rlt.read_back")
     wrap(runner, "_sample", "rlt.sample")

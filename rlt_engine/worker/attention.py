@@ -13,6 +13,7 @@ so the depth dimension never reaches the kernels.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,31 @@ class PagedMetadata(AttentionMetadata):
     max_seq_len: int  # host bound on seq_lens (the torch backend's gather width)
     # prefill only, for the torch backend: (first row, rows, keys) per sequence, host ints
     chunks: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass
+class MixedMetadata(AttentionMetadata):
+    """Decode rows [0, split) and the rows of prompt chunks riding in the same traversal
+    [split, rows): one K/V write over every row, then each part read by its own kernel (the
+    parts are different sequences, so neither reads what the other writes)."""
+
+    slot_mapping: torch.Tensor  # [rows] int64: both parts' slots, decode rows first
+    decode: PagedMetadata
+    chunks: PagedMetadata
+    split: int
+
+
+def _split_read(
+    read: Callable[[int, torch.Tensor, PagedMetadata], torch.Tensor],
+    layer: int,
+    q: torch.Tensor,
+    meta: PagedMetadata | MixedMetadata,
+) -> torch.Tensor:
+    """`read(layer, q, meta)` of a plain call, or of both parts of a mixed one."""
+    if isinstance(meta, PagedMetadata):
+        return read(layer, q, meta)
+    n = meta.split
+    return torch.cat([read(layer, q[:n], meta.decode), read(layer, q[n:], meta.chunks)])
 
 
 class PagedKVCache:
@@ -62,9 +88,12 @@ class PagedKVCache:
         self.k.index_copy_(1, dst, self.k.index_select(1, src))
         self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
-        self.k[layer, meta.slot_mapping] = k
-        self.v[layer, meta.slot_mapping] = v
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata | MixedMetadata
+    ) -> None:
+        slot_mapping = meta.slot_mapping
+        self.k[layer, slot_mapping] = k
+        self.v[layer, slot_mapping] = v
 
 
 class TorchPagedAttention(PagedKVCache):
@@ -76,8 +105,11 @@ class TorchPagedAttention(PagedKVCache):
         v: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        assert isinstance(meta, PagedMetadata)
+        assert isinstance(meta, (PagedMetadata, MixedMetadata))
         self.write(layer, k, v, meta)
+        return _split_read(self._read, layer, q, meta)
+
+    def _read(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         if meta.max_query_len == 1:
             return self._decode(layer, q, meta)
         out = torch.empty_like(q)
@@ -124,7 +156,9 @@ class TorchPagedAttention(PagedKVCache):
 class TritonPagedAttention(PagedKVCache):
     """The Triton kernel: reads K/V through the tables on the device, capturable."""
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata) -> None:
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata | MixedMetadata
+    ) -> None:
         from rlt_engine.kernels.kv_write import write_kv_
 
         write_kv_(self.k[layer], self.v[layer], k, v, meta.slot_mapping)  # one launch for K and V
@@ -142,7 +176,7 @@ class TritonPagedAttention(PagedKVCache):
         launch (kernels/rope_kv_write), the same values as apply_rope_ then `write`."""
         from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 
-        assert isinstance(meta, PagedMetadata)
+        assert isinstance(meta, (PagedMetadata, MixedMetadata))
         rope_write_kv_(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
         return self.attend(layer, q, k, v, meta, kv_written=True)
 
@@ -160,11 +194,14 @@ class TritonPagedAttention(PagedKVCache):
         meta: AttentionMetadata,
         kv_written: bool = False,
     ) -> torch.Tensor:
-        from rlt_engine.kernels.paged_attention import decode_splits, paged_attention
-
-        assert isinstance(meta, PagedMetadata)
+        assert isinstance(meta, (PagedMetadata, MixedMetadata))
         if not kv_written:
             self.write(layer, k, v, meta)
+        return _split_read(self._read, layer, q, meta)
+
+    def _read(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        from rlt_engine.kernels.paged_attention import decode_splits, paged_attention
+
         return paged_attention(
             q,
             self.k[layer],

@@ -7,19 +7,30 @@ that exit are sampled (lm_head, counter-based RNG) and re-enter at loop 0 with t
 the very next traversal. LAST_EXITED exit copies land in the deeper planes in the same step.
 Shapes depend only on B and static flags, so a traversal is captured as one CUDA graph per
 (B, flags) and replayed `window` times; events go to [window, slots] buffers read back once.
+
+A prefill wave may ride the first `depth` traversals of a window (`RidingWave`): its rows go
+one loop deeper per traversal beside the decode rows, so its GEMM rows share the weight reads
+the decode rows pay anyway instead of a pass of their own per loop. Its loop is the window's
+traversal counter (a device value); at the last loop the chunks that end their prompt sample
+their first token, and their slots decode from the next traversal on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlt_engine.kernels import slot_step
 from rlt_engine.models.base import LoopedCausalLM
-from rlt_engine.worker.attention import PagedKVCache, PagedMetadata
-from rlt_engine.worker.batched_sampler import SamplingTensors, sample
+from rlt_engine.worker.attention import MixedMetadata, PagedKVCache, PagedMetadata
+from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
 from rlt_engine.worker.slot_batch import SlotBatch
+
+if TYPE_CHECKING:  # prefill.py imports graphs.py, which imports this module
+    from rlt_engine.worker.prefill import WaveInputs
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,18 @@ class EventBuffers:
         )
         self.top_logprobs = torch.zeros((window, num_slots, max_logprobs), device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # traversal index
+
+
+@dataclass(frozen=True)
+class RidingWave:
+    """A prefill wave in the first `depth` traversals of a window (see the module doc)."""
+
+    inputs: WaveInputs
+    metadata: Callable[[WaveInputs, torch.Tensor], PagedMetadata]  # (wave, loops) -> metadata
+    hidden: torch.Tensor  # [rows, H]: each row's input to its next loop
+    first_rows: torch.Tensor  # [n] int64: last rows of the chunks that end their prompt
+    first_slots: torch.Tensor  # [n] int64: their slots
+    prompt_lens: torch.Tensor  # [n] int64: their prompt lengths (position of the first token)
 
 
 class DecodeTraversal:
@@ -75,7 +98,7 @@ class DecodeTraversal:
         self.trace: list[tuple[list[int], list[bool], list[bool]]] | None = None
 
     @torch.inference_mode()
-    def __call__(self, b: int, flags: Flags) -> None:
+    def __call__(self, b: int, flags: Flags, wave: RidingWave | None = None) -> None:
         s, bs, trash = self.s, self.kv.block_size, self.kv.trash_slot
         self.kv.long_context = flags.long_context
         active, parked = s.active[:b], s.parked[:b]
@@ -99,12 +122,18 @@ class DecodeTraversal:
             max_query_len=1,
             max_seq_len=self.max_seq_len,
         )
-        out = self.model.recurrent(rows.x, meta, self.kv)
-        exits, remaining, gate = self._exit_rule(b, out.hazard, loop)
+        if wave is None:
+            out = self.model.recurrent(rows.x, meta, self.kv)
+            hidden, hazard = out.hidden, out.hazard
+        else:
+            x, mixed = self._with_wave(rows.x, meta, wave)
+            out = self.model.recurrent(x, mixed, self.kv)
+            hidden, hazard = out.hidden[:b], None if out.hazard is None else out.hazard[:b]
+        exits, remaining, gate = self._exit_rule(b, hazard, loop)
         drawn = sample(
             # a traversal in which no row exits (most of them at fixed depth in lockstep)
             # skips the lm_head's weight read; its draws are then never recorded or used
-            self.model.coda(out.hidden, gate=gate),
+            self.model.coda(hidden, gate=gate),
             SamplingTensors(
                 s.temperature[:b], s.top_k[:b], s.top_p[:b], s.seed[:b], s.generated[:b]
             ),
@@ -118,8 +147,85 @@ class DecodeTraversal:
         if self.trace is not None:
             self.trace.append((loop.tolist(), run.tolist(), exits.tolist()))
         self._record_logprobs(b, drawn)
-        self._advance(b, exits, remaining, drawn, out.hidden)
+        self._advance(b, exits, remaining, drawn, hidden)
+        if wave is not None:
+            self._wave_done(wave, out.hidden[b:], flags)
         self.ev.step.add_(1)  # the next traversal writes the next row of the event buffers
+
+    # -- a riding prefill wave -------------------------------------------------------------
+    def _with_wave(
+        self, x: torch.Tensor, meta: PagedMetadata, wave: RidingWave
+    ) -> tuple[torch.Tensor, MixedMetadata]:
+        """The traversal's input rows and metadata with the wave's rows after the decode rows;
+        the wave is at loop `step` (it entered at the window's first traversal)."""
+        step = self.ev.step
+        rows = wave.inputs
+        loops = step.expand(rows.rows)
+        # loop 0 embeds the prompt; later loops continue from the previous loop's output
+        x_wave = torch.where(step == 0, self.model.prelude(rows.ids).to(x.dtype), wave.hidden)
+        part = wave.metadata(rows, loops)
+        mixed = MixedMetadata(
+            positions=torch.cat([meta.positions, part.positions]),
+            loop_indices=torch.cat([meta.loop_indices, loops]),
+            slot_mapping=torch.cat([meta.slot_mapping, part.slot_mapping]),
+            decode=meta,
+            chunks=part,
+            split=x.shape[0],
+        )
+        return torch.cat([x, x_wave]), mixed
+
+    def _wave_done(self, wave: RidingWave, hidden: torch.Tensor, flags: Flags) -> None:
+        """Keep the wave's rows for their next loop; after the last loop, sample the first
+        token of each chunk that ends its prompt and start its slot decoding (the same as
+        `SlotBatch.start_decode`, gated on the device by the loop)."""
+        wave.hidden.copy_(hidden)
+        if wave.first_rows.numel() == 0:
+            return
+        s, step, slots = self.s, self.ev.step, wave.first_slots
+        last = step == self.depth - 1  # [1]: the wave's last loop
+        gate = last.int()
+        drawn = sample(
+            self.model.coda(hidden[wave.first_rows], gate=gate),
+            SamplingTensors(
+                s.temperature[slots], s.top_k[slots], s.top_p[slots], s.seed[slots],
+                torch.zeros_like(slots),  # the first output token has index 0
+            ),
+            any_random=flags.any_random,
+            any_filter=flags.any_filter,
+            num_logprobs=flags.num_logprobs,
+            gate=gate if self.fused else None,
+        )  # fmt: skip
+        ones = torch.ones_like(slots)
+        finished = s.finishes(slots, drawn.token, ones)
+
+        def put(field: torch.Tensor, value: torch.Tensor | float | int) -> None:
+            field[slots] = torch.where(last, value, field[slots])
+
+        put(s.token, drawn.token)
+        put(s.position, wave.prompt_lens)
+        put(s.loop, 0)
+        put(s.remaining, 1.0)
+        put(s.generated, ones)
+        put(s.active, ~finished)
+        self._record_first(wave, drawn, last)
+
+    def _record_first(self, wave: RidingWave, drawn: SampleOutput, last: torch.Tensor) -> None:
+        """The first tokens' events, in row `step` of the event buffers (after the decode
+        rows' advance wrote that row: the wave's slots were idle there)."""
+        ev, slots = self.ev, wave.first_slots
+        at = (ev.step.expand_as(slots), slots)
+
+        def put(buffer: torch.Tensor, value: torch.Tensor | int) -> None:
+            buffer.index_put_(at, torch.where(last, value, buffer[at]))
+
+        put(ev.token, drawn.token)
+        put(ev.depth, self.depth)
+        if drawn.logprob is not None:
+            put(ev.logprob, drawn.logprob)
+            n = drawn.top_ids.shape[1]
+            if n:
+                put(ev.top_ids[:, :, :n], drawn.top_ids)
+                put(ev.top_logprobs[:, :, :n], drawn.top_logprobs)
 
     def _exit_rule(
         self, b: int, hazard: torch.Tensor | None, loop: torch.Tensor

@@ -34,7 +34,7 @@ from rlt_engine.kernels.paged_attention import LONG_CONTEXT
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import TritonPagedAttention, attention_backend
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
-from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags
+from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags, RidingWave
 from rlt_engine.worker.graphs import GraphCache
 from rlt_engine.worker.prefill import PrefillRunner, WaveLayout
 from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, upload
@@ -145,9 +145,24 @@ class ModelRunner:
             self._swap_in(swap_in)
         for append in plan.block_appends:
             self.slots.append(append.slot, append.blocks)
-        firsts = [self._prefill(wave) for wave in plan.prefill]
-        window = self._decode(plan.decode_traversals) if plan.decode_traversals else None
+        waves, rider = plan.prefill, None
+        if plan.wave_rides:
+            if len(waves) != 1 or plan.decode_traversals < self.depth:
+                raise ValueError(
+                    f"a riding wave needs exactly one wave and a window of >= {self.depth} "
+                    f"traversals, got {len(waves)} and {plan.decode_traversals}"
+                )
+            rider, waves = self._rider(waves[0]), ()
+        firsts = [self._prefill(wave) for wave in waves]
+        window = self._decode(plan.decode_traversals, rider) if plan.decode_traversals else None
         return self._start_read_back([f for f in firsts if f is not None], window)
+
+    @property
+    def rides_waves(self) -> bool:
+        """Whether plans should let prefill waves ride decode windows. Not yet with CUDA
+        graphs: the riding traversals run eagerly, which on the GPU costs more launch time
+        than the weight reads they save (capturing them is the next step)."""
+        return self.graphs is None
 
     def capture_graphs(self, variants: list[Flags]) -> int:
         """Capture ahead of the first request (~0.2 s each on first use otherwise): the decode
@@ -202,8 +217,28 @@ class ModelRunner:
             num_logprobs=num_logprobs,
         )
 
+    def _rider(self, wave: tuple[PrefillChunk, ...]) -> RidingWave:
+        layout = WaveLayout.of(wave)
+        inputs = self.prefill.inputs_for(layout)
+        last = [i for i, c in enumerate(wave) if c.last]
+        host = torch.tensor(
+            [
+                [layout.firsts[i + 1] - 1 for i in last],
+                [wave[i].slot for i in last],
+                [wave[i].start + layout.counts[i] for i in last],
+            ],
+            dtype=torch.long,
+        )
+        rows, slots, prompt_lens = upload(host, self.device)
+        hidden = torch.zeros(
+            inputs.rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device
+        )
+        return RidingWave(inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens)
+
     # -- decode --------------------------------------------------------------------------
-    def _decode(self, traversals: int) -> tuple[int, int, Flags] | None:
+    def _decode(
+        self, traversals: int, rider: RidingWave | None = None
+    ) -> tuple[int, int, Flags] | None:
         b = self.slots.span()
         if b == 0:
             return None
@@ -213,12 +248,13 @@ class ModelRunner:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
         ev.step.zero_()
         ev.token[:traversals].fill_(-1)
-        if self.graphs is not None:
-            b = self.graphs.replay(b, flags, traversals)
-        else:
-            self.traversal.max_seq_len = self.slots.max_context(self.block_size)
-            for _ in range(traversals):
-                self.traversal(b, flags)
+        self.traversal.max_seq_len = self.slots.max_context(self.block_size)
+        eager = traversals if self.graphs is None else self.depth if rider is not None else 0
+        for t in range(eager):
+            self.traversal(b, flags, rider if t < self.depth else None)
+        if eager < traversals:
+            assert self.graphs is not None
+            b = max(b, self.graphs.replay(b, flags, traversals - eager))
         return traversals, b, flags
 
     def _long_context(self) -> bool:

@@ -58,6 +58,26 @@ class WaveLayout:
         return len(self.ids)
 
 
+@dataclass(frozen=True)
+class WaveInputs:
+    """A wave's rows on the device (padded to a bucket on the fixed-shape path)."""
+
+    ids: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64
+    row_seq: torch.Tensor  # [rows] int64: the sequence each row belongs to
+    valid: torch.Tensor | None  # [rows] bool (fixed shapes: False on padding rows)
+    slot: torch.Tensor  # [seqs] int64
+    seq_len: torch.Tensor  # [seqs] int32: keys visible to each sequence's last row
+    query_start: torch.Tensor  # [seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int = 0  # host bounds for the torch backend (exact shapes only)
+    chunks: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+
 class PrefillRunner:
     def __init__(
         self,
@@ -87,10 +107,10 @@ class PrefillRunner:
         have padding rows after them, and may be reused by the next wave)."""
         bucket = self.bucket(wave)
         if bucket is None:
-            return self._exact(wave)
+            return self._traverse(self.exact_inputs(wave))
         self._upload(wave, bucket[0])
         if self.pool is None:
-            return self._padded(*bucket)
+            return self._traverse(self._padded_inputs(*bucket))
         graph, out = self.graphs.get(bucket) or self._capture(*bucket, wave)
         graph.replay()
         return out
@@ -136,9 +156,18 @@ class PrefillRunner:
         query_start[k + 1 :] = rows  # sequence k (seq_len 0) owns the padded rows
         self.inputs.copy_(upload(host, self.inputs.device))
 
-    def _padded(self, rows: int, seqs: int) -> torch.Tensor:
+    def inputs_for(self, wave: WaveLayout) -> WaveInputs:
+        """The wave's rows on the device, at a bucket's shape where one fits (a wave riding in
+        the decode traversals, worker/decode.py)."""
+        bucket = self.bucket(wave)
+        if bucket is None:
+            return self.exact_inputs(wave)
+        self._upload(wave, bucket[0])
+        return self._padded_inputs(*bucket)
+
+    def _padded_inputs(self, rows: int, seqs: int) -> WaveInputs:
         ids, positions, row_seq, valid, slot, seq_len, query_start = self.inputs.split(self._sizes)
-        return self._traverse(
+        return WaveInputs(
             ids[:rows],
             positions[:rows],
             row_seq[:rows],
@@ -148,6 +177,9 @@ class PrefillRunner:
             query_start[: seqs + 1].int(),
             max_query_len=rows,
         )
+
+    def _padded(self, rows: int, seqs: int) -> torch.Tensor:
+        return self._traverse(self._padded_inputs(rows, seqs))
 
     def _capture(self, rows: int, seqs: int, wave: WaveLayout) -> tuple:
         """Capture bucket (rows, seqs), then put `wave`'s inputs back. The warm-up runs see
@@ -168,13 +200,16 @@ class PrefillRunner:
 
     # -- the exact-shape path --------------------------------------------------------------
     def _exact(self, wave: WaveLayout) -> torch.Tensor:
+        return self._traverse(self.exact_inputs(wave))
+
+    def exact_inputs(self, wave: WaveLayout) -> WaveInputs:
         dev = self.s.device
         rows = torch.tensor([wave.ids, wave.positions, wave.row_seq])
         ids, positions, row_seq = upload(rows, dev)
         lens = torch.tensor([wave.ends, wave.firsts[1:]], dtype=torch.int32)
         seq_len, ends = upload(lens, dev)
         query_start = torch.cat([torch.zeros(1, dtype=torch.int32, device=dev), ends])
-        return self._traverse(
+        return WaveInputs(
             ids,
             positions,
             row_seq,
@@ -188,37 +223,31 @@ class PrefillRunner:
         )
 
     # -- one wave through every loop -------------------------------------------------------
-    def _traverse(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        row_seq: torch.Tensor,
-        valid: torch.Tensor | None,
-        slot: torch.Tensor,
-        seq_len: torch.Tensor,
-        query_start: torch.Tensor,
-        *,
-        max_query_len: int,
-        max_seq_len: int = 0,
-        chunks: tuple[tuple[int, int, int], ...] = (),
-    ) -> torch.Tensor:
-        bs = self.kv.block_size
-        hidden = self.model.prelude(ids)
+    def _traverse(self, wave: WaveInputs) -> torch.Tensor:
+        hidden = self.model.prelude(wave.ids)
         for loop in range(self.depth):
-            tables = self.s.block_tables[slot, 0 if self.shared else loop]
-            own = tables[row_seq, positions // bs].long() * bs + positions % bs
-            if valid is not None:
-                own = torch.where(valid, own, self.kv.trash_slot)
-            meta = PagedMetadata(
-                positions=positions,
-                loop_indices=torch.full_like(positions, loop),
-                slot_mapping=own,
-                block_tables=tables,
-                seq_lens=seq_len,
-                query_start=query_start,
-                max_query_len=max_query_len,
-                max_seq_len=max_seq_len,
-                chunks=chunks,
-            )
-            hidden = self.model.recurrent(hidden, meta, self.kv).hidden
+            loops = torch.full_like(wave.positions, loop)
+            hidden = self.model.recurrent(hidden, self.metadata(wave, loops), self.kv).hidden
         return hidden
+
+    def metadata(self, wave: WaveInputs, loops: torch.Tensor) -> PagedMetadata:
+        """The wave's attention metadata at the loop in `loops` ([rows] int64, every entry
+        the same loop: a host constant, or the window's traversal counter on the device)."""
+        bs = self.kv.block_size
+        plane = torch.zeros_like(loops[:1]) if self.shared else loops[:1]
+        tables = self.s.block_tables[wave.slot].index_select(1, plane)[:, 0]
+        positions = wave.positions
+        own = tables[wave.row_seq, positions // bs].long() * bs + positions % bs
+        if wave.valid is not None:
+            own = torch.where(wave.valid, own, self.kv.trash_slot)
+        return PagedMetadata(
+            positions=positions,
+            loop_indices=loops,
+            slot_mapping=own,
+            block_tables=tables,
+            seq_lens=wave.seq_len,
+            query_start=wave.query_start,
+            max_query_len=wave.max_query_len,
+            max_seq_len=wave.max_seq_len,
+            chunks=wave.chunks,
+        )
