@@ -69,6 +69,10 @@ class RidingWave:
     first_rows: torch.Tensor  # [n] int64: last rows of the chunks that end their prompt
     first_slots: torch.Tensor  # [n] int64: their slots
     prompt_lens: torch.Tensor  # [n] int64: their prompt lengths (position of the first token)
+    # [1] bool: whether the last loop may start slots decoding (off while a graph is captured)
+    armed: torch.Tensor
+    # the graph variant of a fixed-shape wave: (rows, sequences, first tokens); None: eager only
+    key: tuple[int, int, int] | None = None
 
 
 class DecodeTraversal:
@@ -182,7 +186,7 @@ class DecodeTraversal:
         if wave.first_rows.numel() == 0:
             return
         s, step, slots = self.s, self.ev.step, wave.first_slots
-        last = step == self.depth - 1  # [1]: the wave's last loop
+        last = (step == self.depth - 1) & wave.armed  # [1]: the wave's last loop
         gate = last.int()
         drawn = sample(
             self.model.coda(hidden[wave.first_rows], gate=gate),

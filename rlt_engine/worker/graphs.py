@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode traversal: one per (padded batch size, static flags).
+"""CUDA graphs of the decode traversal: one per (padded batch size, static flags), and one
+per (padded batch size, flags, riding wave shape) for the traversals a prefill wave rides.
 
 A traversal reads and writes only the slot batch, the KV pool and the event buffers (fixed
 addresses), so replaying its graph N times is N traversals with no host work between them.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rlt_engine.worker.decode import DecodeTraversal, Flags
+from rlt_engine.worker.decode import DecodeTraversal, Flags, RidingWave
 
 
 def bucket_sizes(num_slots: int) -> list[int]:
@@ -27,40 +28,60 @@ class GraphCache:
     def __init__(self, traversal: DecodeTraversal, num_slots: int) -> None:
         self.traversal = traversal
         self.buckets = bucket_sizes(num_slots)
-        self.graphs: dict[tuple[int, Flags], torch.cuda.CUDAGraph] = {}
+        # (padded B, flags, riding wave variant or None) -> graph
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def padded(self, b: int) -> int:
         return next(size for size in self.buckets if size >= b)
 
-    def replay(self, b: int, flags: Flags, traversals: int) -> int:
-        """Run `traversals` traversals over slots [0, padded b); returns the padded size."""
+    def replay(self, b: int, flags: Flags, traversals: int, wave: RidingWave | None = None) -> int:
+        """Run `traversals` traversals over slots [0, padded b), the first `depth` with
+        `wave` riding (a fixed-shape wave, its graph already captured); returns the padded
+        size."""
         b = self.padded(b)
+        # captured before the window's first replay: a capture's warm-up writes event rows
+        # 0 and 1, which the window's own traversals then overwrite
         graph = self.ensure(b, flags)
-        for _ in range(traversals):
+        riding = 0 if wave is None else self.traversal.depth
+        for _ in range(riding):
+            self.graphs[(b, flags, wave.key)].replay()  # type: ignore[union-attr]
+        for _ in range(traversals - riding):
             graph.replay()
         return b
 
-    def ensure(self, b: int, flags: Flags) -> torch.cuda.CUDAGraph:
-        """The graph of bucket `b` (a bucket size) with `flags`, captured if new."""
-        graph = self.graphs.get((b, flags))
+    def captured(self, b: int, flags: Flags, wave: RidingWave | None = None) -> bool:
+        return (self.padded(b), flags, None if wave is None else wave.key) in self.graphs
+
+    def ensure(self, b: int, flags: Flags, wave: RidingWave | None = None) -> torch.cuda.CUDAGraph:
+        """The graph of bucket `b` (a bucket size) with `flags` (and `wave` riding), captured
+        if new. A riding wave's inputs must be an empty (all padding) wave while it is
+        captured: the warm-up runs execute it."""
+        key = (b, flags, None if wave is None else wave.key)
+        graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[(b, flags)] = self._capture(b, flags)
+            graph = self.graphs[key] = self._capture(b, flags, wave)
         return graph
 
-    def _capture(self, b: int, flags: Flags) -> torch.cuda.CUDAGraph:
+    def _capture(self, b: int, flags: Flags, wave: RidingWave | None) -> torch.cuda.CUDAGraph:
         s, ev = self.traversal.s, self.traversal.ev
         saved = s.active.clone(), s.parked.clone(), ev.step.clone(), ev.token.clone()
         s.active.zero_()  # every slot idle: the warm-up writes only the trash slot
+        if wave is not None:
+            wave.armed.zero_()  # and starts no slot decoding
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile Triton kernels, settle cuBLAS workspaces
-                self.traversal(b, flags)
+                if wave is not None:
+                    ev.step.zero_()  # the wave's loop: a plane that exists
+                self.traversal(b, flags, wave)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.traversal(b, flags)
+            self.traversal(b, flags, wave)
         for tensor, value in zip((s.active, s.parked, ev.step, ev.token), saved, strict=True):
             tensor.copy_(value)
+        if wave is not None:
+            wave.armed.fill_(True)
         return graph

@@ -15,6 +15,7 @@ runs in order on one stream, so plan n+1's work never overtakes plan n's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +36,14 @@ from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import TritonPagedAttention, attention_backend
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
 from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags, RidingWave
-from rlt_engine.worker.graphs import GraphCache
-from rlt_engine.worker.prefill import PrefillRunner, WaveLayout
+from rlt_engine.worker.graphs import GraphCache, bucket_sizes
+from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, PrefillRunner, WaveLayout
 from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, upload
 
 MAX_LOGPROBS = 20
+# Riding waves under CUDA graphs (captured per wave shape): off until the path has passed
+# the GPU suite; without graphs waves ride anyway.
+RIDE_GRAPHS = os.environ.get("RLT_RIDE_GRAPHS", "0") == "1"
 
 
 @dataclass
@@ -125,6 +129,12 @@ class ModelRunner:
             fixed_shapes=isinstance(self.kv, TritonPagedAttention),
             graph_pool=self.graphs.pool if self.graphs is not None else None,
         )
+        # a riding wave's state at fixed addresses (worker/decode.py's RidingWave)
+        self._rider_hidden = torch.zeros(
+            MAX_GRAPH_ROWS, cfg.hidden_size, dtype=self.dtype, device=self.device
+        )
+        self._rider_firsts = torch.zeros(3, num_slots + 1, dtype=torch.long, device=self.device)
+        self._armed = torch.ones(1, dtype=torch.bool, device=self.device)
         self.snapshots: dict[int, _Snapshot] = {}  # preempted requests, in host memory
 
     # -- the step ------------------------------------------------------------------------
@@ -145,24 +155,27 @@ class ModelRunner:
             self._swap_in(swap_in)
         for append in plan.block_appends:
             self.slots.append(append.slot, append.blocks)
-        waves, rider = plan.prefill, None
+        waves, rider, layout = plan.prefill, None, None
         if plan.wave_rides:
             if len(waves) != 1 or plan.decode_traversals < self.depth:
                 raise ValueError(
                     f"a riding wave needs exactly one wave and a window of >= {self.depth} "
                     f"traversals, got {len(waves)} and {plan.decode_traversals}"
                 )
-            rider, waves = self._rider(waves[0]), ()
+            layout = WaveLayout.of(waves[0])
+            rider, waves = self._rider(waves[0], layout), ()
         firsts = [self._prefill(wave) for wave in waves]
-        window = self._decode(plan.decode_traversals, rider) if plan.decode_traversals else None
+        window = (
+            self._decode(plan.decode_traversals, rider, layout) if plan.decode_traversals else None
+        )
         return self._start_read_back([f for f in firsts if f is not None], window)
 
     @property
     def rides_waves(self) -> bool:
-        """Whether plans should let prefill waves ride decode windows. Not yet with CUDA
-        graphs: the riding traversals run eagerly, which on the GPU costs more launch time
-        than the weight reads they save (capturing them is the next step)."""
-        return self.graphs is None
+        """Whether plans should let prefill waves ride decode windows. With CUDA graphs the
+        riding traversals are captured per wave shape; that path is on only with
+        RLT_RIDE_GRAPHS=1 until it has passed the GPU suite."""
+        return self.graphs is None or RIDE_GRAPHS
 
     def capture_graphs(self, variants: list[Flags]) -> int:
         """Capture ahead of the first request (~0.2 s each on first use otherwise): the decode
@@ -217,27 +230,42 @@ class ModelRunner:
             num_logprobs=num_logprobs,
         )
 
-    def _rider(self, wave: tuple[PrefillChunk, ...]) -> RidingWave:
-        layout = WaveLayout.of(wave)
+    def _rider(self, wave: tuple[PrefillChunk, ...], layout: WaveLayout) -> RidingWave:
+        """A wave to ride the window. A fixed-shape one (a row bucket) keeps everything at
+        fixed addresses, its first tokens padded to a power of two by repeating the first
+        (the same writes twice), so the riding traversal is one graph per shape."""
         inputs = self.prefill.inputs_for(layout)
         last = [i for i, c in enumerate(wave) if c.last]
-        host = torch.tensor(
-            [
-                [layout.firsts[i + 1] - 1 for i in last],
-                [wave[i].slot for i in last],
-                [wave[i].start + layout.counts[i] for i in last],
-            ],
-            dtype=torch.long,
+        firsts = [
+            [layout.firsts[i + 1] - 1 for i in last],
+            [wave[i].slot for i in last],
+            [wave[i].start + layout.counts[i] for i in last],
+        ]
+        if inputs.valid is None:  # an exact-shape wave: eager only
+            rows, slots, prompt_lens = upload(torch.tensor(firsts, dtype=torch.long), self.device)
+            width = self._rider_hidden.shape[1]
+            hidden = torch.zeros(inputs.rows, width, dtype=self.dtype, device=self.device)
+            return RidingWave(
+                inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens, self._armed
+            )
+        n = len(last)
+        padded = next(b for b in (0, *bucket_sizes(self.slots.num_slots + 1)) if b >= n)
+        host = torch.tensor([f + f[:1] * (padded - n) for f in firsts], dtype=torch.long)
+        buffer = self._rider_firsts[:, :padded]
+        buffer.copy_(upload(host, self.device))
+        rows, slots, prompt_lens = buffer
+        key = (inputs.rows, int(inputs.slot.shape[0]), padded)
+        hidden = self._rider_hidden[: inputs.rows]
+        return RidingWave(
+            inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens, self._armed, key
         )
-        rows, slots, prompt_lens = upload(host, self.device)
-        hidden = torch.zeros(
-            inputs.rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device
-        )
-        return RidingWave(inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens)
 
     # -- decode --------------------------------------------------------------------------
     def _decode(
-        self, traversals: int, rider: RidingWave | None = None
+        self,
+        traversals: int,
+        rider: RidingWave | None = None,
+        layout: WaveLayout | None = None,
     ) -> tuple[int, int, Flags] | None:
         b = self.slots.span()
         if b == 0:
@@ -248,13 +276,21 @@ class ModelRunner:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
         ev.step.zero_()
         ev.token[:traversals].fill_(-1)
+        if self.graphs is not None:
+            if rider is not None and rider.key is None:  # an exact-shape wave: eager
+                for _ in range(self.depth):
+                    self.traversal(b, flags, rider)
+                return traversals, self.graphs.replay(b, flags, traversals - self.depth), flags
+            if rider is not None and not self.graphs.captured(b, flags, rider):
+                # captured on an empty wave (its warm-up runs execute it), then put back
+                assert layout is not None
+                self.prefill.upload(WaveLayout.empty(), rider.inputs.rows)
+                self.graphs.ensure(self.graphs.padded(b), flags, rider)
+                self.prefill.upload(layout, rider.inputs.rows)
+            return traversals, self.graphs.replay(b, flags, traversals, rider), flags
         self.traversal.max_seq_len = self.slots.max_context(self.block_size)
-        eager = traversals if self.graphs is None else self.depth if rider is not None else 0
-        for t in range(eager):
+        for t in range(traversals):
             self.traversal(b, flags, rider if t < self.depth else None)
-        if eager < traversals:
-            assert self.graphs is not None
-            b = max(b, self.graphs.replay(b, flags, traversals - eager))
         return traversals, b, flags
 
     def _long_context(self) -> bool:

@@ -57,6 +57,11 @@ class WaveLayout:
     def rows(self) -> int:
         return len(self.ids)
 
+    @classmethod
+    def empty(cls) -> WaveLayout:
+        """No rows: uploaded at a bucket's shape, every row is padding (graph warm-ups)."""
+        return cls([], [], [], [], [], [], [0])
+
 
 @dataclass(frozen=True)
 class WaveInputs:
@@ -108,7 +113,7 @@ class PrefillRunner:
         bucket = self.bucket(wave)
         if bucket is None:
             return self._traverse(self.exact_inputs(wave))
-        self._upload(wave, bucket[0])
+        self.upload(wave, bucket[0])
         if self.pool is None:
             return self._traverse(self._padded_inputs(*bucket))
         graph, out = self.graphs.get(bucket) or self._capture(*bucket, wave)
@@ -128,7 +133,7 @@ class PrefillRunner:
         first capture would be the request's whole wait); returns how many were new."""
         if self.pool is None:
             return 0
-        empty = WaveLayout([], [], [], [], [], [], [0])
+        empty = WaveLayout.empty()
         new = 0
         for rows in ROW_BUCKETS:
             bucket = (rows, next(b for b in self.seq_buckets if b >= 2))
@@ -138,7 +143,7 @@ class PrefillRunner:
         return new
 
     # -- the fixed-shape path --------------------------------------------------------------
-    def _upload(self, wave: WaveLayout, rows: int) -> None:
+    def upload(self, wave: WaveLayout, rows: int) -> None:
         """One copy of the wave's inputs. Rows [wave.rows, rows) are padding: they write the
         trash slot and belong to a padding sequence with no keys (so their attention output
         is exactly zero, and nothing in them overflows)."""
@@ -162,7 +167,7 @@ class PrefillRunner:
         bucket = self.bucket(wave)
         if bucket is None:
             return self.exact_inputs(wave)
-        self._upload(wave, bucket[0])
+        self.upload(wave, bucket[0])
         return self._padded_inputs(*bucket)
 
     def _padded_inputs(self, rows: int, seqs: int) -> WaveInputs:
@@ -184,7 +189,7 @@ class PrefillRunner:
     def _capture(self, rows: int, seqs: int, wave: WaveLayout) -> tuple:
         """Capture bucket (rows, seqs), then put `wave`'s inputs back. The warm-up runs see
         an empty wave (every row padding): they write only the trash slot."""
-        self._upload(WaveLayout([], [], [], [], [], [], [0]), rows)
+        self.upload(WaveLayout.empty(), rows)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -195,7 +200,7 @@ class PrefillRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._padded(rows, seqs)
         self.graphs[(rows, seqs)] = graph, out
-        self._upload(wave, rows)
+        self.upload(wave, rows)
         return graph, out
 
     # -- the exact-shape path --------------------------------------------------------------
