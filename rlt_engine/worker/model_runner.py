@@ -187,7 +187,7 @@ class ModelRunner:
         count = 0
         for flags in variants:
             for b in self.graphs.buckets:
-                count += (b, flags) not in self.graphs.graphs
+                count += not self.graphs.captured(b, flags)
                 self.graphs.ensure(b, flags)
         return count + self.prefill.capture_single_sequence()
 
