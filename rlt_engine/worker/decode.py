@@ -180,8 +180,8 @@ class DecodeTraversal:
 
     def _wave_done(self, wave: RidingWave, hidden: torch.Tensor, flags: Flags) -> None:
         """Keep the wave's rows for their next loop; after the last loop, sample the first
-        token of each chunk that ends its prompt and start its slot decoding (the same as
-        `SlotBatch.start_decode`, gated on the device by the loop)."""
+        token of each chunk that ends its prompt and start its slot decoding (gated on the
+        device by the loop)."""
         wave.hidden.copy_(hidden)
         if wave.first_rows.numel() == 0:
             return
@@ -199,18 +199,7 @@ class DecodeTraversal:
             num_logprobs=flags.num_logprobs,
             gate=gate if self.fused else None,
         )  # fmt: skip
-        ones = torch.ones_like(slots)
-        finished = s.finishes(slots, drawn.token, ones)
-
-        def put(field: torch.Tensor, value: torch.Tensor | float | int) -> None:
-            field[slots] = torch.where(last, value, field[slots])
-
-        put(s.token, drawn.token)
-        put(s.position, wave.prompt_lens)
-        put(s.loop, 0)
-        put(s.remaining, 1.0)
-        put(s.generated, ones)
-        put(s.active, ~finished)
+        s.start_decode(slots, drawn.token, wave.prompt_lens, self.refill, when=last)
         self._record_first(wave, drawn, last)
 
     def _record_first(self, wave: RidingWave, drawn: SampleOutput, last: torch.Tensor) -> None:

@@ -210,7 +210,8 @@ class ModelRunner:
         slots = [wave[i].slot for i in last]
         index = upload(torch.tensor(slots), dev)
         drawn = self._sample(self.model.coda(hidden[rows]), index, slots)
-        s.start_decode(index, drawn.token, [wave[i].start + counts[i] for i in last], self.refill)
+        positions = upload(torch.tensor([wave[i].start + counts[i] for i in last]), dev)
+        s.start_decode(index, drawn.token, positions, self.refill)
         return _FirstTokens(slots, drawn)
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, slots: list[int]) -> SampleOutput:

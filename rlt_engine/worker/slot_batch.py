@@ -125,18 +125,29 @@ class SlotBatch:
         self.host.pop(slot, None)
 
     def start_decode(
-        self, slots: torch.Tensor, tokens: torch.Tensor, prompt_lens: list[int], refill: bool
+        self,
+        slots: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        refill: bool,
+        when: torch.Tensor | None = None,
     ) -> None:
-        """Prefill ended for `slots` with first tokens `tokens`: they decode from now on,
-        unless that token already ends them (a stop id, or max_tokens == 1)."""
-        pos = upload(torch.tensor(prompt_lens, dtype=torch.long), self.device)
-        self.token[slots] = tokens
-        self.position[slots] = pos
-        self.loop[slots] = 0
-        self.remaining[slots] = 1.0
-        self.generated[slots] = 1
-        self.active[slots] = ~self.finishes(slots, tokens, self.generated[slots])
-        self.parked[slots] = not refill
+        """Prefill ended for `slots` with first tokens `tokens` at `positions` (the prompt
+        lengths): they decode from now on, unless that token already ends them (a stop id, or
+        max_tokens == 1). `when` ([1] bool, on the device): only if it holds (a riding wave's
+        last loop, inside a captured traversal)."""
+
+        def put(field: torch.Tensor, value: torch.Tensor | float | bool) -> None:
+            field[slots] = value if when is None else torch.where(when, value, field[slots])
+
+        ones = torch.ones_like(slots)
+        put(self.token, tokens)
+        put(self.position, positions)
+        put(self.loop, 0)
+        put(self.remaining, 1.0)
+        put(self.generated, ones)
+        put(self.active, ~self.finishes(slots, tokens, ones))
+        put(self.parked, not refill)
 
     def finishes(
         self, slots: torch.Tensor | slice, tokens: torch.Tensor, generated: torch.Tensor
