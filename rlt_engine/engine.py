@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from rlt_engine.worker.memory_plan import (
 )
 from rlt_engine.worker.model_runner import Launched, ModelRunner
 
+# A/B switch (benchmarks/README.md): prefill waves riding decode windows (1, the default) or
+# running before them (0)
+RIDE_WAVES = os.environ.get("RLT_RIDE_WAVES", "1") != "0"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -122,7 +126,7 @@ class LLMEngine:
             cache,
             config.execution.decode_window,
             lookahead=2 if self.async_scheduling else 1,
-            ride_waves=self.runner.rides_waves,
+            ride_waves=RIDE_WAVES,
         )
         self.runner.capture_graphs(self._default_flags())
         self._launched: deque[tuple[StepPlan, Launched]] = deque()  # oldest first

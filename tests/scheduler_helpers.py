@@ -78,6 +78,7 @@ def make_scheduler(
     enable_preemption: bool = False,
     max_bypass: int = 32,
     decode_window: int = 1,
+    lookahead: int = 1,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -98,7 +99,7 @@ def make_scheduler(
     )
     planes = 1 if kv_layout == "shared" else depth
     blocks = BlockManager(num_blocks, block_size, planes, enable_prefix_caching)
-    return Scheduler(config, blocks, depth, cache, decode_window)
+    return Scheduler(config, blocks, depth, cache, decode_window, lookahead)
 
 
 def make_request(

@@ -69,10 +69,10 @@ class Scheduler(Admission):
         cache: CacheConfig | None = None,
         decode_window: int = 1,
         lookahead: int = 1,
-        ride_waves: bool = False,
+        ride_waves: bool = True,
     ) -> None:
-        """`ride_waves`: the worker can run a prefill wave inside the first `depth` traversals
-        of a decode window (worker/decode.py's RidingWave) instead of before it."""
+        """`ride_waves`: let a prefill wave run inside the first `depth` traversals of a decode
+        window (worker/decode.py's RidingWave) instead of before it (False: the comparison)."""
         super().__init__(config, cache or CacheConfig(), blocks, depth)
         self.ride_waves = ride_waves
         if lookahead not in (1, 2):
@@ -117,11 +117,14 @@ class Scheduler(Admission):
         # with no-refill cohorts (a slot would join mid-cohort), several waves (a later wave
         # needs the earlier one's every loop first), or where the traversal would exceed
         # max_num_batched_tokens rows (a wave that large amortises its weight reads anyway).
+        # Asynchronous, a wave with no other rows decoding beside it has no reads to share:
+        # it ends its plan at its first tokens instead (below), for time to first token.
         span = max((r.slot + 1 for r in self.running if r.slot is not None), default=0)
         rides = (
             self.ride_waves
             and self.config.refill
             and decoding
+            and (self.lookahead == 1 or self._others_decode(planned))
             and len(waves) == 1
             and window >= self.depth
             and span + sum(len(c.token_ids) for c in waves[0]) <= self.config.max_num_batched_tokens
@@ -142,6 +145,13 @@ class Scheduler(Admission):
         if self.trace is not None:
             self.trace.append(plan)
         return plan
+
+    def _others_decode(self, planned: list[Request]) -> bool:
+        """Whether the window has decode rows besides the slots this plan's wave starts."""
+        starting = {id(r) for r, _ in self._chunks}
+        return any(r.stage is Stage.DECODE for r in planned) or any(
+            self._first_token_in_flight(r) and id(r) not in starting for r in self.running
+        )
 
     @staticmethod
     def _first_token_in_flight(req: Request) -> bool:

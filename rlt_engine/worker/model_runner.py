@@ -15,7 +15,6 @@ runs in order on one stream, so plan n+1's work never overtakes plan n's.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +40,6 @@ from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, PrefillRunner, WaveLayout
 from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, upload
 
 MAX_LOGPROBS = 20
-# Riding waves under CUDA graphs (captured per wave shape): off until the path has passed
-# the GPU suite; without graphs waves ride anyway.
-RIDE_GRAPHS = os.environ.get("RLT_RIDE_GRAPHS", "0") == "1"
 
 
 @dataclass
@@ -169,13 +165,6 @@ class ModelRunner:
             self._decode(plan.decode_traversals, rider, layout) if plan.decode_traversals else None
         )
         return self._start_read_back([f for f in firsts if f is not None], window)
-
-    @property
-    def rides_waves(self) -> bool:
-        """Whether plans should let prefill waves ride decode windows. With CUDA graphs the
-        riding traversals are captured per wave shape; that path is on only with
-        RLT_RIDE_GRAPHS=1 until it has passed the GPU suite."""
-        return self.graphs is None or RIDE_GRAPHS
 
     def capture_graphs(self, variants: list[Flags]) -> int:
         """Capture ahead of the first request (~0.2 s each on first use otherwise): the decode

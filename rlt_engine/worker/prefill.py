@@ -105,6 +105,11 @@ class PrefillRunner:
         # one int64 buffer: ids, positions, row_seq, valid | slot, seq_len | query_start
         self._sizes = (n, n, n, n, s, s, s + 1)
         self.inputs = torch.zeros(sum(self._sizes), dtype=torch.long, device=slots.device)
+        # the fields the kernels read as bool / int32, refreshed in place by each upload: a
+        # captured traversal (a prefill graph, or a riding wave's inside a decode graph) reads
+        # the same addresses at every replay, so no view here may be a fresh conversion
+        self._valid = torch.zeros(n, dtype=torch.bool, device=slots.device)
+        self._lens = torch.zeros(2 * s + 1, dtype=torch.int32, device=slots.device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def __call__(self, wave: WaveLayout) -> torch.Tensor:
@@ -160,6 +165,8 @@ class PrefillRunner:
         query_start[: k + 1] = torch.tensor(wave.firsts)
         query_start[k + 1 :] = rows  # sequence k (seq_len 0) owns the padded rows
         self.inputs.copy_(upload(host, self.inputs.device))
+        self._valid.copy_(self.inputs.split(self._sizes)[3])
+        self._lens.copy_(self.inputs[-self._lens.numel() :])  # seq_len | query_start
 
     def inputs_for(self, wave: WaveLayout) -> WaveInputs:
         """The wave's rows on the device, at a bucket's shape where one fits (a wave riding in
@@ -171,15 +178,16 @@ class PrefillRunner:
         return self._padded_inputs(*bucket)
 
     def _padded_inputs(self, rows: int, seqs: int) -> WaveInputs:
-        ids, positions, row_seq, valid, slot, seq_len, query_start = self.inputs.split(self._sizes)
+        ids, positions, row_seq, _, slot, _, _ = self.inputs.split(self._sizes)
+        seq_len, query_start = self._lens.split(self._sizes[5:])
         return WaveInputs(
             ids[:rows],
             positions[:rows],
             row_seq[:rows],
-            valid[:rows].bool(),
+            self._valid[:rows],
             slot[:seqs],
-            seq_len[:seqs].int(),
-            query_start[: seqs + 1].int(),
+            seq_len[:seqs],
+            query_start[: seqs + 1],
             max_query_len=rows,
         )
 

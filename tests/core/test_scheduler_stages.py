@@ -235,6 +235,25 @@ def test_decode_traversals_is_zero_when_nothing_decodes():
     assert_clean(worker)
 
 
+def test_a_wave_rides_beside_decode_rows_and_alone_only_when_synchronous():
+    """Asynchronous, a lone wave ends its plan at its first tokens (time to first token: no
+    rows to share its reads with); a wave arriving while others decode rides their window.
+    Synchronous, a lone wave rides too (its first tokens come back with the window anyway)."""
+    sync = make_scheduler(decode_window=8)
+    sync.add(make_request("a", 5, 4))
+    alone = sync.schedule()
+    assert alone is not None and alone.wave_rides and alone.decode_traversals == 8
+
+    sched = make_scheduler(decode_window=8, lookahead=2)
+    sched.add(make_request("a", 5, 4))
+    first = sched.schedule()
+    assert first is not None and not first.wave_rides and first.decode_traversals == 0
+    sched.add(make_request("b", 3, 4))  # while a's first token is in flight
+    second = sched.schedule()
+    assert second is not None and second.wave_rides and second.decode_traversals == 8
+    assert [c.request_id for c in second.prefill[0]] == ["b"]
+
+
 def test_a_last_chunk_with_a_single_output_token_opens_no_window():
     sched = make_scheduler(decode_window=4)
     worker = FakeWorker(sched)

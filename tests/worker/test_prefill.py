@@ -42,6 +42,24 @@ def test_buckets_pad_rows_and_keep_a_padding_sequence(tiny_ouro_dir):
     assert torch_runner.prefill.bucket(three) is None  # the torch backend: exact shapes only
 
 
+def test_padded_inputs_live_at_fixed_addresses(tiny_ouro_dir):
+    """A captured traversal reads the wave's inputs where its capture found them: two waves of
+    one bucket get the same tensors, holding the later wave's values (a fresh dtype conversion
+    per wave made a riding wave's graph replay read the first wave's lengths)."""
+    _, runner = _runner(tiny_ouro_dir, "triton")
+    prefill = runner.prefill
+    first = prefill.inputs_for(WaveLayout.of((_chunk(0, 0, 5), _chunk(1, 0, 2))))
+    names = ("ids", "positions", "row_seq", "valid", "slot", "seq_len", "query_start")
+    views = [getattr(first, name).data_ptr() for name in names]
+    second = prefill.inputs_for(WaveLayout.of((_chunk(2, 4, 3), _chunk(0, 0, 6))))
+    assert [getattr(second, name).data_ptr() for name in names] == views
+    assert second.valid.dtype == torch.bool and second.seq_len.dtype == torch.int32
+    assert second.valid.tolist() == [True] * 9 + [False] * 7
+    assert second.seq_len.tolist() == [7, 6, 0, 0]  # the padding sequence sees no keys
+    assert second.query_start.tolist() == [0, 3, 9, 16, 16]
+    assert second.slot[:2].tolist() == [2, 0]
+
+
 def test_padded_wave_equals_exact_wave(tiny_ouro_dir):
     """The same wave through the padded path and the exact path (Triton kernels under the
     interpreter): the same hidden states for the real rows, zeros nowhere near them."""

@@ -133,12 +133,11 @@ def test_a_riding_plan_the_worker_cannot_run_is_refused(tiny_ouro_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_riding_waves_equal_plain_waves_and_the_cpu(tiny_ouro_dir):
-    """On the GPU (eager: riding traversals are not captured yet), Triton kernels compiled:
+    """On the GPU without graphs (--enforce-eager), Triton kernels compiled:
     riding = not riding = the CPU, fp32."""
     prompts, params = _workload()
     opts = dict(dtype="float32", block_size=4, max_num_seqs=4, async_scheduling=False)
     llm = LLM(str(tiny_ouro_dir), device="cuda", enforce_eager=True, **opts)
-    assert llm.engine.runner.rides_waves
     plain, _ = _run(llm, False, prompts, params)
     riding, plans = _run(llm, True, prompts, params)
     del llm
@@ -153,23 +152,23 @@ def test_cuda_riding_waves_equal_plain_waves_and_the_cpu(tiny_ouro_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_riding_graphs_equal_eager_plain_waves(tiny_ouro_dir, monkeypatch):
-    """The riding traversals captured per wave shape (RLT_RIDE_GRAPHS=1): graphs with riding
-    waves = eager without, fp32, and the graphs of every shape seen were captured."""
-    from rlt_engine.worker import model_runner
-
-    monkeypatch.setattr(model_runner, "RIDE_GRAPHS", True)
-    prompts, params = _workload()
-    opts = dict(dtype="float32", block_size=4, max_num_seqs=4, async_scheduling=False)
-    llm = LLM(str(tiny_ouro_dir), device="cuda", **opts)
-    assert llm.engine.runner.rides_waves
+@pytest.mark.parametrize(("seed", "asynchronous"), [(0, False), (1, False), (2, True)])
+def test_cuda_riding_graphs_equal_eager_plain_waves(tiny_ouro_dir, seed, asynchronous):
+    """The riding traversals captured per wave shape: graphs with riding waves = eager
+    without, fp32, and riding graphs were captured. (Each workload caught a riding graph that
+    read the lengths of the wave it was captured on at every later replay.)"""
+    prompts, params = _workload(seed=seed)
+    opts = dict(dtype="float32", block_size=4, max_num_seqs=4)
+    llm = LLM(str(tiny_ouro_dir), device="cuda", async_scheduling=asynchronous, **opts)
     riding, plans = _run(llm, True, prompts, params)
     graphs = llm.engine.runner.graphs.graphs
     assert sum(p.wave_rides for p in plans) >= 3
     assert any(key[2] is not None for key in graphs)  # riding graphs were captured
     del llm, graphs
     torch.cuda.empty_cache()
-    eager = LLM(str(tiny_ouro_dir), device="cuda", enforce_eager=True, **opts)
+    eager = LLM(
+        str(tiny_ouro_dir), device="cuda", enforce_eager=True, async_scheduling=False, **opts
+    )
     plain, _ = _run(eager, False, prompts, params)
     assert [exact for exact, _ in riding] == [exact for exact, _ in plain]
     for (_, values), (_, want) in zip(riding, plain, strict=True):
