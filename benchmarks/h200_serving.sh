@@ -7,8 +7,9 @@
 #   bash benchmarks/h200_serving.sh [OUT_DIR]      (default: $OUT, else ./h200-serving-out)
 #
 # Writes into OUT_DIR: inprocess.jsonl (benchmarks/bench_serving_inprocess.py: the same runs
-# against the AsyncEngine without HTTP), serving.jsonl (one `rlt bench --url --json` report a line, each with a
-# "run" label added), offline.json (`rlt bench --json`), server.log, cpu.txt (the server's CPU
+# against the AsyncEngine without HTTP), serving.jsonl (one `rlt bench --url --json` report a
+# line, each with a "run" label and the server's own means over the run, from /metrics deltas,
+# added), offline.json (`rlt bench --json`), server.log, cpu.txt (the server's CPU
 # seconds per thread over each serving run: the main thread runs the event loop, the others the
 # engine), metrics_c8.txt (/metrics after the c=8 run) and meta.txt (GPU, versions).
 # Packages the image lacks (fastapi, uvicorn, pydantic, ...) may travel as wheels in .whl/.
@@ -94,20 +95,59 @@ cpu() {  # "label thread utime+stime seconds" for every thread of the server
   done
 }
 
+metrics() {  # the server's /metrics, to stdout
+  $PY -c 'import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + "/metrics").text)' "$URL"
+}
+
 serve_bench() {  # LABEL ARGS...: one `rlt bench --url` run, its JSON labelled, CPU around it
   local label=$1; shift
   cpu "$label-before" >>"$OUT_DIR/cpu.txt"
+  metrics >"$OUT_DIR/.metrics-before"
   [ "${QUICK:-0}" = 1 ] && set -- "$@" --num-prompts 2
   local t0; t0=$(date +%s%N)
   $PY -m rlt_cli.main bench --url "$URL" --input-len 64 --output-len $OUTPUT_LEN --json "$@" \
-    | $PY -c 'import json, sys; r = json.loads(sys.stdin.read()); r["run"] = sys.argv[1];
-print(json.dumps(r))' "$label" >>"$OUT_DIR/serving.jsonl"
+    >"$OUT_DIR/.run.json"
   cpu "$label-after" >>"$OUT_DIR/cpu.txt"
   echo "$label wall_ms $((($(date +%s%N) - t0) / 1000000))" >>"$OUT_DIR/cpu.txt"
+  metrics >"$OUT_DIR/.metrics-after"
+  # the server's own view of the run (engine-side, from the handler's send to the engine): the
+  # means of its histograms over the run, from the /metrics deltas. They include the bench's
+  # one uncounted test request. Client minus server = HTTP, SSE and the client.
+  $PY - "$label" "$OUT_DIR/.run.json" "$OUT_DIR/.metrics-before" "$OUT_DIR/.metrics-after" \
+    >>"$OUT_DIR/serving.jsonl" <<'PYEOF'
+import json, sys
+
+def totals(path):
+    got = {}
+    for line in open(path):
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        got[name.split("{")[0]] = got.get(name.split("{")[0], 0.0) + float(value)
+    return got
+
+label, run, before, after = sys.argv[1:]
+r = json.load(open(run))
+b, a = totals(before), totals(after)
+server = {}
+for key, name in (("ttft", "vllm:time_to_first_token_seconds"),
+                  ("tpot", "vllm:time_per_output_token_seconds"),
+                  ("e2e", "vllm:e2e_request_latency_seconds"),
+                  ("step", "rlt:engine_step_seconds")):
+    n = a.get(name + "_count", 0) - b.get(name + "_count", 0)
+    s = a.get(name + "_sum", 0) - b.get(name + "_sum", 0)
+    server[key + "_ms_mean"] = 1e3 * s / n if n else None
+    server[key + "_count"] = n
+r["run"], r["server"] = label, server
+print(json.dumps(r))
+PYEOF
   tail -n 1 "$OUT_DIR/serving.jsonl" | $PY -c 'import json, sys; r = json.loads(sys.stdin.read());
+s = r["server"]; f = lambda v: "-" if v is None else round(v, 1)
 print(r["run"], r["completed"], "ok", r["failed"], "failed", round(r["output_throughput"], 1),
 "out tok/s, ttft p50", round(r["ttft_ms"]["median"], 1), "ms, itl p50",
-round(r["itl_ms"]["median"], 2), "ms, tpot p50", round(r["tpot_ms"]["median"], 2), "ms")'
+round(r["itl_ms"]["median"], 2), "ms, tpot p50", round(r["tpot_ms"]["median"], 2),
+"ms; ttft mean client / server", round(r["ttft_ms"]["mean"], 1), "/", f(s["ttft_ms_mean"]),
+"ms, steps", s["step_count"], "of", f(s["step_ms_mean"]), "ms")'
 }
 
 # warm-up (not reported as a result): the CUDA-graph batch buckets up to 64 get captured as
@@ -125,4 +165,5 @@ serve_bench rate4 --num-prompts 12 --request-rate 4 --seed 4
 kill "$SERVER"
 wait "$SERVER"
 echo "server exited with $?"
+rm -f "$OUT_DIR"/.metrics-before "$OUT_DIR"/.metrics-after "$OUT_DIR"/.run.json
 

@@ -81,6 +81,9 @@ class _Add:
     accepted: concurrent.futures.Future[None]
     loop: asyncio.AbstractEventLoop
     stream: RequestStream
+    # when the caller sent it: its arrival, so TTFT and E2E include the wait for the engine
+    # thread to drain the queue between steps (as vLLM counts from arrival at the server)
+    sent: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -239,7 +242,9 @@ class AsyncEngine:
             if command.accepted.cancelled():
                 continue
             try:
-                engine.add_request(command.prompt, command.params, command.request_id)
+                engine.add_request(
+                    command.prompt, command.params, command.request_id, arrival_time=command.sent
+                )
             except Exception as exc:
                 command.accepted.set_exception(exc)
                 continue

@@ -246,7 +246,10 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
+        """Queue a request; returns its id. `arrival_time` (time.monotonic()): when it reached
+        the caller (a server's queue), if earlier than now."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
@@ -260,6 +263,8 @@ class LLMEngine:
             stop_token_ids=self._stop_ids(params),
             seed=params.seed if params.seed is not None else random.getrandbits(63),
         )
+        if arrival_time is not None:
+            req.arrival_time = min(arrival_time, req.arrival_time)
         max_len = self.model_config.max_position_embeddings
         if req.max_positions > max_len:
             raise ValueError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -82,6 +83,32 @@ def test_refused_request_and_abort(engine, llm) -> None:
         assert len(ok["tokens"]) <= 5
 
     asyncio.run(main())
+
+
+def test_arrival_is_when_the_caller_sent_the_request(engine, served, monkeypatch) -> None:
+    """TTFT and E2E count from the moment a request was handed to the AsyncEngine, including
+    its wait in the command queue until the engine thread drains it between steps."""
+    drained: list[float] = []
+    add_request = served.engine.add_request
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        drained.append(time.monotonic())
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(served.engine, "add_request", recording)
+
+    async def main() -> tuple[float, list]:
+        busy = await engine.add(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), "b")
+        await busy.__anext__()  # the engine thread is stepping now
+        sent = time.monotonic()
+        outs = [out async for out in engine.generate(PROMPTS[1], SamplingParams(max_tokens=3), "q")]
+        busy.abort()
+        return sent, outs
+
+    sent, outs = asyncio.run(main())
+    arrival = outs[-1].metrics.arrival_time
+    assert sent <= arrival <= drained[-1]  # stamped at the send, not at the drain
+    assert outs[-1].metrics.first_token_time > drained[-1]
 
 
 def test_cancelled_caller_aborts(engine, served) -> None:
