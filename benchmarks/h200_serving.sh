@@ -12,7 +12,7 @@
 # added), offline.json (`rlt bench --json`), server.log, cpu.txt (the server's CPU
 # seconds per thread over each serving run: the main thread runs the event loop, the others the
 # engine), metrics_c8.txt (/metrics after the c=8 run) and meta.txt (GPU, versions).
-# Packages the image lacks (fastapi, uvicorn, pydantic, ...) may travel as wheels in .whl/.
+# Packages the image lacks (fastapi, uvicorn, pydantic, aiohttp, ...) may travel as wheels in .whl/.
 # QUICK=1: a dry run of the script itself on a CPU (demo model, 2 requests a run, 4 tokens).
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-h200-serving-out}}
@@ -34,7 +34,7 @@ if [ "${QUICK:-0}" = 1 ]; then
 fi
 export PYTHONUNBUFFERED=1
 
-IMPORTS='import httpx, fastapi, uvicorn, prometheus_client, pydantic, typer'
+IMPORTS='import httpx, aiohttp, fastapi, uvicorn, prometheus_client, pydantic, typer'
 # the image's typer lacks what rlt_cli needs (TyperOption.display_type): carried wheels win
 if [ "${QUICK:-0}" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

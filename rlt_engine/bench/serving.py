@@ -1,6 +1,6 @@
 """Serving benchmark against any OpenAI-compatible server (`rlt bench --url`).
 
-A client on asyncio + httpx streams `POST {url}/v1/completions` requests (`stream: true`,
+A client on asyncio + aiohttp streams `POST {url}/v1/completions` requests (`stream: true`,
 `stream_options.include_usage`, `ignore_eos`, `max_tokens` = the output length, temperature 0)
 in the manner of `vllm bench serve`, and measures what a user of the server sees:
 
@@ -22,6 +22,11 @@ short test request checks that the server takes ours: a server that cannot be re
 missing or wrong API key, a wrong URL or model fail there with one readable `ServingBenchError`.
 The statistics are pure functions (`chunk_latencies`, `request_tpot`, `distribution`,
 `summarize`). No torch.
+
+aiohttp, as `vllm bench serve` uses, not httpx: at c=8, with 8 requests ending and 8 starting
+together, httpx took 15-23 ms of client time to put a request on the wire, against 3-7 ms for
+aiohttp (CPU trace, benchmarks/results/2026-12-02-riding-graphs-h200.md), and a load
+generator's own latency is counted in every TTFT it reports.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from rlt_engine.bench.stats import percentile
 
@@ -271,23 +276,24 @@ def _event_error(event: dict[str, Any]) -> str | None:
 
 
 async def send_request(
-    client: httpx.AsyncClient, payload: dict[str, Any], t0: float = 0.0
+    session: aiohttp.ClientSession, url: str, payload: dict[str, Any], t0: float = 0.0
 ) -> RequestResult:
-    """Stream one completion; never raises for the server's or the network's faults."""
+    """Stream one completion from `url` (the server's base URL); never raises for the
+    server's or the network's faults."""
     start = time.perf_counter()
     chunks: list[tuple[float, int]] = []
     usage: dict[str, Any] | None = None
     error: str | None = None
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as response:
-            if response.status_code != 200:
-                error = _error_text(response.status_code, await response.aread())
+        async with session.post(f"{url}/v1/completions", json=payload) as response:
+            if response.status != 200:
+                error = _error_text(response.status, await response.read())
             else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+                async for raw in response.content:  # one line at a time
+                    if not raw.startswith(b"data:"):
                         continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    data = raw[5:].strip()
+                    if data == b"[DONE]":
                         break
                     now = time.perf_counter()
                     event = json.loads(data)
@@ -299,7 +305,7 @@ async def send_request(
                     tokens = sum(_chunk_tokens(c) for c in event.get("choices") or ())
                     if tokens:
                         chunks.append((now, tokens))
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     except json.JSONDecodeError as exc:
         error = f"malformed stream chunk: {exc}"
@@ -335,61 +341,64 @@ def _payload(
     }
 
 
-async def _served_model(client: httpx.AsyncClient, config: ServingBenchConfig) -> str:
+async def _served_model(session: aiohttp.ClientSession, config: ServingBenchConfig) -> str:
     """The model to ask for: as given, else the first of GET /v1/models; connection, 401 and
     404 failures become one readable line."""
     where = f"{config.base_url}/v1/models"
     try:
-        response = await client.get("/v1/models", timeout=CONNECT_TIMEOUT_S)
-    except httpx.ConnectError as exc:
-        reason = f" ({exc})" if str(exc) else ""
+        async with session.get(
+            where, timeout=aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S)
+        ) as response:
+            status, body = response.status, await response.read()
+    except aiohttp.ClientConnectorError as exc:
+        reason = f" ({exc.os_error})" if exc.os_error else ""
         raise ServingBenchError(
             f"cannot connect to {config.base_url}{reason}: is the server running there?"
         ) from None
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         raise ServingBenchError(f"{where}: {type(exc).__name__}: {exc}") from None
-    if response.status_code == 401:
+    if status == 401:
         given = "the api_key given was refused" if config.api_key else "no api_key given"
         raise ServingBenchError(
             f"{where} answered 401 Unauthorized: {given} (set api_key or OPENAI_API_KEY)"
         )
-    if response.status_code == 404:
+    if status == 404:
         raise ServingBenchError(
             f"{where} answered 404 Not Found: is {config.base_url} the base URL of an "
             "OpenAI-compatible server (without /v1)?"
         )
-    if response.status_code != 200:
-        raise ServingBenchError(f"{where}: {_error_text(response.status_code, response.content)}")
+    if status != 200:
+        raise ServingBenchError(f"{where}: {_error_text(status, body)}")
     if config.model is not None:
         return config.model
     try:
-        return str(response.json()["data"][0]["id"])
+        return str(json.loads(body)["data"][0]["id"])
     except (ValueError, KeyError, IndexError, TypeError):
         raise ServingBenchError(f"{where} lists no model: give model=NAME") from None
 
 
+def client_session(api_key: str | None = None) -> aiohttp.ClientSession:
+    """The benchmark's HTTP client: no connection limit (the concurrency limit is the
+    semaphore), no total timeout (a long generation is not a failure), a bounded connect."""
+    return aiohttp.ClientSession(
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+        connector=aiohttp.TCPConnector(limit=0),
+        read_bufsize=2**20,  # an SSE line (a chunk with logprobs) may pass the 64 KiB default
+    )
+
+
 async def run_benchmark(
-    config: ServingBenchConfig,
-    on_progress: ProgressCallback | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
+    config: ServingBenchConfig, on_progress: ProgressCallback | None = None
 ) -> dict[str, Any]:
-    """Run the benchmark; the report: the settings, then `summarize`'s keys. `transport`
-    replaces the network (tests)."""
+    """Run the benchmark; the report: the settings, then `summarize`'s keys."""
     prompts = load_prompts(config)
     offsets = arrival_offsets(config.num_prompts, config.request_rate, config.seed)
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=config.base_url,
-        headers=headers,
-        timeout=timeout,
-        limits=limits,
-        transport=transport,
-    ) as client:
-        model = await _served_model(client, config)
+    url = config.base_url
+    async with client_session(config.api_key) as session:
+        model = await _served_model(session, config)
         probe = _payload(config, model, prompts[0], min(2, config.output_len))
-        checked = await asyncio.wait_for(send_request(client, probe), PROBE_TIMEOUT_S)
+        checked = await asyncio.wait_for(send_request(session, url, probe), PROBE_TIMEOUT_S)
         if not checked.ok:
             raise ServingBenchError(
                 f"the test request to {config.base_url}/v1/completions failed: {checked.error}"
@@ -407,10 +416,10 @@ async def run_benchmark(
                 await asyncio.sleep(delay)
             payload = _payload(config, model, prompts[index], config.output_len)
             if limit is None:
-                result = await send_request(client, payload, t0)
+                result = await send_request(session, url, payload, t0)
             else:
                 async with limit:
-                    result = await send_request(client, payload, t0)
+                    result = await send_request(session, url, payload, t0)
             done += 1
             failed += not result.ok
             if on_progress is not None:

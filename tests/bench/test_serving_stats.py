@@ -1,17 +1,17 @@
 """The serving benchmark's statistics on hand-made timings, its prompts and arrivals, and its
-client against a fake OpenAI-compatible server (httpx.MockTransport: no network, no model)."""
+client against a fake OpenAI-compatible server (aiohttp.web on a loopback port: no model)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
 
 from rlt_engine.bench.serving import (
     RANDOM_TOKEN_IDS,
@@ -21,6 +21,7 @@ from rlt_engine.bench.serving import (
     _error_text,
     arrival_offsets,
     chunk_latencies,
+    client_session,
     distribution,
     gsm8k_prompts,
     percentile,
@@ -207,58 +208,86 @@ class FakeServer:
         self.bodies: list[dict[str, Any]] = []
         self.in_flight = self.most_in_flight = 0
 
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
-
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
-            return httpx.Response(401, json={"error": {"message": "bad key"}})
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
-        if request.url.path != "/v1/completions":
-            return httpx.Response(404, json={"detail": "Not Found"})
-        body = json.loads(request.content)
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+        if request.path != "/v1/completions":
+            return web.json_response({"detail": "Not Found"}, status=404)
+        body = await request.json()
         self.bodies.append(body)
         if body["model"] != "fake-model":
-            return httpx.Response(404, json={"error": {"message": "no such model"}})
+            return web.json_response({"error": {"message": "no such model"}}, status=404)
         if self.fail_every and len(self.bodies) % self.fail_every == 0:
-            return httpx.Response(500, json={"error": {"message": "injected"}})
-        # MockTransport reads a response whole before the client sees it: a request is in
-        # flight while its handler runs
+            return web.json_response({"error": {"message": "injected"}}, status=500)
+        # in flight from here until just before [DONE]: the client cannot start its next
+        # request (max_concurrency) before it has read that
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
         try:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.05)  # long enough for unlimited requests to overlap
+            for event in self._events(body):
+                await response.write(event)
         finally:
             self.in_flight -= 1
-        return httpx.Response(200, content=self._stream(body))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
-    async def _stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        sent, total = 0, body["max_tokens"]
+    def _events(self, body: dict[str, Any]) -> list[bytes]:
+        events, sent, total = [], 0, body["max_tokens"]
         while sent < total:
             k = min(self.per_chunk, total - sent)
             choice: dict[str, Any] = {"index": 0, "text": "ab" * k, "finish_reason": None}
             if self.token_ids:
                 choice["token_ids"] = list(range(k))
-            yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+            events.append(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
             sent += k
         if self.usage and body.get("stream_options", {}).get("include_usage"):
             prompt = len(body["prompt"]) if isinstance(body["prompt"], list) else 11
             usage = {"prompt_tokens": prompt, "completion_tokens": total}
-            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+            events.append(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        return events
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def _serve(handler: Handler, work: Callable[[str], Awaitable[Any]]) -> Any:
+    """`work(url)` against `handler` served on a free loopback port."""
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        return await work(f"http://{host}:{port}")
+    finally:
+        await runner.cleanup()
+
+
+def _bench(handler: Handler, on_progress: Any = None, path: str = "", **fields: Any) -> Any:
+    async def work(url: str) -> dict[str, Any]:
+        config = ServingBenchConfig(**{"url": url + path, **fields})
+        return await run_benchmark(config, on_progress)
+
+    return asyncio.run(_serve(handler, work))
 
 
 def _run(server: FakeServer, **fields: Any) -> dict[str, Any]:
-    config = ServingBenchConfig(**{"url": URL, **fields})
-    return asyncio.run(run_benchmark(config, transport=server.transport()))
+    return _bench(server.handle, **fields)
 
 
 def test_benchmark_counts_tokens_and_requests() -> None:
     server = FakeServer(per_chunk=2)
     seen: list[tuple[int, int, int]] = []
-    config = ServingBenchConfig(url=URL, num_prompts=6, input_len=5, output_len=7)
-    report = asyncio.run(run_benchmark(config, lambda *a: seen.append(a), server.transport()))
+    fields = dict(num_prompts=6, input_len=5, output_len=7)
+    report = _bench(server.handle, lambda *a: seen.append(a), **fields)
     assert report["model"] == "fake-model"  # the first id of /v1/models
     assert (report["completed"], report["failed"]) == (6, 0)
     assert report["total_output_tokens"] == 6 * 7 and report["total_input_tokens"] == 6 * 5
@@ -329,25 +358,35 @@ def test_server_refusals_are_one_readable_error(
 
 
 def test_wrong_base_url_is_a_readable_404() -> None:
-    async def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(404, text="Not Found")
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=404, text="Not Found")
 
-    config = ServingBenchConfig(url=URL + "/api", num_prompts=1)
     with pytest.raises(ServingBenchError, match=r"404 Not Found: is .*/api the base URL"):
-        asyncio.run(run_benchmark(config, transport=httpx.MockTransport(handler)))
+        _bench(handler, path="/api", num_prompts=1)
 
 
 def test_in_stream_error_fails_the_request() -> None:
-    async def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.StreamResponse:
         error = {"error": {"message": "the request failed", "code": 500}}
-        content = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-        return httpx.Response(200, content=content)
+        body = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+        return web.Response(text=body, content_type="text/event-stream")
 
-    async def one() -> RequestResult:
-        async with httpx.AsyncClient(
-            base_url=URL, transport=httpx.MockTransport(handler)
-        ) as client:
-            return await send_request(client, {"model": "m", "prompt": [1]})
+    async def one(url: str) -> RequestResult:
+        async with client_session() as session:
+            return await send_request(session, url, {"model": "m", "prompt": [1]})
 
-    result = asyncio.run(one())
+    result = asyncio.run(_serve(handler, one))
     assert not result.ok and result.error == "in-stream error 500: the request failed"
+
+
+def test_an_unreachable_server_is_one_readable_error() -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=500)
+
+    async def work(url: str) -> str:
+        return url
+
+    url = asyncio.run(_serve(handler, work))  # a port that was just closed
+    config = ServingBenchConfig(url=url, num_prompts=1)
+    with pytest.raises(ServingBenchError, match=r"cannot connect to .*: is the server running"):
+        asyncio.run(run_benchmark(config))
