@@ -6,7 +6,10 @@ per loop; a wave that rides a decode window (worker/decode.py's RidingWave) read
 Tokens per weight pass is what the adaptive-exit gain can reach on a bandwidth-bound GPU.
 
     python benchmarks/weight_passes.py [--model demo] [--slots 16] [--requests 128]
-        [--decode-window 8] [--json]
+        [--decode-window 8] [--async-scheduling] [--json]
+
+`--async-scheduling` plans as the GPU default does: window n+1 is planned before window n's
+results are seen, so a slot freed in window n is refilled a window later than synchronously.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--decode-window", type=int, default=8)
+    ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     llm = LLM(
@@ -58,6 +62,7 @@ def main() -> None:
         decode_window=args.decode_window,
         dtype="float32",
         device="cpu",
+        async_scheduling=args.async_scheduling,
     )
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
@@ -74,6 +79,7 @@ def main() -> None:
     ]
     report: dict = {"model": args.model, "slots": args.slots, "requests": args.requests}
     report["decode_window"] = args.decode_window
+    report["async_scheduling"] = args.async_scheduling
     report["loop_choices"] = list(choices)
     report["ideal_gain"] = depth / statistics.mean(depths)
     for label, params in (("fixed", fixed), ("adaptive", adaptive)):

@@ -123,6 +123,23 @@ def test_abort_in_flight_and_id_reuse(ckpt) -> None:
     assert (finals["y"].token_ids, finals["y"].exit_depths) == oracle_greedy(ref, PROMPT_B, p)
 
 
+def test_no_traversal_runs_once_every_row_has_ended(ckpt) -> None:
+    """Async: the plan made while the last tokens are in flight carries no window for rows
+    that surely end in them, and the last windows are cut to what the rows may still need,
+    so every traversal has a row running (the eager trace). The same tokens as the oracle."""
+    llm = _llm(ckpt, asynchronous=True)
+    engine = llm.engine
+    engine.runner.traversal.trace = []
+    prompts = [PROMPT_A, PROMPT_B]
+    p = SamplingParams(max_tokens=7, ignore_eos=True)
+    outs = llm.generate(prompts, p)
+    trace = engine.runner.traversal.trace
+    assert trace and all(any(running) for _, running, _ in trace)
+    ref = _llm(ckpt, asynchronous=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert (out.token_ids, out.exit_depths) == oracle_greedy(ref, prompt, p)
+
+
 def test_default_is_on_for_cuda_only(ckpt) -> None:
     llm = LLM(str(ckpt), dtype="float32", device="cpu")
     assert llm.engine.async_scheduling is False
@@ -133,8 +150,8 @@ def test_first_tokens_end_their_plan_but_never_two_plans_in_a_row(ckpt) -> None:
     """Async: a plan that samples first tokens carries no decode window (they are read back
     at once: time to first token), unless the plan before it already deferred one — under a
     stream of arrivals the running requests still decode every other plan. Same outputs.
-    (Waves that do not ride a window, as with CUDA graphs today: a riding wave's first tokens
-    come back with its window, tests/worker/test_riding_wave.py.)"""
+    (Waves that do not ride a window: a riding wave's first tokens come back with its window,
+    tests/worker/test_riding_wave.py.)"""
     llm = _llm(ckpt, asynchronous=True)
     engine = llm.engine
     engine.scheduler.ride_waves = False

@@ -35,6 +35,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    # the windows whose results are in: traversals its slot decoded in, and the loops its
+    # decode tokens took (their exit depths); the difference is the loops into the current one
+    decode_traversals: int = 0
+    decode_loops: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

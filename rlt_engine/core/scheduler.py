@@ -58,6 +58,8 @@ class _PlanContext:
     # preemption count of each chunk's request at planning: a prefix written by this plan is
     # committed only if its request kept the blocks (was not preempted while it ran)
     epochs: dict[int, int] = field(default_factory=dict)
+    # the decode rows of this plan's window, each with the traversals it decodes in
+    ran: list[tuple[Request, int]] = field(default_factory=list)
 
 
 class Scheduler(Admission):
@@ -141,6 +143,10 @@ class Scheduler(Admission):
         )
         self._window_deferred = defer and decoding
         traversals = window if decoding and not defer else 0
+        if traversals and self.config.refill:
+            traversals = self._traversals_needed(traversals, rides)
+            if not (traversals or waves):
+                return None  # every row ends in the windows in flight: see their results first
         plan = self._finish_plan(waves, traversals, planned, rides=rides)
         if self.trace is not None:
             self.trace.append(plan)
@@ -152,6 +158,35 @@ class Scheduler(Admission):
         return any(r.stage is Stage.DECODE for r in planned) or any(
             self._first_token_in_flight(r) and id(r) not in starting for r in self.running
         )
+
+    def _traversals_needed(self, window: int, rides: bool) -> int:
+        """The window cut to the most traversals any of its rows may still run, so that no
+        traversal runs after every row has finished (the windows in flight included). Each
+        token takes at most its request's max_loops traversals: a decode row needs at most
+        (tokens left) x max_loops, less the traversals it ran in the windows in flight; a row
+        starting now or in flight at most (max_tokens - 1) x max_loops, after the wave's depth
+        traversals if it rides. An upper bound (a stop id only ends a row sooner); with
+        refill only, where a running row advances one loop every traversal."""
+        ran: dict[int, int] = {}
+        for ctx in self._in_flight:
+            for req, traversals in ctx.ran:
+                ran[id(req)] = ran.get(id(req), 0) + traversals
+        starting = {id(r) for r, c in self._chunks if c.last}
+        need = self.depth if rides else 0
+        for req in self.running:  # every running slot is a row of the window, planned or not
+            if req.snapshot is not None:
+                continue
+            if req.stage is Stage.DECODE:
+                left = req.params.max_tokens - len(req.output_token_ids)
+                into = req.decode_traversals - req.decode_loops  # loops into the current token
+            elif id(req) in starting or self._first_token_in_flight(req):
+                left, into = req.params.max_tokens - 1, 0
+            else:
+                continue
+            late = self.depth if rides and id(req) in starting else 0
+            budget = late + left * req.controls.max_loops - into
+            need = max(need, budget - ran.get(id(req), 0))
+        return min(window, need)
 
     @staticmethod
     def _first_token_in_flight(req: Request) -> bool:
@@ -259,9 +294,30 @@ class Scheduler(Admission):
         chunks, self._chunks = self._chunks, []
         if register:
             epochs = {id(r): r.num_preemptions for r, _ in chunks}
-            self._in_flight.append(_PlanContext(plan, slot_owner, chunks, touched, epochs))
+            ran = self._traversals_run(decoding, chunks, traversals, rides)
+            self._in_flight.append(_PlanContext(plan, slot_owner, chunks, touched, epochs, ran))
         self.clear_pending_ops()
         return plan
+
+    def _traversals_run(
+        self,
+        decoding: list[Request],
+        chunks: list[tuple[Request, PrefillChunk]],
+        traversals: int,
+        rides: bool,
+    ) -> list[tuple[Request, int]]:
+        """The rows of this plan's window with the traversals each decodes in: all of them for
+        a running decode row and for a slot its prefill started before the window; those
+        after the wave's `depth` for a slot a riding wave starts. (With refill only: a parked
+        row of a no-refill cohort waits.)"""
+        if not self.config.refill:
+            return []
+        riding = {id(r) for r, c in chunks if c.last} if rides else set()
+        return [
+            (req, traversals - (self.depth if id(req) in riding else 0))
+            for req in decoding
+            if req.snapshot is None and req.params.max_tokens > 1
+        ]
 
     def _block_appends(self) -> tuple[BlockAppend, ...]:
         """Blocks grown since the worker last heard about each running request's tables."""
@@ -298,6 +354,8 @@ class Scheduler(Admission):
         if not self._in_flight or self._in_flight[0].plan is not plan:
             raise RuntimeError("results must be applied in the order the plans were made")
         ctx = self._in_flight.popleft()
+        for req, traversals in ctx.ran:
+            req.decode_traversals += traversals
         for req, chunk in ctx.chunks:
             kept = req in self.running and ctx.epochs[id(req)] == req.num_preemptions
             if not req.finished and kept:
@@ -324,6 +382,8 @@ class Scheduler(Admission):
         """The same rule the device applies to deactivate a slot."""
         req.output_token_ids.append(sample.token_id)
         req.exit_depths.append(depth)
+        if len(req.output_token_ids) > 1:  # a decode token (the first comes from the prefill)
+            req.decode_loops += depth
         req.samples.append(sample)
         if sample.token_id in req.stop_token_ids:
             self.finish(req, "stop")

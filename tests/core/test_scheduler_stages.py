@@ -58,10 +58,13 @@ def test_fixed_depth_stage_transitions_and_one_token_per_depth_traversals(window
     assert req.finished and req.finish_reason == "length"
     assert (req.output_token_ids, req.exit_depths) == expected_outputs(worker, req)
     assert req.exit_depths == [DEPTH] * 3
-    # two decode tokens of DEPTH traversals each, `window` traversals per step
+    # two decode tokens of DEPTH traversals each, `window` traversals per step; the last
+    # window cut to what the request may still need (less than a token's loops idle)
     work, idle = worker.plans[:-1], worker.plans[-1]
     assert len(work) == math.ceil(2 * DEPTH / window)
-    assert all(p.decode_traversals == window for p in work)
+    windows = [p.decode_traversals for p in work]
+    assert all(t == window for t in windows[:-1]) and 0 < windows[-1] <= window
+    assert 2 * DEPTH <= sum(windows) < 3 * DEPTH
     assert all(not p.prefill for p in work[1:])
     assert not idle.has_work and idle.slot_frees == (0,)  # the idle flush frees the slot
     # the traversal that finishes a token samples it: no step without a loop
@@ -252,6 +255,44 @@ def test_a_wave_rides_beside_decode_rows_and_alone_only_when_synchronous():
     second = sched.schedule()
     assert second is not None and second.wave_rides and second.decode_traversals == 8
     assert [c.request_id for c in second.prefill[0]] == ["b"]
+
+
+def test_no_window_runs_after_every_row_has_ended_asynchronously():
+    """Planning one window ahead, the scheduler must not launch a window for rows that surely
+    end in the windows in flight (max_tokens reached at max_loops traversals a token at most):
+    it returns no plan until their results are in, and the last windows are cut to the
+    traversals the rows may still need."""
+    sched = make_scheduler(decode_window=8, lookahead=2)
+    worker = FakeWorker(sched)
+    reqs = [worker.track(make_request(rid, 3, 3)) for rid in "ab"]
+    for req in reqs:
+        sched.add(req)
+    first = sched.schedule()  # the wave; its window follows in the next plan
+    assert first is not None and first.decode_traversals == 0
+    first_result = worker.execute(first)
+    second = sched.schedule()  # two decode tokens each: 2 x DEPTH traversals
+    assert second is not None and second.decode_traversals == 2 * DEPTH
+    second_result = worker.execute(second)
+    sched.update(first, first_result)
+    assert sched.schedule() is None  # both end in the window in flight
+    sched.update(second, second_result)
+    assert all(r.finished and r.finish_reason == "length" for r in reqs)
+    for req in reqs:
+        assert (req.output_token_ids, req.exit_depths) == expected_outputs(worker, req)
+    worker.flush()
+    assert_clean(worker)
+
+
+def test_a_window_is_cut_to_what_max_loops_allows():
+    """Early exits: a row of max_loops 2 needs at most 2 traversals a token."""
+    sched = make_scheduler(decode_window=16)
+    worker = FakeWorker(sched)
+    req = worker.add(make_request("a", 3, 3, max_loops=2))
+    worker.drain()
+    windows = [p.decode_traversals for p in worker.plans if p.decode_traversals]
+    # the wave rides the window's first DEPTH traversals, then two decode tokens of two
+    assert windows == [DEPTH + 2 * 2]
+    assert req.exit_depths == [DEPTH, 2, 2] and req.finish_reason == "length"
 
 
 def test_a_last_chunk_with_a_single_output_token_opens_no_window():
