@@ -4,11 +4,13 @@
 #
 #   bash benchmarks/h200_check.sh [OUT_DIR]            (default: $OUT, else ./h200-check-out)
 #   AB=RLT_SLOT_STEP bash benchmarks/h200_check.sh     (also an A/B of one switch: =0 and =1)
+#   PROFILE_C="64 256" bash benchmarks/h200_check.sh   (profiles at more concurrencies)
+# Carry the wheels in .whl/ (the run tool's carry=[".whl"]) so the aiohttp tests run too.
 #
 # 1. the GPU tests (the server's need the openai package, which the device image lacks);
 # 2. h200_decode.py --only exact (fp32: official code = torch = triton = graphs = CPU);
 # 3. rlt bench, Ouro-1.4B dummy bf16, 64/32, depth 4, c = 1/8/64/256 (with AB: once per value);
-# 4. rlt profile at c=8 (kernels per traversal, GPU busy).
+# 4. rlt profile at c=8 and PROFILE_C (kernels per traversal, GPU busy, top kernels).
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-h200-check-out}}
 mkdir -p "$OUT_DIR"
@@ -55,15 +57,19 @@ for value in ${AB:+0 1} default; do
     && summary "$OUT_DIR/$name.json" "$name" || tail -3 "$OUT_DIR/$name.err"
   elapsed
 done
-timeout 150 "$PY" -m rlt_cli.main profile --model "$MODEL" --load-format dummy \
-  --prompt-len 64 --output-len 32 -c 8 --top 40 --trace-out /tmp/check-c8.json --json \
-  > "$OUT_DIR/profile-c8.json" 2> "$OUT_DIR/profile.err"
-"$PY" - "$OUT_DIR/profile-c8.json" <<'PYEOF' || tail -3 "$OUT_DIR/profile.err"
+for c in 8 ${PROFILE_C:-}; do  # PROFILE_C="64 256": profiles at more concurrencies
+  timeout 150 "$PY" -m rlt_cli.main profile --model "$MODEL" --load-format dummy \
+    --prompt-len 64 --output-len 32 -c "$c" --top 40 --trace-out "/tmp/check-c$c.json" --json \
+    > "$OUT_DIR/profile-c$c.json" 2> "$OUT_DIR/profile-c$c.err"
+  "$PY" - "$OUT_DIR/profile-c$c.json" "$c" <<'PYEOF' || tail -3 "$OUT_DIR/profile-c$c.err"
 import json, sys
 d = json.load(open(sys.argv[1]))
 g = d["gpu"]
-print("profile c8:", round(d["decode_tokens_per_s"], 1), "tok/s,",
+top = ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in d["top"]["items"][:4])
+print(f"profile c{sys.argv[2]}:", round(d["decode_tokens_per_s"], 1), "tok/s,",
       round(g["kernels_per_traversal"], 1), "kernels/traversal, GPU busy",
-      round(g["busy_share_decode_window"], 3), "of decode windows")
+      round(g["busy_share_decode_window"], 3), "of decode windows /",
+      round(g["busy_share_decode_steps"], 3), "of decode steps; top:", top)
 PYEOF
-elapsed
+  elapsed
+done

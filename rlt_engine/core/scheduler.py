@@ -163,10 +163,11 @@ class Scheduler(Admission):
         """The window cut to the most traversals any of its rows may still run, so that no
         traversal runs after every row has finished (the windows in flight included). Each
         token takes at most its request's max_loops traversals: a decode row needs at most
-        (tokens left) x max_loops, less the traversals it ran in the windows in flight; a row
-        starting now or in flight at most (max_tokens - 1) x max_loops, after the wave's depth
-        traversals if it rides. An upper bound (a stop id only ends a row sooner); with
-        refill only, where a running row advances one loop every traversal."""
+        (tokens left) x max_loops, less the loops it is into its current token and the
+        traversals it runs in the windows in flight; a row starting now or in flight at most
+        (max_tokens - 1) x max_loops, after the wave's depth traversals if it rides. An upper
+        bound (an early exit or a stop id only ends a row sooner); with refill only, where a
+        running row advances one loop every traversal."""
         ran: dict[int, int] = {}
         for ctx in self._in_flight:
             for req, traversals in ctx.ran:
