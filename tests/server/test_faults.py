@@ -107,7 +107,12 @@ def test_a_fault_in_one_request_fails_only_that_one() -> None:
         def faulty() -> None:
             try:
                 client.completions.create(
-                    model="demo", prompt="2 + 2 =", max_tokens=30, stop=[FAULT_MARKER]
+                    model="demo",
+                    prompt="2 + 2 =",
+                    max_tokens=30,
+                    stop=[FAULT_MARKER],
+                    # the fault fires at the fourth token: an early EOS must not end it first
+                    extra_body={"ignore_eos": True},
                 )
                 results["fault"] = "no error"
             except openai.InternalServerError as exc:
@@ -123,7 +128,7 @@ def test_a_fault_in_one_request_fails_only_that_one() -> None:
         assert set(results.values()) <= {"length", "stop"} and len(results) == 4
         # streamed: the failure arrives in-band, then [DONE]
         body = {"model": "demo", "prompt": "3", "max_tokens": 30, "stream": True}
-        body["stop"] = [FAULT_MARKER]
+        body |= {"stop": [FAULT_MARKER], "ignore_eos": True}
         with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=60) as r:
             events = [line for line in r.iter_lines() if line]
         assert '"code":500' in events[-2] and events[-1] == "data: [DONE]"
