@@ -25,6 +25,8 @@ SERVE_ARGS=(--load-format dummy --max-num-seqs 256)
 OFFLINE_ARGS=(--load-format dummy -c 1,8,64)
 INPROCESS_RUNS=c8:64,c1:8,c64:512,r16:48,r64:192,r4:12
 OUTPUT_LEN=32
+# SHORT=1: only the c=8, c=1 and 16 req/s runs (an A/B in one device call)
+[ "${SHORT:-0}" = 1 ] && INPROCESS_RUNS=c8:64,c1:8,r16:48
 if [ "${QUICK:-0}" = 1 ]; then
   MODEL=demo
   SERVE_ARGS=(--max-num-seqs 16 --dtype float32 --device cpu)
@@ -32,6 +34,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   INPROCESS_RUNS="c2:2,r4:2 --warmup 2"
   OUTPUT_LEN=4
 fi
+SERVE_ARGS+=(${SERVE_EXTRA:-})  # e.g. SERVE_EXTRA="--decode-window 4" (also the in-process runs)
 export PYTHONUNBUFFERED=1
 
 IMPORTS='import httpx, aiohttp, fastapi, uvicorn, prometheus_client, pydantic, typer'
@@ -157,10 +160,12 @@ serve_bench c8 --num-prompts 64 --max-concurrency 8 --seed 8
 $PY -c 'import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + "/metrics").text)' "$URL" \
   >"$OUT_DIR/metrics_c8.txt"
 serve_bench c1 --num-prompts 8 --max-concurrency 1 --seed 1
-serve_bench c64 --num-prompts 512 --max-concurrency 64 --seed 64
+[ "${SHORT:-0}" = 1 ] || serve_bench c64 --num-prompts 512 --max-concurrency 64 --seed 64
 serve_bench rate16 --num-prompts 48 --request-rate 16 --seed 16
-serve_bench rate64 --num-prompts 192 --request-rate 64 --seed 65
-serve_bench rate4 --num-prompts 12 --request-rate 4 --seed 4
+if [ "${SHORT:-0}" != 1 ]; then
+  serve_bench rate64 --num-prompts 192 --request-rate 64 --seed 65
+  serve_bench rate4 --num-prompts 12 --request-rate 4 --seed 4
+fi
 
 kill "$SERVER"
 wait "$SERVER"

@@ -143,6 +143,11 @@ class Scheduler(Admission):
         )
         self._window_deferred = defer and decoding
         traversals = window if decoding and not defer else 0
+        # Asynchronous, a window that a wave rides ends at the wave's first tokens (its
+        # `depth`th traversal) for the same reason: they are read back without waiting out the
+        # rest of the window, and the next plan, already launched, carries the decode on.
+        if rides and self.lookahead == 2:
+            traversals = self.depth
         if traversals and self.config.refill:
             traversals = self._traversals_needed(traversals, rides)
             if not (traversals or waves):

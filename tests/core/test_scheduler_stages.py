@@ -240,8 +240,10 @@ def test_decode_traversals_is_zero_when_nothing_decodes():
 
 def test_a_wave_rides_beside_decode_rows_and_alone_only_when_synchronous():
     """Asynchronous, a lone wave ends its plan at its first tokens (time to first token: no
-    rows to share its reads with); a wave arriving while others decode rides their window.
-    Synchronous, a lone wave rides too (its first tokens come back with the window anyway)."""
+    rows to share its reads with); a wave arriving while others decode rides their window,
+    which then ends at the wave's first tokens (its DEPTH traversals), and the next plan's
+    window is whole again. Synchronous, a lone wave rides too, in a whole window (its first
+    tokens come back with the window anyway)."""
     sync = make_scheduler(decode_window=8)
     sync.add(make_request("a", 5, 4))
     alone = sync.schedule()
@@ -253,8 +255,11 @@ def test_a_wave_rides_beside_decode_rows_and_alone_only_when_synchronous():
     assert first is not None and not first.wave_rides and first.decode_traversals == 0
     sched.add(make_request("b", 3, 4))  # while a's first token is in flight
     second = sched.schedule()
-    assert second is not None and second.wave_rides and second.decode_traversals == 8
+    assert second is not None and second.wave_rides and second.decode_traversals == DEPTH
     assert [c.request_id for c in second.prefill[0]] == ["b"]
+    sched.update(first, StepResult(events=()))  # a's first token is not needed for the check
+    third = sched.schedule()
+    assert third is not None and not third.prefill and third.decode_traversals == 8
 
 
 def test_no_window_runs_after_every_row_has_ended_asynchronously():
