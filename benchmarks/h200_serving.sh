@@ -53,6 +53,7 @@ $PY -c "$IMPORTS" || exit 1
   nproc --all
 } >"$OUT_DIR/meta.txt" 2>&1
 
+if [ "${SERVE_ONLY:-0}" != 1 ]; then  # SERVE_ONLY=1: the HTTP runs alone (A/B of the server)
 $PY -m rlt_cli.main bench --model $MODEL "${OFFLINE_ARGS[@]}" --prompt-len 64 \
   --output-len $OUTPUT_LEN --json >"$OUT_DIR/offline.json"
 $PY -c 'import json, sys; r = json.load(open(sys.argv[1]));
@@ -68,6 +69,7 @@ $PY -c 'import json, sys; [print("in-process", r["run"], r["completed"], "ok",
 round(r["output_throughput"], 1), "out tok/s, ttft p50", round(r["ttft_ms"]["median"], 1),
 "ms, tpot p50", round(r["tpot_ms"]["median"], 2), "ms") for r in map(json.loads, open(sys.argv[1]))]' \
   "$OUT_DIR/inprocess.jsonl"
+fi
 
 $PY -m rlt_cli.main serve $MODEL "${SERVE_ARGS[@]}" --port "$PORT" \
   >"$OUT_DIR/server.log" 2>&1 &
@@ -156,6 +158,8 @@ round(r["itl_ms"]["median"], 2), "ms, tpot p50", round(r["tpot_ms"]["median"], 2
 # warm-up (not reported as a result): the CUDA-graph batch buckets up to 64 get captured as
 # 64 requests ramp up and drain
 serve_bench warmup --num-prompts 64 --max-concurrency 64 --seed 99
+# and the riding-wave graphs of staggered arrivals (each captured on first use, ~0.2 s)
+serve_bench warmup2 --num-prompts 48 --request-rate 16 --seed 98
 serve_bench c8 --num-prompts 64 --max-concurrency 8 --seed 8
 $PY -c 'import httpx, sys; sys.stdout.write(httpx.get(sys.argv[1] + "/metrics").text)' "$URL" \
   >"$OUT_DIR/metrics_c8.txt"
