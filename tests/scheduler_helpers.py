@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -178,6 +179,9 @@ class FakeWorker:
     traversals: list[list[Row]] = field(default_factory=list)  # every traversal's rows
     windows: list[tuple[int, int]] = field(default_factory=list)  # per plan: traversal range
     tables_seen: dict[str, list[list[int]]] = field(default_factory=dict)  # request -> last
+    # executed plans whose results are not applied yet (planning a window ahead: at most one
+    # between steps)
+    launched: deque[tuple[StepPlan, StepResult]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         self.bs = self.sched.blocks.block_size
@@ -200,9 +204,17 @@ class FakeWorker:
         return req
 
     def step(self, stop_check: StopCheck | None = None) -> list[Request]:
-        """One engine step: plan, execute, apply; with nothing left, flush the bookkeeping."""
+        """One engine step, as engine.py's: plan and execute, then apply the oldest results
+        (planning a window ahead, lookahead 2, the newest plan stays in flight while the one
+        before it is applied); with nothing left, flush the bookkeeping."""
         plan = self.sched.schedule()
-        got = [] if plan is None else self.sched.update(plan, self.execute(plan), stop_check)
+        if plan is not None:
+            self.launched.append((plan, self.execute(plan)))
+        keep = 1 if self.sched.lookahead == 2 and plan is not None else 0
+        got: list[Request] = []
+        while len(self.launched) > keep:
+            done, result = self.launched.popleft()
+            got += self.sched.update(done, result, stop_check)
         if not self.sched.has_unfinished():
             self.flush()
         return got

@@ -34,6 +34,9 @@ class Admission:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        # certain to end within the plans in flight; their slots and blocks already given back
+        # (Scheduler._retire), their last events still to come
+        self.retiring: list[Request] = []
         # a heap: the lowest free slot first, so the device batch stays dense at the front
         self._free_slots = list(range(config.max_num_seqs))
         self._arrivals = itertools.count()
@@ -72,7 +75,7 @@ class Admission:
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
-        for req in (*self.waiting, *self.running, *self.swapped):
+        for req in (*self.waiting, *self.running, *self.swapped, *self.retiring):
             if req.request_id == request_id:
                 self.finish(req, "abort")
                 return req
@@ -87,15 +90,21 @@ class Admission:
             self.swapped.remove(req)
             self._snapshot_drops.append(req.snapshot)  # type: ignore[arg-type]
         if req in self.running:
-            self.running.remove(req)
-            self.blocks.free(req.request_id)
-            self._slot_frees.append(req.slot)  # type: ignore[arg-type]
-            heapq.heappush(self._free_slots, req.slot)  # type: ignore[arg-type]
+            self.release(req)
+        if req in self.retiring:
+            self.retiring.remove(req)
         req.stage, req.finish_reason, req.finish_time = Stage.FINISHED, reason, time.monotonic()
         req.block_tables, req.slot, req.snapshot = None, None, None
 
+    def release(self, req: Request) -> None:
+        """Take a running request off the batch: its blocks and slot are free again."""
+        self.running.remove(req)
+        self.blocks.free(req.request_id)
+        self._slot_frees.append(req.slot)  # type: ignore[arg-type]
+        heapq.heappush(self._free_slots, req.slot)  # type: ignore[arg-type]
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.retiring)
 
     # -- ordering ------------------------------------------------------------------------
     def rank(self, req: Request) -> tuple[float, int]:

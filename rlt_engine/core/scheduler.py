@@ -93,6 +93,7 @@ class Scheduler(Admission):
         plan runs; `update` must then be called for the plans in the order they were made."""
         if len(self._in_flight) >= self.lookahead:
             raise RuntimeError("apply the results of the plans in flight before planning more")
+        self._retire()
         self.admit()
         planned: list[Request] = []
         window = self.decode_window
@@ -164,6 +165,42 @@ class Scheduler(Admission):
             self._first_token_in_flight(r) and id(r) not in starting for r in self.running
         )
 
+    def _retire(self) -> None:
+        """Asynchronous, with requests queued: a row certain to reach max_tokens within the
+        windows in flight gives its slot and blocks back now, so a queued request takes them
+        in this plan instead of one window later. Safe on the device: the plans in flight run
+        before this one on the same stream, so the slot is cleared, re-initialised and its
+        blocks rewritten only after the row's last traversal. The row's remaining events come
+        back through the owners of their own plans; applying them finishes it."""
+        if not (self.lookahead == 2 and self.config.refill and self._in_flight):
+            return
+        if not (self.waiting or self.swapped):
+            return  # nobody would take the slot: keep the row until its results are in
+        ran = self._ran_in_flight()
+        for req in list(self.running):
+            certain = req.stage is Stage.DECODE and req.snapshot is None
+            if certain and self._traversals_left(req, ran) <= 0:
+                self.release(req)
+                self.retiring.append(req)
+
+    def _ran_in_flight(self) -> dict[int, int]:
+        """Traversals each row decodes in within the plans in flight (by id of request)."""
+        ran: dict[int, int] = {}
+        for ctx in self._in_flight:
+            for req, traversals in ctx.ran:
+                ran[id(req)] = ran.get(id(req), 0) + traversals
+        return ran
+
+    def _traversals_left(self, req: Request, ran: dict[int, int], late: int = 0) -> int:
+        """The most traversals decode row `req` may still need beyond the windows in flight
+        (`late`: traversals before it starts decoding); see `_traversals_needed`."""
+        if req.stage is Stage.DECODE:
+            left = req.params.max_tokens - len(req.output_token_ids)
+            into = req.decode_traversals - req.decode_loops  # loops into the current token
+        else:  # its first token is sampled now or in flight
+            left, into = req.params.max_tokens - 1, 0
+        return late + left * req.controls.max_loops - into - ran.get(id(req), 0)
+
     def _traversals_needed(self, window: int, rides: bool) -> int:
         """The window cut to the most traversals any of its rows may still run, so that no
         traversal runs after every row has finished (the windows in flight included). Each
@@ -173,25 +210,18 @@ class Scheduler(Admission):
         (max_tokens - 1) x max_loops, after the wave's depth traversals if it rides. An upper
         bound (an early exit or a stop id only ends a row sooner); with refill only, where a
         running row advances one loop every traversal."""
-        ran: dict[int, int] = {}
-        for ctx in self._in_flight:
-            for req, traversals in ctx.ran:
-                ran[id(req)] = ran.get(id(req), 0) + traversals
+        ran = self._ran_in_flight()
         starting = {id(r) for r, c in self._chunks if c.last}
         need = self.depth if rides else 0
         for req in self.running:  # every running slot is a row of the window, planned or not
             if req.snapshot is not None:
                 continue
-            if req.stage is Stage.DECODE:
-                left = req.params.max_tokens - len(req.output_token_ids)
-                into = req.decode_traversals - req.decode_loops  # loops into the current token
-            elif id(req) in starting or self._first_token_in_flight(req):
-                left, into = req.params.max_tokens - 1, 0
-            else:
+            if not (
+                req.stage is Stage.DECODE or id(req) in starting or self._first_token_in_flight(req)
+            ):
                 continue
             late = self.depth if rides and id(req) in starting else 0
-            budget = late + left * req.controls.max_loops - into
-            need = max(need, budget - ran.get(id(req), 0))
+            need = max(need, self._traversals_left(req, ran, late))
         return min(window, need)
 
     @staticmethod

@@ -288,6 +288,52 @@ def test_no_window_runs_after_every_row_has_ended_asynchronously():
     assert_clean(worker)
 
 
+def test_a_slot_certain_to_be_free_is_handed_on_a_window_early():
+    """Planning a window ahead with one slot and a queue: once the running request surely
+    reaches max_tokens within the window in flight, the next plan already starts the queued
+    one in its slot and blocks (the device runs the plans in order), before the first
+    request's last tokens are seen; outputs stay those of serial decoding."""
+    sched = make_scheduler(decode_window=8, lookahead=2, max_num_seqs=1)
+    worker = FakeWorker(sched)
+    a = worker.add(make_request("a", 3, 3))
+    b = worker.add(make_request("b", 4, 2))
+    seen: list[tuple[str, bool, bool]] = []  # at each of a's tokens: b started, a retiring
+
+    def watch(req: Request) -> bool:
+        if req is a:
+            seen.append((b.stage.name, a in sched.retiring, a in sched.running))
+        return False
+
+    worker.drain(stop_check=watch)
+    # a's first token; then its last two come back after b's prefill was already planned in
+    # a's slot (a retiring until its last token finishes it)
+    assert seen == [
+        ("WAITING", False, True),
+        ("PREFILL", True, False),
+        ("PREFILL", False, False),
+    ]
+    check_outputs(worker, [a, b])
+    assert not sched.retiring
+    assert_clean(worker)
+
+
+def test_nothing_is_handed_on_early_without_a_queue_or_synchronously():
+    for lookahead, queued in ((2, False), (1, True)):
+        sched = make_scheduler(decode_window=8, lookahead=lookahead, max_num_seqs=1)
+        worker = FakeWorker(sched)
+        reqs = [worker.add(make_request("a", 3, 3))]
+        if queued:
+            reqs.append(worker.add(make_request("b", 4, 2)))
+        for _ in range(50):
+            if not sched.has_unfinished():
+                break
+            worker.step()
+            assert not sched.retiring
+        worker.flush()
+        check_outputs(worker, reqs)
+        assert_clean(worker)
+
+
 def test_a_window_is_cut_to_what_max_loops_allows():
     """Early exits: a row of max_loops 2 needs at most 2 traversals a token."""
     sched = make_scheduler(decode_window=16)

@@ -323,8 +323,11 @@ def test_fail_plan_spares_a_request_requeued_before_its_slot_was_initialised():
 # -- randomized: many requests, random hazards, arrivals and aborts -------------------------
 
 
+@pytest.mark.parametrize("lookahead", [1, 2])
 @pytest.mark.parametrize("seed", range(40))
-def test_random_workloads_match_serial_semantics(seed):
+def test_random_workloads_match_serial_semantics(seed, lookahead):
+    """Synchronous and planning a window ahead (lookahead 2: a slot certain to be free is
+    handed to a queued request before its owner's last results are seen)."""
     rng = random.Random(seed)
     refill = seed % 2 == 0
     window = (1, 2, 5)[seed % 3]
@@ -339,6 +342,7 @@ def test_random_workloads_match_serial_semantics(seed):
         refill=refill,
         incremental_kv=rng.random() < 0.5,
         decode_window=window,
+        lookahead=lookahead,
     )
     salt = rng.random()
 
