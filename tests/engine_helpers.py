@@ -102,3 +102,41 @@ def check_against_serial(llm: LLM, outs: list, prompts: list, params: list) -> N
         assert out.prompt_token_ids == prompt
         assert (out.token_ids, out.exit_depths) == oracle_greedy(llm, prompt, p), out.request_id
         assert out.finish_reason == "length" and out.finished
+
+
+def queued_workload(model_dir, device: str, asynchronous: bool) -> tuple[list, int]:
+    """Seven requests through two slots (a queue all along), mixed max_tokens, adaptive exits
+    and seeded sampling: (token ids and exit depths of each, slots handed on early)."""
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device=device,
+        async_scheduling=asynchronous,
+        max_num_seqs=2,
+        block_size=4,
+        decode_window=5,
+    )
+    sched = llm.engine.scheduler
+    handed = []
+    real_retire = sched._retire
+
+    def retire() -> None:
+        before = len(sched.retiring)
+        real_retire()
+        handed.append(len(sched.retiring) - before)
+
+    sched._retire = retire
+    prompts = [[(11 * i + j) % 300 + 3 for j in range(3 + 2 * i)] for i in range(7)]
+    params = [
+        SamplingParams(
+            max_tokens=(3, 9, 5, 12, 4, 7, 6)[i],
+            ignore_eos=True,
+            exit_threshold=(1.0, 0.6, 0.3)[i % 3],
+            **({"temperature": 0.8, "seed": i} if i % 2 else {}),
+        )
+        for i in range(7)
+    ]
+    outs = llm.generate(prompts, params)
+    assert llm.engine.blocks.num_used == 0 and llm.engine.runner.active_slots() == []
+    assert not sched.retiring
+    return [(o.token_ids, o.exit_depths) for o in outs], sum(handed)

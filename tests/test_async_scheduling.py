@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from engine_helpers import oracle_greedy
+from engine_helpers import oracle_greedy, queued_workload
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.plan import StepPlan
@@ -178,3 +178,12 @@ def test_first_tokens_end_their_plan_but_never_two_plans_in_a_row(ckpt) -> None:
     for i, prompt in enumerate((PROMPT_A, PROMPT_B, PROMPT_U, PROMPT_A)):
         got = finals[f"r{i}"]
         assert (got.token_ids, got.exit_depths) == oracle_greedy(ref, prompt, p)
+
+
+def test_slots_handed_on_early_give_the_synchronous_outputs(ckpt) -> None:
+    """Async with a queue: rows certain to end within the window in flight give their slot
+    and blocks to queued requests a window early; outputs equal synchronous scheduling's."""
+    got, handed = queued_workload(ckpt, "cpu", asynchronous=True)
+    want, none = queued_workload(ckpt, "cpu", asynchronous=False)
+    assert handed > 0 and none == 0
+    assert got == want

@@ -78,3 +78,15 @@ def test_cuda_fused_row_bookkeeping_equals_the_torch_path(tiny_ouro_dir, monkeyp
     fused, reference = run("1", stops), run("0", stops)
     assert fused == reference
     assert {reason for _, _, reason in reference} == {"stop", "length"}
+
+
+def test_cuda_slots_handed_on_early_match_cpu(tiny_ouro_dir):
+    """Async scheduling on CUDA (graphs, fused rows) with a queue: slots and blocks handed to
+    queued requests while their previous owners' last windows are still in flight; the same
+    tokens and exit depths as the synchronous CPU engine."""
+    from engine_helpers import queued_workload
+
+    got, handed = queued_workload(tiny_ouro_dir, "cuda", asynchronous=True)
+    want, _ = queued_workload(tiny_ouro_dir, "cpu", asynchronous=False)
+    assert handed > 0
+    assert got == want
