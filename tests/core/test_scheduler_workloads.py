@@ -324,18 +324,22 @@ def test_fail_plan_spares_a_request_requeued_before_its_slot_was_initialised():
 
 
 @pytest.mark.parametrize("lookahead", [1, 2])
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_random_workloads_match_serial_semantics(seed, lookahead):
     """Synchronous and planning a window ahead (lookahead 2: a slot certain to be free is
-    handed to a queued request before its owner's last results are seen)."""
+    handed to a queued request before its owner's last results are seen), under every memory
+    and queue policy: SHARED, prefix caching (prompts sharing a prefix), incremental KV,
+    priority with preemption."""
     rng = random.Random(seed)
     refill = seed % 2 == 0
     window = (1, 2, 5)[seed % 3]
     block_size = rng.choice([1, 2, 3, 16])
     max_num_seqs = rng.randint(1, 4)
+    layout = rng.choice(["last_exited", "shared"])
+    prefix = layout == "last_exited" and rng.random() < 0.5
     sched = make_scheduler(
         block_size=block_size,
-        num_blocks=rng.randint(60, 120) // block_size + 8,
+        num_blocks=rng.randint(60, 160) // block_size + 8,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=rng.randint(max_num_seqs, 12),
         prefill_chunk_size=rng.randint(1, 8),
@@ -343,6 +347,10 @@ def test_random_workloads_match_serial_semantics(seed, lookahead):
         incremental_kv=rng.random() < 0.5,
         decode_window=window,
         lookahead=lookahead,
+        kv_layout=layout,
+        enable_prefix_caching=prefix,
+        scheduling_policy=rng.choice(["fcfs", "priority"]),
+        enable_preemption=rng.random() < 0.5,
     )
     salt = rng.random()
 
@@ -351,14 +359,19 @@ def test_random_workloads_match_serial_semantics(seed, lookahead):
 
     worker = FakeWorker(sched, hazard)
     pending = []
-    for i in range(rng.randint(3, 9)):
+    for i in range(rng.randint(3, 10)):
         max_loops = rng.randint(1, DEPTH)
         prompt_len = rng.randint(1, 10)
+        prompt: int | list[int] = prompt_len
+        if prefix and rng.random() < 0.5:  # a shared prefix the cache can reuse
+            prompt = [*[7, 8, 9, 10, 11, 12][: prompt_len // 2 + 1], 20 + i]
+            prompt_len = len(prompt)
         stop = (token_for(f"r{i}", prompt_len + rng.randint(0, 4)),) if rng.random() < 0.2 else ()
         req = make_request(
             f"r{i}",
-            prompt_len,
+            prompt,
             max_tokens=rng.randint(1, 6),
+            priority=rng.randint(0, 3),
             min_loops=rng.randint(1, max_loops),
             max_loops=max_loops,
             threshold=rng.choice([0.0, 0.3, 0.6, 0.9, 1.0]),
