@@ -22,17 +22,24 @@ import statistics
 from rlt_engine import LLM, SamplingParams
 
 
+def weight_passes(plans: list, depth: int) -> int:
+    """Passes over the weights a plan trace costs: one per decode traversal, `depth` per
+    prefill wave that runs on its own, none for a wave that rides its window."""
+    traversals = sum(p.decode_traversals for p in plans)
+    alone = sum(len(p.prefill) - p.wave_rides for p in plans)
+    return traversals + depth * alone
+
+
 def count(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], ride: bool) -> dict:
     engine = llm.engine
     engine.scheduler.ride_waves = ride
     engine.scheduler.trace = []
     outs = llm.generate(prompts, params)
     plans = engine.scheduler.trace
-    depth = engine.model_config.num_loops
     traversals = sum(p.decode_traversals for p in plans)
     waves = sum(len(p.prefill) for p in plans)
     riding = sum(p.wave_rides for p in plans)
-    passes = traversals + depth * (waves - riding)
+    passes = weight_passes(plans, engine.model_config.num_loops)
     tokens = sum(len(o.token_ids) for o in outs)
     return {
         "plans": len(plans),

@@ -181,6 +181,7 @@ class Scheduler(Admission):
             certain = req.stage is Stage.DECODE and req.snapshot is None
             if certain and self._traversals_left(req, ran) <= 0:
                 self.release(req)
+                req.slot, req.block_tables = None, None  # both may belong to others now
                 self.retiring.append(req)
 
     def _ran_in_flight(self) -> dict[int, int]:
