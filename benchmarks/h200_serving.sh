@@ -14,6 +14,9 @@
 # engine), metrics_c8.txt (/metrics after the c=8 run) and meta.txt (GPU, versions).
 # Packages the image lacks (fastapi, uvicorn, pydantic, aiohttp, ...) may travel as wheels in .whl/.
 # QUICK=1: a dry run of the script itself on a CPU (demo model, 2 requests a run, 4 tokens).
+# SHORT=1: only the c=8, c=1 and 16 req/s runs; SERVE_ONLY=1: the HTTP runs alone (no offline
+# or in-process reference); SERVE_EXTRA="--decode-window 4": more server (and in-process) flags.
+# An A/B of two builds in one device call: two runs with SHORT=1 SERVE_ONLY=1 and PORTs apart.
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-h200-serving-out}}
 mkdir -p "$OUT_DIR"

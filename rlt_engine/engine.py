@@ -325,7 +325,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         sched, prefix, size = self.scheduler, self.blocks.stats, self.config.cache.block_size
         return EngineStats(
-            num_running=len(sched.running),
+            num_running=len(sched.running) + len(sched.retiring),  # retiring: last tokens due
             num_waiting=len(sched.waiting),
             num_swapped=len(sched.swapped),
             blocks_used=self.blocks.num_used,
