@@ -413,6 +413,9 @@ class Scheduler(Admission):
                 if req.finished:  # the stop string landed on its last allowed token
                     req.finish_reason = "stop"
                 self.finish(req, "stop")
+        if self.retiring and not self._in_flight:  # every retiring row ends in its plans
+            stuck = ", ".join(r.request_id for r in self.retiring)
+            raise RuntimeError(f"requests handed on early did not end in their windows: {stuck}")
         return list(got_token.values())
 
     def _accept_token(self, req: Request, sample: Sample, depth: int) -> None:
