@@ -120,9 +120,9 @@ def queued_workload(model_dir, device: str, asynchronous: bool) -> tuple[list, i
     handed = []
     real_retire = sched._retire
 
-    def retire() -> None:
+    def retire(ran: dict[int, int]) -> None:
         before = len(sched.retiring)
-        real_retire()
+        real_retire(ran)
         handed.append(len(sched.retiring) - before)
 
     sched._retire = retire

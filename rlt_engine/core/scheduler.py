@@ -93,7 +93,8 @@ class Scheduler(Admission):
         plan runs; `update` must then be called for the plans in the order they were made."""
         if len(self._in_flight) >= self.lookahead:
             raise RuntimeError("apply the results of the plans in flight before planning more")
-        self._retire()
+        ran = self._ran_in_flight()  # the windows in flight: what each row decodes in them
+        self._retire(ran)
         self.admit()
         planned: list[Request] = []
         window = self.decode_window
@@ -150,7 +151,7 @@ class Scheduler(Admission):
         if rides and self.lookahead == 2:
             traversals = self.depth
         if traversals and self.config.refill:
-            traversals = self._traversals_needed(traversals, rides)
+            traversals = self._traversals_needed(traversals, rides, ran)
             if not (traversals or waves):
                 return None  # every row ends in the windows in flight: see their results first
         plan = self._finish_plan(waves, traversals, planned, rides=rides)
@@ -165,7 +166,7 @@ class Scheduler(Admission):
             self._first_token_in_flight(r) and id(r) not in starting for r in self.running
         )
 
-    def _retire(self) -> None:
+    def _retire(self, ran: dict[int, int]) -> None:
         """Asynchronous, with requests queued: a row certain to reach max_tokens within the
         windows in flight gives its slot and blocks back now, so a queued request takes them
         in this plan instead of one window later. Safe on the device: the plans in flight run
@@ -176,7 +177,6 @@ class Scheduler(Admission):
             return
         if not (self.waiting or self.swapped):
             return  # nobody would take the slot: keep the row until its results are in
-        ran = self._ran_in_flight()
         for req in list(self.running):
             certain = req.stage is Stage.DECODE and req.snapshot is None
             if certain and self._traversals_left(req, ran) <= 0:
@@ -202,7 +202,7 @@ class Scheduler(Admission):
             left, into = req.params.max_tokens - 1, 0
         return late + left * req.controls.max_loops - into - ran.get(id(req), 0)
 
-    def _traversals_needed(self, window: int, rides: bool) -> int:
+    def _traversals_needed(self, window: int, rides: bool, ran: dict[int, int]) -> int:
         """The window cut to the most traversals any of its rows may still run, so that no
         traversal runs after every row has finished (the windows in flight included). Each
         token takes at most its request's max_loops traversals: a decode row needs at most
@@ -210,8 +210,7 @@ class Scheduler(Admission):
         traversals it runs in the windows in flight; a row starting now or in flight at most
         (max_tokens - 1) x max_loops, after the wave's depth traversals if it rides. An upper
         bound (an early exit or a stop id only ends a row sooner); with refill only, where a
-        running row advances one loop every traversal."""
-        ran = self._ran_in_flight()
+        running row advances one loop every traversal. `ran`: `_ran_in_flight()`."""
         starting = {id(r) for r, c in self._chunks if c.last}
         need = self.depth if rides else 0
         for req in self.running:  # every running slot is a row of the window, planned or not
