@@ -40,6 +40,7 @@ import torch
 from rlt_engine.kernels import pdl as _pdl
 
 triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
+prefetch_kv_l2 = None  # the @jit form of _prefetch_kv_l2, set by _launch (compiled PDL only)
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -86,6 +87,7 @@ def paged_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     long_context: bool = False,
+    prefetch_kv: bool = False,
 ) -> torch.Tensor:
     """Causal attention of `q` over the paged cache; returns `out` [num_tokens, num_heads, d].
 
@@ -98,6 +100,10 @@ def paged_attention(
     q_len; `num_splits` splits each program's keys (split-K, mainly for long decode contexts;
     see `decode_splits`). `long_context`: the caller's hint that some sequence may see
     >= LONG_CONTEXT keys (it picks the kernel for decode rows; results agree either way).
+    `prefetch_kv`: the caller's word that the kernel launched just before this one writes
+    neither `block_tables`, `seq_lens` nor `query_start` (RoPE + the K/V write does not): a
+    decode launch under PDL (kernels/pdl.py) then asks L2 for its programs' K/V rows while that
+    kernel still runs (a hint: L2 is coherent, so even rows it writes are read correctly).
     """
     return _launch(
         q,
@@ -112,10 +118,14 @@ def paged_attention(
         num_splits,
         out,
         long_context=long_context,
+        prefetch_kv=prefetch_kv,
     )
 
 
 LONG_CONTEXT = 1024  # keys from which a decode batch counts as long (another launch plan)
+# K/V bytes a decode launch asks L2 for before its PDL wait (`prefetch_kv`): a few tiles a
+# program at small batches; none where they would not stay in the 50 MB L2 until read
+KV_PREFETCH_BYTES = 8 << 20
 
 
 def decode_splits(num_seqs: int, long_context: bool) -> int:
@@ -145,6 +155,7 @@ def _launch(
     num_stages: int | None = None,
     kernel: str = "auto",
     long_context: bool = False,
+    prefetch_kv: bool = False,
 ) -> torch.Tensor:
     """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
     `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
@@ -200,6 +211,13 @@ def _launch(
         ws_m = torch.empty((num_tokens, num_heads, num_splits), **f32)
         ws_l = torch.empty_like(ws_m)
 
+    prefetch_tiles = 0  # key tiles per program asked of L2 before the wait (PREFETCH_KV)
+    if prefetch_kv and pdl and max_query_len == 1:
+        programs = num_seqs * num_kv_heads * num_splits
+        prefetch_tiles = KV_PREFETCH_BYTES // (programs * 2 * block_n * row_bytes)
+        if prefetch_tiles:
+            _prefetch_helpers()
+
     if kernel not in ("auto", "mma", "rows"):
         raise ValueError(f"kernel must be auto, mma or rows, got {kernel!r}")
     rows_kernel = kernel == "rows" or (
@@ -233,6 +251,7 @@ def _launch(
         block_tables.stride(0),
         block_tables.shape[1],
         num_heads,
+        prefetch_tiles,
     )
     shapes = {
         "HEAD_DIM": head_dim,
@@ -240,6 +259,10 @@ def _launch(
         "BLOCK_SIZE": block_size,
         "NUM_SPLITS": num_splits,
         "PDL": pdl,
+        "PREFETCH_KV": prefetch_tiles > 0,
+        # 128-byte lines of a K/V row and elements per line (PREFETCH_KV)
+        "ROW_LINES": max(1, row_bytes // _pdl.LINE_BYTES),
+        "LINE": _pdl.LINE_BYTES // q.element_size(),
     }
     with _on_device(q.device):
         if rows_kernel:
@@ -289,6 +312,13 @@ def _launch(
                 num_warps=4,
             )
     return out
+
+
+def _prefetch_helpers() -> None:
+    global prefetch_kv_l2
+    _pdl._import_triton()
+    if prefetch_kv_l2 is None:
+        prefetch_kv_l2 = _kernel(_prefetch_kv_l2, False)
 
 
 def _rows_wins(programs: int, num_splits: int, long_context: bool) -> bool:
@@ -462,6 +492,7 @@ def _paged_attention_kernel(
     stride_bt,
     max_blocks,
     num_heads,
+    prefetch_tiles,  # PREFETCH_KV: key tiles of its split a program asks L2 for
     q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -474,8 +505,17 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32 (the triton 3.6 interpreter's tl.dot mishandles bf16)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PREFETCH_KV: tl.constexpr,  # decode under PDL: K/V rows asked of L2 before the wait
+    ROW_LINES: tl.constexpr,
+    LINE: tl.constexpr,
 ):
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        if PREFETCH_KV:
+            prefetch_kv_l2(
+                block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, max_blocks,
+                prefetch_tiles, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, ROW_LINES, LINE,
+            )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0) // q_tiles
@@ -596,18 +636,28 @@ def _decode_rows_kernel(
     stride_bt,
     max_blocks,
     num_heads,
+    prefetch_tiles,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH_KV: tl.constexpr,
+    ROW_LINES: tl.constexpr,
+    LINE: tl.constexpr,
 ):
     """Decode rows of multi-head attention (one query per sequence, one kv head per head):
     a program owns one (sequence, head, split). With a single query row a tensor-core tile
     would be 15/16 padding, so scores and P @ V are register reductions over [BLOCK_N, d]
     tiles in fp32 (no shared memory: many programs per SM to keep loads in flight)."""
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+        if PREFETCH_KV:
+            prefetch_kv_l2(
+                block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, max_blocks,
+                prefetch_tiles, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, ROW_LINES, LINE,
+            )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -663,6 +713,71 @@ def _decode_rows_kernel(
         tl.store(ws_acc_ptr + part * HEAD_DIM + d, acc, mask=d_ok)
         tl.store(ws_m_ptr + part, m_i)
         tl.store(ws_l_ptr + part, l_i)
+
+
+def _prefetch_kv_l2(
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    k_ptr,
+    v_ptr,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    max_tiles,  # at most this many of its key tiles (the launch's byte budget)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROW_LINES: tl.constexpr,  # 128-byte lines per K/V row (a power of two)
+    LINE: tl.constexpr,  # elements per line
+):
+    """Decode programs (sequence, kv head, split), one query per sequence: ask L2 for the K and
+    V rows of the first `max_tiles` key tiles this program's split will walk. Reads only the
+    block table, seq_lens and query_start, which the kernel before it must not write
+    (`paged_attention`'s `prefetch_kv`); issues fire-and-forget prefetches, so it is safe for
+    any K/V row. Compiled (PDL) only: the interpreter has no inline assembly."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    has_query = tl.load(query_start_ptr + seq + 1) > tl.load(query_start_ptr + seq)
+    seq_len = tl.where(has_query, tl.load(seq_lens_ptr + seq), 0)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_begin = split * per_split
+    t_end = tl.minimum(tl.minimum(t_begin + per_split, n_tiles), t_begin + max_tiles)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    lines = tl.arange(0, ROW_LINES) * LINE
+    for t in range(t_begin, t_end):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < seq_len
+        blk = pos // BLOCK_SIZE
+        phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
+        slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        ok = pos_ok[:, None] & (lines < HEAD_DIM)[None, :]
+        k_lines = tl.where(ok, k_base + slot[:, None] * stride_ks + lines[None, :], k_base)
+        v_lines = tl.where(ok, v_base + slot[:, None] * stride_vs + lines[None, :], v_base)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // $0",
+            "=r,l",
+            [k_lines],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // $0",
+            "=r,l",
+            [v_lines],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 def _merge_splits_kernel(

@@ -63,6 +63,9 @@ triton = tl = round_bf16 = prefetch_l2 = None
 
 MAX_M = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# rows up to which `linear(..., prefetch_whole=True)` takes the Triton kernel: cuBLAS's 64-row
+# tile is faster alone from 32 rows on (small_gemm_table: Ouro o_proj 7.2 vs 6.4 us at 32)
+PREFETCH_WHOLE_MAX_M = 16
 _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
 # A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's Triton
 # config wherever it has one (also where its entry says cuBLAS is a little faster)
@@ -151,28 +154,43 @@ def lookup(
     return GemmConfig(*row[1:6])
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    prefetch_whole: bool = False,
+) -> torch.Tensor:
     """`F.linear(x, w)` (no bias): x [..., K], w [N, K] -> [..., N], through the Triton kernel
     where the table says it beats cuBLAS, else through cuBLAS.
 
     `gate` (a one-element device tensor): where the Triton kernel runs, a zero gate skips the
     GEMM and leaves the output's contents undefined; the caller must not read it then. Without
-    a Triton config the GEMM simply runs (the same values, no saving)."""
-    config = choose(x, w, gated=gate is not None)
+    a Triton config the GEMM simply runs (the same values, no saving).
+
+    `prefetch_whole`: the caller's word that the kernel before this GEMM leaves the HBM mostly
+    idle (decode attention before the o_proj): under PDL the launch then streams its whole
+    weight into L2 while that kernel runs, and it takes the Triton kernel (which can) up to
+    PREFETCH_WHOLE_MAX_M rows even where cuBLAS alone is a little faster."""
+    whole = prefetch_whole and x.numel() <= PREFETCH_WHOLE_MAX_M * w.shape[-1]
+    config = choose(x, w, gated=gate is not None or whole)
     if config is None:
         return F.linear(x, w)
-    return gemm(x, w, config, gate)
+    return gemm(x, w, config, gate, prefetch_whole=whole)
 
 
 # -- launch ---------------------------------------------------------------------------------------
 
 
 def gemm(
-    x: torch.Tensor, w: torch.Tensor, config: GemmConfig, gate: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config: GemmConfig,
+    gate: torch.Tensor | None = None,
+    prefetch_whole: bool = False,
 ) -> torch.Tensor:
     """`x @ w.T` with the Triton kernel and an explicit config (tests, the benchmark): x [..., K]
     with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device.
-    `gate`: see `linear`."""
+    `gate`, `prefetch_whole`: see `linear`."""
     if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
         raise ValueError(
             f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "
@@ -216,7 +234,11 @@ def gemm(
     # a gated launch does not prefetch: where the gate is zero those bytes would be wasted
     prefetch_k = 0
     if pdl and gate is None:
-        prefetch_k = _pdl.prefetch_k(n, splits, k_per_split, bk, x.element_size())
+        prefetch_k = (
+            k_per_split
+            if prefetch_whole
+            else _pdl.prefetch_k(n, splits, k_per_split, bk, x.element_size())
+        )
     kernel = _compiled(interpret)
     with _pa._on_device(x.device):
         kernel[(n_tiles, splits)](

@@ -76,13 +76,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, small_gemm: bool) -> torch.Tensor:
+def project(
+    x: torch.Tensor, weight: torch.Tensor, small_gemm: bool, prefetch_whole: bool = False
+) -> torch.Tensor:
     """`F.linear(x, weight)`; with `small_gemm` (the fast path) through kernels/small_gemm,
-    which picks its Triton split-K kernel for decode-sized x where it beats cuBLAS."""
+    which picks its Triton split-K kernel for decode-sized x where it beats cuBLAS
+    (`prefetch_whole`: see small_gemm.linear)."""
     if small_gemm:
         from rlt_engine.kernels.small_gemm import linear
 
-        return linear(x, weight)
+        return linear(x, weight, prefetch_whole=prefetch_whole)
     return F.linear(x, weight)
 
 
@@ -179,6 +182,6 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = backend.attend(self.layer, q, k, v, meta)
         out = out.reshape(rows, self.num_heads * d)
-        if self.small_gemm:
-            return project(out, self.o_proj.weight, True)
+        if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
+            return project(out, self.o_proj.weight, True, prefetch_whole=True)
         return self.o_proj(out)

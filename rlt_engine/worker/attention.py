@@ -178,6 +178,8 @@ class TritonPagedAttention(PagedKVCache):
 
         assert isinstance(meta, (PagedMetadata, MixedMetadata))
         rope_write_kv_(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
+        if isinstance(meta, PagedMetadata):  # the K/V write just before writes no metadata
+            return self._read(layer, q, meta, prefetch_kv=True)
         return self.attend(layer, q, k, v, meta, kv_written=True)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -199,7 +201,9 @@ class TritonPagedAttention(PagedKVCache):
             self.write(layer, k, v, meta)
         return _split_read(self._read, layer, q, meta)
 
-    def _read(self, layer: int, q: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+    def _read(
+        self, layer: int, q: torch.Tensor, meta: PagedMetadata, prefetch_kv: bool = False
+    ) -> torch.Tensor:
         from rlt_engine.kernels.paged_attention import decode_splits, paged_attention
 
         return paged_attention(
@@ -218,6 +222,7 @@ class TritonPagedAttention(PagedKVCache):
                 else 1
             ),
             long_context=self.long_context,
+            prefetch_kv=prefetch_kv,
         )
 
 

@@ -246,6 +246,13 @@ def test_only_padding_sequences_is_a_noop(num_splits):
     assert torch.equal(out, torch.full_like(case.q, 3.0))
 
 
+def test_prefetch_kv_is_a_hint_only():
+    """`prefetch_kv` (an L2 hint under PDL, never on here) leaves every result as it was."""
+    case = Case([(1, 37), (1, 5), (0, 3)], 4, 2, 16, 8, torch.float32, "cpu")
+    plain = case.run()
+    assert torch.equal(case.run(kernel="auto", prefetch_kv=True)[:2], plain[:2])
+
+
 def test_no_tokens():
     case = Case([(0, 5)], 2, 2, head_dim=16, block_size=4)
     assert case.run().shape == (0, 2, 16)
@@ -477,3 +484,27 @@ def test_gpu_ouro_decode_rows_kernel(num_seqs, max_ctx):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, rows)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("kernel", ["mma", "rows"])
+def test_gpu_prefetch_kv_changes_no_bit(kernel, num_splits):
+    """Decode rows with the K/V rows asked of L2 before the PDL wait (`prefetch_kv`): the same
+    bits as without, eagerly and replayed from a CUDA graph; a padding sequence included."""
+    specs = [*_decode_specs(8, 300, 77), (0, 5)]
+    case = Case(specs, 16, 16, 128, 16, torch.bfloat16, "cuda")
+    plain = case.run(kernel=kernel, num_splits=num_splits)
+    out = torch.empty_like(case.q)
+    for _ in range(3):
+        assert torch.equal(case.run(kernel=kernel, num_splits=num_splits, prefetch_kv=True), plain)
+    case.run(out=out, kernel=kernel, num_splits=num_splits, prefetch_kv=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.run(out=out, kernel=kernel, num_splits=num_splits, prefetch_kv=True)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = sum(q for q, _ in specs)
+    assert torch.equal(out[:rows], plain[:rows])

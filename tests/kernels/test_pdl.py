@@ -100,9 +100,9 @@ class _Layers:
             rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slot_mapping)
             attn = paged_attention(
                 q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start,
-                self.block, dim**-0.5, 1,
+                self.block, dim**-0.5, 1, prefetch_kv=True,
             )  # fmt: skip
-            o = gemm(attn.reshape(self.rows, heads * dim), layer["o"], split)
+            o = gemm(attn.reshape(self.rows, heads * dim), layer["o"], split, prefetch_whole=True)
             n1, n2, n3, n4 = layer["norms"]
             x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
             act = gate_up_silu(h, layer["gate_up"], wide)
