@@ -13,6 +13,7 @@ Parts:
   weights: 2.4 GB a replay, no L2 reuse), per GEMM kind and all four in a row, with and without
   PDL, against the weight bytes at the measured copy rate; and a chain of 240 add + RMSNorm
   launches (the smallest kernel of the layer) for the cost of one dependent launch.
+- tune: decode tok/s at c = 1 / 8 with one GEMM's config (or prefetch) changed, in place.
 - variants: the full layer at c = 1 / 8 / 64 with the decode prefetches (K/V rows before
   attention's PDL wait, the o_proj's whole weight during attention) undone one at a time.
 """
@@ -110,6 +111,66 @@ def _patch(removed: tuple[str, ...]):
             setattr(obj, name, value)
 
     return undo
+
+
+# In-place tuning at c = 1 / 8: (GEMM shape, config fields of small_gemm_table.FIELDS[1:6]) put
+# into the table for the m1..m16 buckets, or a "whole" prefetch for a kind; one engine each
+SHAPES = {"qkv": "6144x2048", "o_proj": "2048x2048", "gate_up": "11264x2048", "down": "2048x5632"}
+TUNE = {
+    "table": None,
+    "down 64x256 s4 st3": ("down", (64, 256, 4, 4, 3)),
+    "down 64x128 s2": ("down", (64, 128, 2, 4, 4)),
+    "down 64x128 s8": ("down", (64, 128, 8, 4, 4)),
+    "down 32x256 s4": ("down", (32, 256, 4, 4, 4)),
+    "down whole": ("down", "whole"),
+    "qkv whole": ("qkv", "whole"),
+    "o_proj 64x128 s4": ("o_proj", (64, 128, 4, 4, 4)),
+    "o_proj 64x256 s2": ("o_proj", (64, 256, 2, 4, 3)),
+    "o_proj 32x256 s2": ("o_proj", (32, 256, 2, 4, 4)),
+    "gate_up 64x128": ("gate_up", (64, 128, 1, 4, 4)),
+    "gate_up 64x256": ("gate_up", (64, 256, 1, 4, 3)),
+}
+
+
+def tune(cs=(1, 8)) -> dict:
+    from rlt_engine.kernels import small_gemm
+    from rlt_engine.kernels.small_gemm_table import TABLE
+    from rlt_engine.models import layers
+
+    rows = {}
+    real_project = layers.project
+    for name, change in TUNE.items():
+        saved = dict(TABLE["entries"])
+        if change is not None and change[1] != "whole":
+            kind, fields = change
+            for m in (1, 2, 4, 8, 16):
+                key = f"{SHAPES[kind]}:m{m}:bfloat16"
+                TABLE["entries"][key] = ("triton", *fields, *TABLE["entries"][key][6:])
+        small_gemm._TABLES.clear()
+        if change is not None and change[1] == "whole":
+            n_k = tuple(map(int, SHAPES[change[0]].split("x")))
+
+            def project(x, weight, small_gemm, prefetch_whole=False, n_k=n_k):
+                whole = prefetch_whole or tuple(weight.shape) == n_k
+                return real_project(x, weight, small_gemm, whole)
+
+            layers.project = project
+        try:
+            llm = _engine(OURO, max_num_seqs=max(cs))
+            for c in cs:
+                r = _median_rate(llm, c)
+                rows[f"{name}/c{c}"] = {
+                    "decode_tok_s": r["decode_tok_s_median"],
+                    "runs": r["decode_tok_s_runs"],
+                }
+                print(name, c, round(r["decode_tok_s_median"], 1), flush=True)
+            del llm
+        finally:
+            TABLE["entries"].clear()
+            TABLE["entries"].update(saved)
+            small_gemm._TABLES.clear()
+            layers.project = real_project
+    return {"rows": rows}
 
 
 def variants() -> dict:
