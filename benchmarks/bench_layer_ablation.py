@@ -47,7 +47,6 @@ ABLATIONS = {
 VARIANTS = {
     "new": (),
     "unfused_norm": ("unfused_norm",),  # o_proj / down_proj and the norm after in two launches
-    "fused_w4": ("fused_w4",),
     "old_kv": ("old_kv",),  # attention without its K/V asked of L2 before the PDL wait
     "old_o_proj": ("old_o_proj",),  # o_proj on the table's choice (cuBLAS), no whole prefetch
     "old": ("old_kv", "old_o_proj", "unfused_norm"),
@@ -109,24 +108,15 @@ def _patch(removed: tuple[str, ...]):
     real_add_norm, real_project_add_norm = ouro.add_norm, ouro.project_add_norm
     saved.append((ouro, "project_add_norm", real_project_add_norm))
 
-    def project_add_norm(
-        y_in, w, residual, norm, y_norm=None, small_gemm=True, prefetch_whole=False
-    ):
+    def project_add_norm(y_in, w, residual, norm, y_norm=None, small_gemm=True, whole=False):
         kind = "o_proj" if w.shape[1] == 2048 else "down"
         unfused = {"unfused_norm", "norms", kind, "old_o_proj" if kind == "o_proj" else ""}
         if not unfused & set(removed):
-            return real_project_add_norm(
-                y_in, w, residual, norm, y_norm, small_gemm, prefetch_whole
-            )
-        y = project(y_in, w, small_gemm, prefetch_whole)
+            return real_project_add_norm(y_in, w, residual, norm, y_norm, small_gemm, whole)
+        y = project(y_in, w, small_gemm, whole)
         return (y, y) if "norms" in removed else real_add_norm(y, residual, norm, y_norm)
 
     ouro.project_add_norm = project_add_norm
-    from rlt_engine.kernels import small_gemm
-
-    saved.append((small_gemm, "_FUSED_NORM_WARPS", small_gemm._FUSED_NORM_WARPS))
-    if "fused_w4" in removed:  # the fused launch with the GEMM's 4 warps (not the norm's 8)
-        small_gemm._FUSED_NORM_WARPS = 4
     if "norms" in removed:
         ouro.add_norm = lambda y, residual, norm, y_norm=None: (y, y)
 
@@ -198,7 +188,7 @@ def tune(cs=(1, 8)) -> dict:
 
 
 def variants() -> dict:
-    return ablate((1, 8), VARIANTS, "new")
+    return ablate((1, 8, 64), VARIANTS, "new")
 
 
 def ablate(cs=(1, 8), runs: dict | None = None, base: str = "base") -> dict:

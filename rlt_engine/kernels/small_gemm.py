@@ -71,7 +71,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PREFETCH_WHOLE_MAX_M = 16
 _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
 _DONE_AT = _COUNTERS_PER_DEVICE - 2  # the fused norm's two arrival counters sit at the end
-_FUSED_NORM_WARPS: int | None = None  # A/B only (benchmarks): warps of the fused launch
 # A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's Triton
 # config wherever it has one (also where its entry says cuBLAS is a little faster)
 _MODE = os.environ.get("RLT_SMALL_GEMM", "1")
@@ -290,7 +289,7 @@ def gemm(
     if norm is not None:
         res, wy, wn, xo, ho, eps_y, eps, h_block = norm
         # the norm's reduction tree follows the warps: add_rms_norm's, so the bits are its
-        num_warps = _FUSED_NORM_WARPS or _norm.num_warps_for(h_block)
+        num_warps = _norm.num_warps_for(h_block)
     else:
         res = wy = wn = xo = ho = out  # unused
         eps_y = eps = 0.0
