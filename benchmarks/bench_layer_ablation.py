@@ -14,9 +14,8 @@ Parts:
   PDL, against the weight bytes at the measured copy rate; and a chain of 240 add + RMSNorm
   launches (the smallest kernel of the layer) for the cost of one dependent launch.
 - tune: decode tok/s at c = 1 / 8 with one GEMM's config (or prefetch) changed, in place.
-- variants: the full layer at c = 1 / 8 / 64 with this session's changes (K/V rows asked of
-  L2 before attention's PDL wait, the o_proj's whole weight during attention, the norms fused
-  into the o_proj / down_proj epilogues) undone one at a time, and all together.
+- variants: the full layer at c = 1 / 8 / 64 with the decode prefetches (K/V rows before
+  attention's PDL wait, the o_proj's whole weight during attention) undone one at a time.
 """
 
 from __future__ import annotations
@@ -46,10 +45,9 @@ ABLATIONS = {
 # A/B of this session's prefetches: the full layer with one or both undone
 VARIANTS = {
     "new": (),
-    "unfused_norm": ("unfused_norm",),  # o_proj / down_proj and the norm after in two launches
     "old_kv": ("old_kv",),  # attention without its K/V asked of L2 before the PDL wait
     "old_o_proj": ("old_o_proj",),  # o_proj on the table's choice (cuBLAS), no whole prefetch
-    "old": ("old_kv", "old_o_proj", "unfused_norm"),
+    "old": ("old_kv", "old_o_proj"),
 }
 
 
@@ -105,18 +103,6 @@ def _patch(removed: tuple[str, ...]):
     TritonPagedAttention.attend_rope = attend_rope
     layers.project = project
     gate_up_swiglu.gate_up_silu = gate_up_silu
-    real_add_norm, real_project_add_norm = ouro.add_norm, ouro.project_add_norm
-    saved.append((ouro, "project_add_norm", real_project_add_norm))
-
-    def project_add_norm(y_in, w, residual, norm, y_norm=None, small_gemm=True, whole=False):
-        kind = "o_proj" if w.shape[1] == 2048 else "down"
-        unfused = {"unfused_norm", "norms", kind, "old_o_proj" if kind == "o_proj" else ""}
-        if not unfused & set(removed):
-            return real_project_add_norm(y_in, w, residual, norm, y_norm, small_gemm, whole)
-        y = project(y_in, w, small_gemm, whole)
-        return (y, y) if "norms" in removed else real_add_norm(y, residual, norm, y_norm)
-
-    ouro.project_add_norm = project_add_norm
     if "norms" in removed:
         ouro.add_norm = lambda y, residual, norm, y_norm=None: (y, y)
 

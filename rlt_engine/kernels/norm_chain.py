@@ -28,9 +28,8 @@ from rlt_engine.kernels.norm import rms_norm_reference, supported
 
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "supported"]
 
-# set by _import_triton(); the kernel's body reads `tl`, `round_bf16`, `normed_row` and
-# `add_norm_row` (the @jit form of _add_norm_row, also the small GEMM's fused epilogue)
-triton = tl = round_bf16 = normed_row = add_norm_row = None
+# set by _import_triton(); the kernel's body reads `tl`, `round_bf16` and `normed_row`
+triton = tl = round_bf16 = normed_row = None
 
 
 def add_rms_norm_reference(
@@ -120,12 +119,10 @@ def add_rms_norm(
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16, normed_row, add_norm_row
+    global triton, tl, round_bf16, normed_row
     _norm._import_triton()
     triton, tl = _norm.triton, _norm.tl
     round_bf16, normed_row = _norm.round_bf16, _norm.normed_row
-    if add_norm_row is None:
-        add_norm_row = _pa._kernel(_add_norm_row, _pa._interpreter_mode())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,42 +150,13 @@ def _add_rms_norm_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    add_norm_row(
-        y_ptr + row * stride_y, res_ptr + row * stride_r, wy_ptr, w_ptr, x_ptr + row * H,
-        h_ptr + row * H, eps_y, eps, H, BLOCK, INV_H, NORM_Y, EXACT_MUL, ROUND_BF16, False,
-    )  # fmt: skip
-
-
-def _add_norm_row(
-    y_row,
-    res_row,
-    wy_ptr,
-    w_ptr,
-    x_row,
-    h_row,
-    eps_y,
-    eps,
-    H: tl.constexpr,
-    BLOCK: tl.constexpr,
-    INV_H: tl.constexpr,
-    NORM_Y: tl.constexpr,
-    EXACT_MUL: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    FROM_L2: tl.constexpr,  # y was just written by other SMs: read it at L2 (.cg)
-):
-    """One row of `add_rms_norm`: x = residual + norm(y) (or + y), h = norm(x), written to
-    x_row and h_row. Shared by its kernel and the small GEMM's fused epilogue, so they agree
-    bit for bit (given the same BLOCK and warps: norm.num_warps_for)."""
-    cols = tl.arange(0, BLOCK)
-    mask = cols < H
-    if FROM_L2:
-        y = tl.load(y_row + cols, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        y = tl.load(y_row + cols, mask=mask, other=0.0)
-    r = tl.load(res_row + cols, mask=mask, other=0.0)
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
+    r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
     if NORM_Y:
         wy = tl.load(wy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         o = r.to(tl.float32) + normed_row(y, wy, eps_y, INV_H, EXACT_MUL, ROUND_BF16)
@@ -197,7 +165,7 @@ def _add_norm_row(
     if ROUND_BF16:
         o = round_bf16(o)
     x = o.to(y.dtype)  # exact for the interpreter's truncating cast once rounded
-    tl.store(x_row + cols, x, mask=mask)
+    tl.store(x_ptr + row * H + cols, x, mask=mask)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = normed_row(x, w, eps, INV_H, EXACT_MUL, ROUND_BF16)
-    tl.store(h_row + cols, h.to(y.dtype), mask=mask)
+    tl.store(h_ptr + row * H + cols, h.to(y.dtype), mask=mask)

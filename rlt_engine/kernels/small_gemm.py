@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlt_engine.kernels import norm as _norm
 from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
@@ -47,22 +46,20 @@ from rlt_engine.kernels.paged_attention import supported
 
 __all__ = [
     "MAX_M",
-    "AddNorm",
     "GemmConfig",
     "choose",
     "dispatch_mode",
     "gemm",
     "linear",
-    "linear_add_norm",
     "lookup",
     "m_bucket",
     "supported",
     "table_key",
 ]
 
-# set by _import_triton(); the kernel's body reads the module globals `tl`, `round_bf16`,
-# `prefetch_l2`, `add_norm_row` and `norm_epilogue`
-triton = tl = round_bf16 = prefetch_l2 = add_norm_row = norm_epilogue = None
+# set by _import_triton(); the kernel's body reads the module globals `tl`, `round_bf16` and
+# `prefetch_l2`
+triton = tl = round_bf16 = prefetch_l2 = None
 
 MAX_M = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,7 +67,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # tile is faster alone from 32 rows on (small_gemm_table: Ouro o_proj 7.2 vs 6.4 us at 32)
 PREFETCH_WHOLE_MAX_M = 16
 _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
-_DONE_AT = _COUNTERS_PER_DEVICE - 2  # the fused norm's two arrival counters sit at the end
 # A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's Triton
 # config wherever it has one (also where its entry says cuBLAS is a little faster)
 _MODE = os.environ.get("RLT_SMALL_GEMM", "1")
@@ -185,52 +181,16 @@ def linear(
 # -- launch ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AddNorm:
-    """The fused epilogue of `linear_add_norm`: with y = the GEMM's output,
-    x = residual + norm(y; y_weight, y_eps) (or residual + y without y_weight) and
-    h = norm(x; weight, eps), both written to new [M, N] tensors."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    y_weight: torch.Tensor | None = None
-    y_eps: float | None = None
-
-
-def linear_add_norm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    norm: AddNorm,
-    prefetch_whole: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`norm_chain.add_rms_norm(F.linear(x, w), ...)` in one launch: (x_new, h) bit for bit as
-    the Triton GEMM followed by the add_rms_norm launch, or None where `linear` would not take
-    the Triton kernel (the caller then runs the two). The GEMM's programs compute its tiles as
-    `gemm` does; the last ones to finish then normalise the rows (`_norm_epilogue`), which
-    saves the launch and its wait between the o_proj / down_proj and the norm after them."""
-    whole = prefetch_whole and x.numel() <= PREFETCH_WHOLE_MAX_M * w.shape[-1]
-    config = choose(x, w, gated=whole)
-    if config is None:
-        return None
-    return gemm(x, w, config, prefetch_whole=whole, add_norm=norm)
-
-
-# -- launch ---------------------------------------------------------------------------------------
-
-
 def gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     config: GemmConfig,
     gate: torch.Tensor | None = None,
     prefetch_whole: bool = False,
-    add_norm: AddNorm | None = None,
-):
+) -> torch.Tensor:
     """`x @ w.T` with the Triton kernel and an explicit config (tests, the benchmark): x [..., K]
     with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device.
-    `gate`, `prefetch_whole`: see `linear`. With `add_norm`: the fused epilogue, returns
-    (x_new, h) [M, N] (see `linear_add_norm`; not with a gate)."""
+    `gate`, `prefetch_whole`: see `linear`."""
     if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
         raise ValueError(
             f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "
@@ -251,17 +211,11 @@ def gemm(
         raise ValueError(f"at most {MAX_M} rows, got {m}")
     if gate is not None and (gate.numel() != 1 or gate.device != x.device):
         raise ValueError(f"gate must be one element on {x.device}, got {tuple(gate.shape)}")
-    norm = _norm_operands(add_norm, gate, m, n, x) if add_norm is not None else None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0 or k == 0:
-        if k == 0:
-            out.zero_()
-        if norm is not None:  # the epilogue on whatever the (empty) GEMM gave
-            from rlt_engine.kernels.norm_chain import add_rms_norm
-
-            a = add_norm
-            return add_rms_norm(out, a.residual, a.weight, a.eps, a.y_weight, a.y_eps)
+    if m == 0 or n == 0:
         return out.view(*lead, n)
+    if k == 0:
+        return out.zero_().view(*lead, n)
     interpret = _ready(x.device)
 
     bn, bk = config.block_n, config.block_k
@@ -269,13 +223,13 @@ def gemm(
     n_tiles = triton.cdiv(n, bn)
     k_per_split = triton.cdiv(triton.cdiv(k, max(1, config.split_k)), bk) * bk
     splits = triton.cdiv(k, k_per_split)  # no empty split
-    if n_tiles > _DONE_AT and (splits > 1 or norm is not None):
-        raise ValueError(f"{n_tiles} N tiles exceed the {_DONE_AT} counters")
     if splits > 1:
+        if n_tiles > _COUNTERS_PER_DEVICE:
+            raise ValueError(f"{n_tiles} N tiles exceed the {_COUNTERS_PER_DEVICE} counters")
         workspace = torch.empty(n_tiles * splits * m * bn, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
     else:
-        workspace = out  # unused
-    counters = _counters(x.device) if splits > 1 or norm is not None else out
+        workspace = counters = out  # unused
     pdl = _pdl.enabled(x.device)
     # a gated launch does not prefetch: where the gate is zero those bytes would be wasted
     prefetch_k = 0
@@ -285,15 +239,6 @@ def gemm(
             if prefetch_whole
             else _pdl.prefetch_k(n, splits, k_per_split, bk, x.element_size())
         )
-    num_warps = config.num_warps
-    if norm is not None:
-        res, wy, wn, xo, ho, eps_y, eps, h_block = norm
-        # the norm's reduction tree follows the warps: add_rms_norm's, so the bits are its
-        num_warps = _norm.num_warps_for(h_block)
-    else:
-        res = wy = wn = xo = ho = out  # unused
-        eps_y = eps = 0.0
-        h_block = 16
     kernel = _compiled(interpret)
     with _pa._on_device(x.device):
         kernel[(n_tiles, splits)](
@@ -310,15 +255,6 @@ def gemm(
             out.stride(0),
             k_per_split,
             prefetch_k,
-            res,
-            wy,
-            wn,
-            xo,
-            ho,
-            res.stride(0),
-            eps_y,
-            eps,
-            1 if interpret else min(m, n_tiles),  # see _norm_epilogue: no waiting interpreted
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_K=bk,
@@ -330,46 +266,11 @@ def gemm(
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
             PDL=pdl,
             LINE=_pdl.LINE_BYTES // x.element_size(),
-            NORM=norm is not None,
-            NORM_Y=norm is not None and add_norm.y_weight is not None,
-            N_C=n if norm is not None else 1,
-            H_BLOCK=h_block,
-            INV_H=1.0 / n,
-            EXACT_MUL=not interpret,
-            DONE_AT=_DONE_AT,
-            num_warps=num_warps,
+            num_warps=config.num_warps,
             num_stages=config.num_stages,
             **_pdl.launch_options(pdl),
         )
-    if norm is not None:
-        return xo, ho
     return out.view(*lead, n)
-
-
-def _norm_operands(a: AddNorm, gate, m: int, n: int, x: torch.Tensor) -> tuple:
-    """(residual, y_weight, weight, x_out, h_out, eps_y, eps, block) for the epilogue, checked."""
-    if gate is not None:
-        raise ValueError("add_norm and gate do not combine")
-    res = a.residual
-    if res.shape != (m, n) or res.dtype != x.dtype or res.device != x.device:
-        raise ValueError(
-            f"residual must be [{m}, {n}] {x.dtype} on {x.device}, got {tuple(res.shape)} "
-            f"{res.dtype} on {res.device}"
-        )
-    if res.stride(-1) != 1:
-        res = res.contiguous()
-    if not 1 <= n <= _norm.MAX_HIDDEN:
-        raise ValueError(f"N must be in [1, {_norm.MAX_HIDDEN}] for the norm, got {n}")
-    weights = [a.weight] if a.y_weight is None else [a.weight, a.y_weight]
-    for wt in weights:
-        if wt.shape != (n,) or wt.device != x.device:
-            raise ValueError(f"norm weights must be [{n}] on {x.device}, got {tuple(wt.shape)}")
-    wn = a.weight.contiguous()
-    wy = wn if a.y_weight is None else a.y_weight.contiguous()
-    eps_y = float(a.eps if a.y_eps is None else a.y_eps)
-    xo = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ho = torch.empty_like(xo)
-    return res, wy, wn, xo, ho, eps_y, float(a.eps), 1 << max(0, n - 1).bit_length()
 
 
 _READY: dict[torch.device, bool] = {}  # device -> interpreter mode, once it can run there
@@ -415,16 +316,10 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16, prefetch_l2, add_norm_row, norm_epilogue
-    from rlt_engine.kernels import norm_chain as _chain
-
+    global triton, tl, round_bf16, prefetch_l2
     _rope._import_triton()
     _pdl._import_triton()
-    _chain._import_triton()
     triton, tl, round_bf16, prefetch_l2 = _pa.triton, _pa.tl, _rope.round_bf16, _pdl.prefetch_l2
-    add_norm_row = _chain.add_norm_row
-    if norm_epilogue is None:
-        norm_epilogue = _pa._kernel(_norm_epilogue, _pa._interpreter_mode())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,15 +341,6 @@ def _small_gemm_kernel(
     stride_om,
     k_per_split,  # a multiple of BLOCK_K
     prefetch_k,  # PDL: columns of its weight rows each program prefetches before the wait
-    res_ptr,  # NORM: residual, norm weights, the two outputs (see `_norm_epilogue`)
-    wy_ptr,
-    wn_ptr,
-    xo_ptr,
-    ho_ptr,
-    stride_r,
-    eps_y,
-    eps,
-    row_workers,  # NORM: the last tiles to finish normalise the rows (1 interpreted)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -466,14 +352,6 @@ def _small_gemm_kernel(
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
     LINE: tl.constexpr,  # elements per 128-byte line (PDL's prefetch)
-    # the fused residual add + RMSNorm epilogue (NORM; see `linear_add_norm`)
-    NORM: tl.constexpr,
-    NORM_Y: tl.constexpr,
-    N_C: tl.constexpr,  # N as a constant (NORM: the row length)
-    H_BLOCK: tl.constexpr,  # next power of two of N (NORM)
-    INV_H: tl.constexpr,
-    EXACT_MUL: tl.constexpr,
-    DONE_AT: tl.constexpr,  # index of the arrival counters in the counter buffer
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -536,67 +414,7 @@ def _small_gemm_kernel(
                 total = round_bf16(total)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next launch (graph replay)
-            if NORM:
-                norm_epilogue(
-                    out_ptr, res_ptr, wy_ptr, wn_ptr, xo_ptr, ho_ptr, count_ptr + DONE_AT, M,
-                    stride_om, stride_r, eps_y, eps, row_workers, N_C, H_BLOCK, INV_H, NORM_Y,
-                    EXACT_MUL, ROUND_BF16,
-                )  # fmt: skip
     else:
         if ROUND_BF16:
             acc = round_bf16(acc)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        if NORM:
-            norm_epilogue(
-                out_ptr, res_ptr, wy_ptr, wn_ptr, xo_ptr, ho_ptr, count_ptr + DONE_AT, M,
-                stride_om, stride_r, eps_y, eps, row_workers, N_C, H_BLOCK, INV_H, NORM_Y,
-                EXACT_MUL, ROUND_BF16,
-            )  # fmt: skip
-
-
-def _norm_epilogue(
-    y_ptr,  # the GEMM's output [M, N], every tile written by the time all have arrived
-    res_ptr,
-    wy_ptr,
-    wn_ptr,
-    xo_ptr,
-    ho_ptr,
-    done_ptr,  # two int32 counters, zero between launches: arrivals, then finished workers
-    M,
-    stride_y,
-    stride_r,
-    eps_y,
-    eps,
-    row_workers,
-    H: tl.constexpr,
-    H_BLOCK: tl.constexpr,
-    INV_H: tl.constexpr,
-    NORM_Y: tl.constexpr,
-    EXACT_MUL: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
-    """Run by the program that completed an N tile of the output. Each such program arrives
-    (a ticket at GPU scope, after its stores); the last `row_workers` to arrive wait until all
-    n_tiles have, then share the rows: `add_rms_norm`'s own row code (norm_chain.add_norm_row)
-    reading y at L2. Safe to wait on: by the time a program arrives every program of the launch
-    has started (at most a few hundred, all resident), and the ones still to arrive are running.
-    The last worker to finish resets both counters for the next launch (graph replay)."""
-    n_tiles = tl.num_programs(0)
-    tl.debug_barrier()  # every thread's stores of the tile are issued before the arrival
-    arrival = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    first = n_tiles - row_workers
-    if arrival >= first:
-        seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-        while seen < n_tiles:
-            seen = tl.atomic_add(done_ptr, 0, sem="acquire", scope="gpu")
-        for row in range(arrival - first, M, row_workers):
-            add_norm_row(
-                y_ptr + row * stride_y, res_ptr + row * stride_r, wy_ptr, wn_ptr,
-                xo_ptr + row * H, ho_ptr + row * H, eps_y, eps, H, H_BLOCK, INV_H, NORM_Y,
-                EXACT_MUL, ROUND_BF16, True,
-            )  # fmt: skip
-        tl.debug_barrier()
-        finished = tl.atomic_add(done_ptr + 1, 1, sem="acq_rel", scope="gpu")
-        if finished == row_workers - 1:
-            tl.atomic_xchg(done_ptr, 0)
-            tl.atomic_xchg(done_ptr + 1, 0)

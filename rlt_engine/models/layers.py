@@ -89,34 +89,6 @@ def project(
     return F.linear(x, weight)
 
 
-def project_add_norm(
-    y_in: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    norm: RMSNorm,
-    y_norm: RMSNorm | None = None,
-    small_gemm: bool = True,
-    prefetch_whole: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_norm(project(y_in, weight), residual, norm, y_norm)`: with `small_gemm`, in one
-    launch where kernels/small_gemm runs the projection with Triton (its fused epilogue),
-    otherwise in the two. The fast path's o_proj and down_proj with the norms after them."""
-    if small_gemm:
-        from rlt_engine.kernels.small_gemm import AddNorm, linear_add_norm
-
-        epilogue = AddNorm(
-            residual,
-            norm.weight,
-            norm.eps,
-            None if y_norm is None else y_norm.weight,
-            None if y_norm is None else y_norm.eps,
-        )
-        fused = linear_add_norm(y_in, weight, epilogue, prefetch_whole)
-        if fused is not None:
-            return fused
-    return add_norm(project(y_in, weight, small_gemm, prefetch_whole), residual, norm, y_norm)
-
-
 def pack_linears(*linears: nn.Linear) -> torch.Tensor:
     """One weight for several projections of the same input (one GEMM instead of several).
     The modules keep their parameters as views into it, so names and memory stay as loaded."""
@@ -145,24 +117,21 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return project(self.activation(x), self.down_proj.weight, self.small_gemm)
-
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate(x)) * up(x), the down projection's input (packed weights only)."""
-        assert self.gate_up is not None
         if self.fused_act and self.small_gemm:  # the GEMM and the activation in one launch
             from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
 
             act = gate_up_silu(x, self.gate_up)
             if act is not None:
-                return act
+                return project(act, self.down_proj.weight, True)
         gate_up = project(x, self.gate_up, self.small_gemm)
         if self.fused_act:
             from rlt_engine.kernels.swiglu import silu_mul
 
-            return silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return project(act, self.down_proj.weight, self.small_gemm)
 
 
 class Attention(nn.Module):
@@ -191,10 +160,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        project_out: bool = True,
     ) -> torch.Tensor:
-        """The attention sublayer's output; without `project_out`, its input to o_proj
-        (the caller projects it, e.g. with the norm after it: layers.project_add_norm)."""
         rows, d = x.shape[0], self.head_dim
         if self.qkv is None:
             q = self.q_proj(x).view(rows, self.num_heads, d)
@@ -216,8 +182,6 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = backend.attend(self.layer, q, k, v, meta)
         out = out.reshape(rows, self.num_heads * d)
-        if not project_out:
-            return out
         if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
             return project(out, self.o_proj.weight, True, prefetch_whole=True)
         return self.o_proj(out)

@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, project_add_norm
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -40,22 +40,11 @@ class NanbeigeDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fast path's form of `forward` (see OuroDecoderLayer.forward_chained): each
         residual add and the norm after it in one launch."""
-        attn, mlp = self.self_attn, self.mlp
-        heads = attn(h, rope, meta, backend, project_out=False)
-        x, h = project_add_norm(
-            heads,
-            attn.o_proj.weight,
-            x,
-            self.post_attention_layernorm,
-            small_gemm=attn.small_gemm,
-            prefetch_whole=True,
-        )
-        if mlp.gate_up is None or next_norm is None:
-            out = mlp(h)
-            return (x + out, None) if next_norm is None else add_norm(out, x, next_norm)
-        return project_add_norm(
-            mlp.activation(h), mlp.down_proj.weight, x, next_norm, small_gemm=mlp.small_gemm
-        )
+        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
+        out = self.mlp(h)
+        if next_norm is None:
+            return x + out, None
+        return add_norm(out, x, next_norm)
 
 
 class NanbeigeForCausalLM(LoopedCausalLM):

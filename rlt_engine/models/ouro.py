@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, project_add_norm
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
 
 
 class OuroDecoderLayer(nn.Module):
@@ -48,26 +48,12 @@ class OuroDecoderLayer(nn.Module):
         returns (the layer's output, next_norm of it) with every add-and-norm pair in one
         launch (layers.add_norm), or (output, None) without next_norm. Bit-identical to
         `forward` with fused norms."""
-        attn, mlp = self.self_attn, self.mlp
-        heads = attn(h, rope, meta, backend, project_out=False)
-        x, h = project_add_norm(
-            heads,
-            attn.o_proj.weight,
-            x,
-            self.post_attention_layernorm,
-            self.input_layernorm_2,
-            attn.small_gemm,
-            prefetch_whole=True,  # attention reads little of HBM: the weight streams meanwhile
-        )
-        if mlp.gate_up is None or next_norm is None:
-            out = mlp(h)
-            if next_norm is None:
-                return self.post_attention_layernorm_2(out, residual=x), None
-            return add_norm(out, x, next_norm, self.post_attention_layernorm_2)
-        act = mlp.activation(h)
-        return project_add_norm(
-            act, mlp.down_proj.weight, x, next_norm, self.post_attention_layernorm_2, mlp.small_gemm
-        )
+        attn = self.self_attn(h, rope, meta, backend)
+        x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
+        out = self.mlp(h)
+        if next_norm is None:
+            return self.post_attention_layernorm_2(out, residual=x), None
+        return add_norm(out, x, next_norm, self.post_attention_layernorm_2)
 
 
 class OuroForCausalLM(LoopedCausalLM):

@@ -14,8 +14,6 @@ of the split-K ticket reduction): pytest tests/kernels/test_small_gemm.py -m gpu
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,15 +21,11 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from rlt_engine.kernels import small_gemm
-from rlt_engine.kernels.norm import num_warps_for
-from rlt_engine.kernels.norm_chain import add_rms_norm
 from rlt_engine.kernels.small_gemm import (
-    AddNorm,
     GemmConfig,
     choose,
     gemm,
     linear,
-    linear_add_norm,
     lookup,
     m_bucket,
     supported,
@@ -106,45 +100,6 @@ def test_matches_reference(m, n, k, config, dtype):
     check(out, x, w)
     if dtype == torch.float32:
         torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)
-
-
-def _norm_case(m: int, n: int, dtype: torch.dtype, device: str, sandwich: bool, seed: int = 5):
-    gen = torch.Generator().manual_seed(seed)
-    residual = torch.randn(m, n, generator=gen).to(dtype)
-    weight = 1 + 0.1 * torch.randn(n, generator=gen)
-    y_weight = 1 + 0.1 * torch.randn(n, generator=gen) if sandwich else None
-    move = lambda t: None if t is None else t.to(device, dtype)  # noqa: E731
-    return AddNorm(move(residual), move(weight), 1e-6, move(y_weight), 1e-5 if sandwich else None)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sandwich", [True, False], ids=["ouro", "prenorm"])
-@pytest.mark.parametrize(("m", "n", "k", "config"), CASES[:4])
-def test_fused_add_norm_equals_the_two_launches(m, n, k, config, sandwich, dtype):
-    """The GEMM with the residual add + RMSNorm epilogue gives the bits of the GEMM followed by
-    norm_chain.add_rms_norm, split-K or not, Ouro's sandwich norm or a pre-norm add; the
-    counters it uses are left zero (a second launch gives the same again)."""
-    x, w = make(m, n, k, dtype, seed=m)
-    norm = _norm_case(m, n, dtype, "cpu", sandwich)
-    y = gemm(x, w, config)
-    want = add_rms_norm(y, norm.residual, norm.weight, norm.eps, norm.y_weight, norm.y_eps)
-    for _ in range(2):
-        got = gemm(x, w, config, add_norm=norm)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert int(small_gemm._counters(x.device).abs().sum()) == 0
-
-
-def test_fused_add_norm_refuses_what_it_cannot_do():
-    x, w = make(4, 32, 64, torch.float32)
-    config = GemmConfig(block_n=16, block_k=32, split_k=2)
-    norm = _norm_case(4, 32, torch.float32, "cpu", True)
-    with pytest.raises(ValueError, match="residual must be"):
-        gemm(x, w, config, add_norm=AddNorm(norm.residual[:3], norm.weight, 1e-6))
-    with pytest.raises(ValueError, match="norm weights"):
-        gemm(x, w, config, add_norm=AddNorm(norm.residual, norm.weight[:5], 1e-6))
-    with pytest.raises(ValueError, match="do not combine"):
-        gemm(x, w, config, gate=torch.tensor(True), add_norm=norm)
-    assert linear_add_norm(x, w, norm) is None  # CPU: no table entry, the caller runs two
 
 
 def test_deterministic_and_counters_reset():
@@ -370,35 +325,3 @@ def test_gpu_prefetch_whole_takes_the_kernel_up_to_16_rows_and_changes_no_bit():
             assert torch.equal(linear(x, w, prefetch_whole=True), want)
     x, w = make(32, 2048, 2048, torch.bfloat16, device="cuda", seed=32)
     assert torch.equal(linear(x, w, prefetch_whole=True), linear(x, w))
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("sandwich", [True, False], ids=["ouro", "prenorm"])
-@pytest.mark.parametrize(("n", "k"), [(2048, 2048), (2048, 5632), (3072, 6144), (3072, 10752)])
-def test_gpu_fused_add_norm_equals_the_two_launches(n, k, sandwich):
-    """At the o_proj / down_proj shapes of both models, M = 1..16, the table's config and an
-    unsplit one: fused = GEMM (with the norm's warps) + add_rms_norm bit for bit, 20 launches
-    in a row (the last tiles wait for the others: a race or a counter left set shows up
-    here), and replayed from a CUDA graph."""
-    for m in (1, 3, 8, 16):
-        x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m)
-        norm = _norm_case(m, n, torch.bfloat16, "cuda", sandwich)
-        table = lookup(TABLE["entries"], n, k, m, torch.bfloat16, gated=True)
-        for config in {table or GemmConfig(64, 256, 4, 4, 3), GemmConfig(64, 128, 1, 4, 4)}:
-            # the fused launch runs with the norm's warps (its reduction tree): so does the GEMM
-            warps = num_warps_for(1 << (n - 1).bit_length())
-            y = gemm(x, w, dataclasses.replace(config, num_warps=warps))
-            want = add_rms_norm(y, norm.residual, norm.weight, norm.eps, norm.y_weight, norm.y_eps)
-            for _ in range(20):
-                got = gemm(x, w, config, add_norm=norm)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (m, config)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                got = gemm(x, w, config, add_norm=norm)
-            for _ in range(5):
-                got[0].zero_()
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert int(small_gemm._counters(x.device).abs().sum()) == 0
