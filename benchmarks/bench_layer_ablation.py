@@ -14,9 +14,9 @@ Parts:
   PDL, against the weight bytes at the measured copy rate; and a chain of 240 add + RMSNorm
   launches (the smallest kernel of the layer) for the cost of one dependent launch.
 - tune: decode tok/s at c = 1 / 8 with one GEMM's config (or prefetch) changed, in place.
-- variants: the full layer at c = 1 / 8 with this session's changes (the q/k/v projection
-  fused with RoPE and the K/V write, K/V rows asked of L2 before attention's PDL wait, the
-  o_proj's whole weight during attention) undone one at a time, and all together.
+- variants: the full layer at c = 1 / 8 / 64 with the decode prefetches (K/V rows asked of L2
+  before attention's PDL wait, the o_proj's whole weight during attention) undone one at a
+  time, and both.
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ ABLATIONS = {
 # A/B of this session's prefetches: the full layer with one or both undone
 VARIANTS = {
     "new": (),
-    "unfused_qkv": ("unfused_qkv",),  # the q/k/v GEMM, then RoPE + the K/V write (two launches)
     "old_kv": ("old_kv",),  # attention without its K/V asked of L2 before the PDL wait
     "old_o_proj": ("old_o_proj",),  # o_proj on the table's choice (cuBLAS), no whole prefetch
-    "old": ("old_kv", "old_o_proj", "unfused_qkv"),
+    "old": ("old_kv", "old_o_proj"),
 }
 
 
@@ -68,7 +67,6 @@ def _patch(removed: tuple[str, ...]):
         return cache[key]
 
     saved = [
-        (TritonPagedAttention, "attend_qkv", TritonPagedAttention.attend_qkv),
         (TritonPagedAttention, "attend_rope", TritonPagedAttention.attend_rope),
         (ouro, "add_norm", ouro.add_norm),
         (layers, "project", layers.project),
@@ -104,9 +102,6 @@ def _patch(removed: tuple[str, ...]):
         return real_gate_up(x, w, config)
 
     TritonPagedAttention.attend_rope = attend_rope
-    if {"qkv", "rope_kv", "attention", "old_kv", "unfused_qkv"} & set(removed):
-        # the projection, RoPE and the K/V write as separate launches (patched above)
-        TritonPagedAttention.attend_qkv = lambda self, *args: None
     layers.project = project
     gate_up_swiglu.gate_up_silu = gate_up_silu
     if "norms" in removed:

@@ -162,12 +162,6 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         rows, d = x.shape[0], self.head_dim
-        attend_qkv = getattr(backend, "attend_qkv", None) if self.fused_rope else None
-        if attend_qkv is not None and self.qkv is not None and self.small_gemm:
-            # the projection, RoPE and the K/V write in one launch where the backend can
-            out = attend_qkv(self.layer, x, self.qkv, self.num_heads, self.num_kv_heads, rope, meta)
-            if out is not None:
-                return self._project_out(out.reshape(rows, self.num_heads * d))
         if self.qkv is None:
             q = self.q_proj(x).view(rows, self.num_heads, d)
             k = self.k_proj(x).view(rows, self.num_kv_heads, d)
@@ -187,9 +181,7 @@ class Attention(nn.Module):
             else:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = backend.attend(self.layer, q, k, v, meta)
-        return self._project_out(out.reshape(rows, self.num_heads * d))
-
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        out = out.reshape(rows, self.num_heads * d)
         if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
             return project(out, self.o_proj.weight, True, prefetch_whole=True)
         return self.o_proj(out)

@@ -182,34 +182,6 @@ class TritonPagedAttention(PagedKVCache):
             return self._read(layer, q, meta, prefetch_kv=True)
         return self.attend(layer, q, k, v, meta, kv_written=True)
 
-    def attend_qkv(
-        self,
-        layer: int,
-        x: torch.Tensor,
-        w_qkv: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor | None:
-        """`attend_rope` of x's packed q/k/v projection (w_qkv [(heads + 2 kv) * D, K]), with
-        the projection, RoPE and the K/V write in one launch (kernels/qkv_rope); None where
-        that launch does not apply (no Triton config for the shape and rows): the caller then
-        projects and calls `attend_rope`."""
-        from rlt_engine.kernels.qkv_rope import qkv_rope_write
-
-        assert isinstance(meta, (PagedMetadata, MixedMetadata))
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        qkv = qkv_rope_write(
-            x, w_qkv, *rope, k_pool, v_pool, meta.slot_mapping, num_heads, num_kv_heads
-        )
-        if qkv is None:
-            return None
-        q = qkv.view(x.shape[0], -1, k_pool.shape[-1])[:, :num_heads]
-        if isinstance(meta, PagedMetadata):  # the launch just before writes no metadata
-            return self._read(layer, q, meta, prefetch_kv=True)
-        return _split_read(self._read, layer, q, meta)
-
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         from rlt_engine.kernels.kv_copy import copy_slots_
 
