@@ -4,13 +4,18 @@ A decode traversal is ~265 short kernels in a row. Between two of them the GPU i
 launch, and each weight GEMM then ramps its stream up from nothing: the Ouro o_proj reads 8 MB
 in 6.3 us where the copy rate would take 2. With PDL (CUDA's programmatic stream
 serialization) a kernel's programs are placed on the SMs while its predecessor still runs; they
-do what needs nothing from it (the GEMMs ask L2 to prefetch their first weight tiles), then
+do what needs nothing from it (the GEMMs ask L2 to prefetch their first weight tiles, the
+o_proj after decode attention its whole weight; decode attention asks for its K/V rows), then
 wait until the predecessor has completed and its writes are visible, and only then release
 their own successor and compute. The weight stream thus continues through the small kernels
 (norms, RoPE, attention) that sit between the GEMMs.
 
 The protocol every kernel launched with PDL keeps, which is what keeps it exact:
-- nothing another kernel writes is read, and nothing is written, before `gdc_wait`;
+- nothing is written and nothing another kernel writes is read before `gdc_wait`, with one
+  exception: decode attention's K/V prefetch reads the block table, seq_lens and
+  query_start, which its caller vouches the kernel just before does not write (every kernel
+  before that one has completed once this one's programs run, by the next rule); the L2
+  prefetches themselves are hints, coherent whatever they touch;
 - every program executes `gdc_wait`, even one that returns early (a gated GEMM): a kernel then
   completes only after its predecessor has, so completion stays transitive down the chain;
 - successors are released (`gdc_launch_dependents`) only after the wait: at most one kernel
