@@ -211,13 +211,6 @@ def _launch(
         ws_m = torch.empty((num_tokens, num_heads, num_splits), **f32)
         ws_l = torch.empty_like(ws_m)
 
-    prefetch_tiles = 0  # key tiles per program asked of L2 before the wait (PREFETCH_KV)
-    if prefetch_kv and pdl and max_query_len == 1:
-        programs = num_seqs * num_kv_heads * num_splits
-        prefetch_tiles = KV_PREFETCH_BYTES // (programs * 2 * block_n * row_bytes)
-        if prefetch_tiles:
-            _prefetch_helpers()
-
     if kernel not in ("auto", "mma", "rows"):
         raise ValueError(f"kernel must be auto, mma or rows, got {kernel!r}")
     rows_kernel = kernel == "rows" or (
@@ -228,6 +221,15 @@ def _launch(
     )
     if rows_kernel and (max_query_len != 1 or group != 1):
         raise ValueError("the rows kernel runs decode rows (max_query_len 1) of MHA (group 1)")
+    rows_block_n, warps, stages = _rows_tiles(row_bytes)
+    if rows_kernel:
+        rows_block_n = block_n_override or rows_block_n
+    prefetch_tiles = 0  # key tiles per program asked of L2 before the wait (PREFETCH_KV)
+    if prefetch_kv and pdl and max_query_len == 1:
+        tile = rows_block_n if rows_kernel else block_n
+        prefetch_tiles = kv_prefetch_tiles(num_seqs * num_kv_heads * num_splits, tile, row_bytes)
+        if prefetch_tiles:
+            _prefetch_helpers()
     args = (
         q,
         k_cache,
@@ -266,11 +268,10 @@ def _launch(
     }
     with _on_device(q.device):
         if rows_kernel:
-            rows_block_n, warps, stages = _rows_tiles(row_bytes)
             _kernel(_decode_rows_kernel, interpret)[(num_seqs, num_heads, num_splits)](
                 *args,
                 **shapes,
-                BLOCK_N=block_n_override or rows_block_n,
+                BLOCK_N=rows_block_n,
                 num_warps=num_warps or warps,
                 num_stages=num_stages or stages,
                 **_pdl.launch_options(pdl),
@@ -312,6 +313,12 @@ def _launch(
                 num_warps=4,
             )
     return out
+
+
+def kv_prefetch_tiles(programs: int, block_n: int, row_bytes: int) -> int:
+    """Key tiles of `block_n` K and V rows of `row_bytes` each a program of a decode launch
+    with `programs` programs asks L2 for (`prefetch_kv`): KV_PREFETCH_BYTES over the launch."""
+    return KV_PREFETCH_BYTES // (programs * 2 * block_n * row_bytes)
 
 
 def _prefetch_helpers() -> None:

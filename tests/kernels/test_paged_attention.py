@@ -246,6 +246,17 @@ def test_only_padding_sequences_is_a_noop(num_splits):
     assert torch.equal(out, torch.full_like(case.q, 3.0))
 
 
+def test_kv_prefetch_budget():
+    """Ouro decode (bf16, d = 128: 256-byte rows): 8 sequences x 16 heads on the tensor-core
+    kernel's 64-key tiles ask for 2 tiles a program (8 MB); from 64 sequences on, none."""
+    from rlt_engine.kernels.paged_attention import KV_PREFETCH_BYTES, kv_prefetch_tiles
+
+    assert kv_prefetch_tiles(8 * 16, 64, 256) == 2
+    assert KV_PREFETCH_BYTES >= 2 * (8 * 16) * 2 * 64 * 256
+    assert kv_prefetch_tiles(64 * 16, 32, 256) == 0
+    assert kv_prefetch_tiles(8 * 16, 32, 256) == 4  # the rows kernel's 32-key tiles
+
+
 def test_prefetch_kv_is_a_hint_only():
     """`prefetch_kv` (an L2 hint under PDL, never on here) leaves every result as it was."""
     case = Case([(1, 37), (1, 5), (0, 3)], 4, 2, 16, 8, torch.float32, "cpu")
