@@ -11,7 +11,9 @@ Parts:
   in place, its overlap with its neighbours (PDL) included. Reported per layer and traversal.
 - chains: CUDA graphs of 24 layers' weight GEMMs alone at M = 1 / 8 (each layer its own
   weights: 2.4 GB a replay, no L2 reuse), per GEMM kind and all four in a row, with and without
-  PDL, against the weight bytes at the measured copy rate; and a chain of 240 add + RMSNorm
+  PDL, in TB/s of weight bytes and as a share of a 2 GiB copy's read + written rate (the
+  convention of bench_small_gemm.py; on the H200 this copy read 2.70 TB/s where
+  bench_small_gemm's measured 4.24: compare with that); and a chain of 240 add + RMSNorm
   launches (the smallest kernel of the layer) for the cost of one dependent launch.
 - tune: decode tok/s at c = 1 / 8 with one GEMM's config (or prefetch) changed, in place.
 - variants: the full layer at c = 1 / 8 / 64 with the decode prefetches (K/V rows asked of L2
@@ -294,10 +296,12 @@ def chains() -> dict:
 
                     nbytes = n * k * 2
                 us = _graph_us(body) / LAYERS
-                ideal = nbytes / (bw / 2) * 1e6  # a pure read at the copy's read rate
+                tbps = nbytes / (us * 1e-6) / 1e12
                 key = f"{kind}/m{m}/pdl{int(pdl_on)}"
-                out["rows"][key] = {"us": us, "ideal_us": ideal, "share": ideal / us}
-                print(key, round(us, 2), round(ideal, 2), flush=True)
+                # the share convention of bench_small_gemm: weight bytes read per second
+                # against the copy's read + written bytes per second
+                out["rows"][key] = {"us": us, "TBps": tbps, "share_of_copy": tbps * 1e12 / bw}
+                print(key, round(us, 2), round(tbps, 2), flush=True)
         y = torch.randn(8, 2048, device=dev, dtype=dt)
         r = torch.randn_like(y)
         w = torch.ones(2048, device=dev, dtype=dt)
