@@ -40,7 +40,8 @@ import torch
 from rlt_engine.kernels import pdl as _pdl
 
 triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
-prefetch_kv_l2 = None  # the @jit form of _prefetch_kv_l2, set by _launch (compiled PDL only)
+# the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines, set by _prefetch_helpers (PDL only)
+prefetch_kv_l2 = prefetch_lines = None
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -322,8 +323,9 @@ def kv_prefetch_tiles(programs: int, block_n: int, row_bytes: int) -> int:
 
 
 def _prefetch_helpers() -> None:
-    global prefetch_kv_l2
+    global prefetch_kv_l2, prefetch_lines
     _pdl._import_triton()
+    prefetch_lines = _pdl.prefetch_lines
     if prefetch_kv_l2 is None:
         prefetch_kv_l2 = _kernel(_prefetch_kv_l2, False)
 
@@ -767,24 +769,8 @@ def _prefetch_kv_l2(
         phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
         slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         ok = pos_ok[:, None] & (lines < HEAD_DIM)[None, :]
-        k_lines = tl.where(ok, k_base + slot[:, None] * stride_ks + lines[None, :], k_base)
-        v_lines = tl.where(ok, v_base + slot[:, None] * stride_vs + lines[None, :], v_base)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // $0",
-            "=r,l",
-            [k_lines],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // $0",
-            "=r,l",
-            [v_lines],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        prefetch_lines(tl.where(ok, k_base + slot[:, None] * stride_ks + lines[None, :], k_base))
+        prefetch_lines(tl.where(ok, v_base + slot[:, None] * stride_vs + lines[None, :], v_base))
 
 
 def _merge_splits_kernel(

@@ -70,18 +70,19 @@ def prefetch_k(n_rows: int, programs_per_row: int, k_range: int, block_k: int, e
     return min(k_range, max(block_k, per_program // block_k * block_k))
 
 
-# the @jit form of _prefetch_l2, set by _import_triton()
-prefetch_l2 = None
+# the @jit forms of _prefetch_l2 and _prefetch_lines, set by _import_triton()
+prefetch_l2 = prefetch_lines = None
 tl = None
 
 
 def _import_triton() -> None:
-    global prefetch_l2, tl
+    global prefetch_l2, prefetch_lines, tl
     from rlt_engine.kernels import paged_attention as _pa
 
     _pa._import_triton()
     tl = _pa.tl
     if prefetch_l2 is None:
+        prefetch_lines = _pa._kernel(_prefetch_lines, _pa._interpreter_mode())
         prefetch_l2 = _pa._kernel(_prefetch_l2, _pa._interpreter_mode())
 
 
@@ -92,7 +93,12 @@ def _prefetch_l2(tile_ptr, rows, row_ok, K, k_lo, k_end, BLOCK_K: tl.constexpr, 
     for k0 in range(k_lo, k_end, BLOCK_K):
         lines = k0 + tl.arange(0, BLOCK_K // LINE) * LINE
         ptrs = tile_ptr + rows[:, None] * K + lines[None, :]
-        ptrs = tl.where(row_ok[:, None] & (lines < k_end)[None, :], ptrs, tile_ptr)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
+        prefetch_lines(tl.where(row_ok[:, None] & (lines < k_end)[None, :], ptrs, tile_ptr))
+
+
+def _prefetch_lines(ptrs):
+    """One fire-and-forget L2 prefetch request per pointer (a 128-byte line each). Compiled
+    (PDL) only: the interpreter has no inline assembly."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
