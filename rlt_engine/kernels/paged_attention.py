@@ -324,9 +324,9 @@ def kv_prefetch_tiles(programs: int, block_n: int, row_bytes: int) -> int:
 
 def _prefetch_helpers() -> None:
     global prefetch_kv_l2, prefetch_lines
-    _pdl._import_triton()
-    prefetch_lines = _pdl.prefetch_lines
     if prefetch_kv_l2 is None:
+        _pdl._import_triton()
+        prefetch_lines = _pdl.prefetch_lines
         prefetch_kv_l2 = _kernel(_prefetch_kv_l2, False)
 
 
