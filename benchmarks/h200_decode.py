@@ -14,6 +14,8 @@ Parts (each writes <part>.json under --out):
            slots (refills and prefill between windows included in the traffic).
 - adaptive_lockstep: the decode path's gain alone (one cohort, equal traversals per request).
 - profile: torch.profiler over decode at c=8: GPU-busy share of the decode wall time.
+- profile_lockstep: adaptive_lockstep's cohorts under torch.profiler: kernel time per
+           traversal, fixed against adaptive (what early exits add).
 """
 
 from __future__ import annotations
@@ -247,18 +249,7 @@ def adaptive_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
     report = {}
     for slots in slot_counts:
         llm = _engine(OURO, max_num_seqs=slots)
-        draw = random.Random(3)
-        depths = [draw.choice((2, 3, 4)) for _ in range(slots)]
-        # committed tokens after the first, at most 128 traversals each: a request needing
-        # 129 (43 tokens at depth 3) would cost the whole cohort one more 8-traversal window
-        tokens = [128 // d for d in depths]
-        rng = random.Random(2)
-        prompts = [[rng.randrange(3, 49152) for _ in range(64)] for _ in range(slots)]
-        fixed = [SamplingParams(max_tokens=33, ignore_eos=True) for _ in range(slots)]
-        adapt = [
-            SamplingParams(max_tokens=n + 1, ignore_eos=True, max_loops=d)
-            for n, d in zip(tokens, depths, strict=True)
-        ]
+        prompts, fixed, adapt, depths, tokens = _lockstep(slots)
         rates = {}
         for label, params in (("fixed", fixed), ("adaptive", adapt)):
             decode_rate(llm, prompts, params)  # warm-up: its graph variants captured
@@ -276,6 +267,69 @@ def adaptive_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
         }
         print(json.dumps({f"slots{slots}": report[f"slots{slots}"]}), flush=True)
         del llm
+    return report
+
+
+def _lockstep(slots: int):
+    """adaptive_lockstep's cohort: (prompts, fixed-depth params, adaptive params, depths,
+    committed tokens after the first of each adaptive request)."""
+    draw = random.Random(3)
+    depths = [draw.choice((2, 3, 4)) for _ in range(slots)]
+    # committed tokens after the first, at most 128 traversals each: a request needing
+    # 129 (43 tokens at depth 3) would cost the whole cohort one more 8-traversal window
+    tokens = [128 // d for d in depths]
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 49152) for _ in range(64)] for _ in range(slots)]
+    fixed = [SamplingParams(max_tokens=33, ignore_eos=True) for _ in range(slots)]
+    adapt = [
+        SamplingParams(max_tokens=n + 1, ignore_eos=True, max_loops=d)
+        for n, d in zip(tokens, depths, strict=True)
+    ]
+    return prompts, fixed, adapt, depths, tokens
+
+
+def profile_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
+    """Where adaptive exit's extra time goes: adaptive_lockstep's cohorts (fixed depth and
+    max_loops from {2,3,4}) under torch.profiler, GPU kernel time per decode traversal by
+    kernel name (a traversal = one exit-rule launch), and what adaptive adds over fixed."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    report = {}
+    for slots in slot_counts:
+        llm = _engine(OURO, max_num_seqs=slots)
+        prompts, fixed, adapt, _, _ = _lockstep(slots)
+        per = {}
+        for label, params in (("fixed", fixed), ("adaptive", adapt)):
+            decode_rate(llm, prompts, params)  # warm-up: its graph variants captured
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                rate = decode_rate(llm, prompts, params)["decode_tok_s"]
+            by_name: Counter = Counter()
+            counts: Counter = Counter()
+            for e in prof.events():
+                if e.device_type.name == "CUDA":
+                    by_name[e.name[:90]] += e.device_time
+                    counts[e.name[:90]] += 1
+            traversals = counts.get("_exit_rule_kernel", 0) or 1
+            per[label] = {
+                "decode_tok_s": rate,
+                "traversals": traversals,
+                "gpu_us_per_traversal": sum(by_name.values()) / traversals,
+                "kernels_per_traversal": sum(counts.values()) / traversals,
+                "us_per_traversal": {n: t / traversals for n, t in by_name.most_common(40)},
+                "launches_per_traversal": {
+                    n: counts[n] / traversals for n, _ in by_name.most_common(40)
+                },
+            }
+        f, a = per["fixed"]["us_per_traversal"], per["adaptive"]["us_per_traversal"]
+        added = {n: a.get(n, 0.0) - f.get(n, 0.0) for n in set(f) | set(a)}
+        per["adaptive_minus_fixed_us"] = dict(
+            sorted(((n, d) for n, d in added.items() if abs(d) >= 0.5), key=lambda x: -x[1])
+        )
+        report[f"slots{slots}"] = per
+        print(json.dumps({f"slots{slots}": per["adaptive_minus_fixed_us"]}), flush=True)
+        del llm
+        torch.cuda.empty_cache()
     return report
 
 

@@ -82,11 +82,22 @@ class PagedKVCache:
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """K/V of every layer from slots `src` to slots `dst` (exit copies into deeper planes;
-        the two sets are disjoint, trash-slot duplicates in `dst` are never read)."""
-        self.k.index_copy_(1, dst, self.k.index_select(1, src))
-        self.v.index_copy_(1, dst, self.v.index_select(1, src))
+    def exit_copies(
+        self,
+        exits: torch.Tensor,
+        loop: torch.Tensor,
+        block: torch.Tensor,
+        offset: torch.Tensor,
+        src: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> None:
+        """LAST_EXITED: each exiting row's K/V (every layer, at slot `src`) also goes to its
+        position in every plane deeper than its loop (kernels/kv_copy.py)."""
+        from rlt_engine.kernels.kv_copy import exit_copies_reference
+
+        exit_copies_reference(
+            self.k, self.v, exits, loop, block, offset, src, tables, self.block_size
+        )
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata | MixedMetadata
@@ -182,10 +193,19 @@ class TritonPagedAttention(PagedKVCache):
             return self._read(layer, q, meta, prefetch_kv=True)
         return self.attend(layer, q, k, v, meta, kv_written=True)
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        from rlt_engine.kernels.kv_copy import copy_slots_
+    def exit_copies(
+        self,
+        exits: torch.Tensor,
+        loop: torch.Tensor,
+        block: torch.Tensor,
+        offset: torch.Tensor,
+        src: torch.Tensor,
+        tables: torch.Tensor,
+    ) -> None:
+        from rlt_engine.kernels.kv_copy import exit_copies_
 
-        copy_slots_(self.k, self.v, src, dst)  # one launch for every layer of K and V
+        # one launch for every layer of K and V; rows that stay move nothing
+        exit_copies_(self.k, self.v, exits, loop, block, offset, src, tables, self.block_size)
 
     def attend(
         self,

@@ -96,7 +96,6 @@ class DecodeTraversal:
         self.fused = fused
         device = slots.device
         self.query_start = torch.arange(slots.num_slots + 1, dtype=torch.int32, device=device)
-        self.deeper = torch.arange(1, self.depth, device=device)  # planes an exit may copy to
         self.max_seq_len = 0  # host bound for the torch backend (eager only)
         # tests: set to [] to record (loop, running, exits) of slots [0, B) per eager traversal
         self.trace: list[tuple[list[int], list[bool], list[bool]]] | None = None
@@ -147,7 +146,9 @@ class DecodeTraversal:
             gate=gate if self.fused else None,
         )
         if flags.early_exits and not self.shared and self.depth > 1:
-            self._exit_copies(b, exits, loop, block, offset, slot_mapping)
+            # a token that exits after loop e lends its K/V to each deeper plane, so later
+            # queries at loop d read version min(d, e)
+            self.kv.exit_copies(exits, loop, block, offset, slot_mapping, s.block_tables[:b])
         if self.trace is not None:
             self.trace.append((loop.tolist(), run.tolist(), exits.tolist()))
         self._record_logprobs(b, drawn)
@@ -244,16 +245,6 @@ class DecodeTraversal:
         )  # fmt: skip
         events = slot_step.Events(ev.token, ev.depth, ev.step)
         advance(exits, drawn.token, remaining, hidden, rows, events, self.refill)
-
-    def _exit_copies(self, b, exits, loop, block, offset, src) -> None:
-        """LAST_EXITED: a token that exits after loop e lends its K/V (every layer) to each
-        deeper plane, so later queries at loop d read version min(d, e)."""
-        s, bs = self.s, self.kv.block_size
-        deeper = s.block_tables[:b, 1:].gather(2, block[:, None, None].expand(b, self.depth - 1, 1))
-        dst_own = deeper[:, :, 0].long() * bs + offset[:, None]
-        wanted = exits[:, None] & (self.deeper[None, :] > loop[:, None])
-        dst = torch.where(wanted, dst_own, self.kv.trash_slot)
-        self.kv.copy_slots(src[:, None].expand_as(dst).flatten(), dst.flatten())
 
     def _record_logprobs(self, b: int, drawn) -> None:
         """Row `step` of the logprob event buffers (a device counter: no host index in the
