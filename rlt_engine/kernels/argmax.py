@@ -1,17 +1,24 @@
-"""Greedy sampling in one Triton launch that a device gate can skip: `argmax_rows(x, gate)`.
+"""Greedy sampling that a device gate can skip: `argmax_rows(x, gate)`.
 
 torch's greedy path is `logits.float().argmax(-1)`: a copy of the [rows, vocab] logits to fp32
 and a reduction, ~14 us per decode traversal on the H200 at c=8 (Ouro's 49k vocabulary), run
 in every traversal although at fixed depth in lockstep three traversals in four have no row that
-exits (the lm_head already skips its GEMM there, kernels/small_gemm's gate). This kernel reads
+exits (the lm_head already skips its GEMM there, kernels/small_gemm's gate). These kernels read
 the logits in their own dtype (the fp32 conversion is exact and monotone, so the argmax is the
-same), one program per row, and returns at once where the gate is zero, leaving the output
-undefined (no row needs it then).
+same) and return at once where the gate is zero, leaving the output undefined (no row needs it
+then).
+
+Two launches: each program of the first takes SPLIT entries of one row (a [rows, splits] grid)
+and writes its best value and index; the second reduces a row's splits. One program per row
+walking the whole vocabulary in dependent chunks took ~25 us on the H200 (24 chunks of Ouro's
+49k vocabulary, one memory latency each; 81 for Nanbeige's 166k) where the split grid reads the
+logits at once (2026-12-02-exit-copies-h200.md).
 
 Semantics are torch's: the first index of the maximum; a NaN counts as larger than any number
-(the first NaN wins). Per lane the program keeps the best value and index over the chunks it
-visits in increasing index order, then reduces the lanes. CUDA-graph capturable; launched with
-PDL where available (kernels/pdl.py); triton imported lazily (see paged_attention).
+(the first NaN wins). Per lane a program keeps the best value and index over the chunks it
+visits in increasing index order, then reduces the lanes; the splits are reduced the same way
+(the first index among the best). CUDA-graph capturable; launched with PDL where available
+(kernels/pdl.py); triton imported lazily (see paged_attention).
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from rlt_engine.kernels.paged_attention import supported
 __all__ = ["argmax_rows", "supported"]
 
 triton = tl = None  # set by _import_triton(); the kernel's body reads the module global `tl`
+first_best = None  # the @jit form of _first_best, set by _import_triton()
 
 BLOCK = 2048  # vocabulary entries per chunk
+CHUNKS_PER_SPLIT = 2  # chunks per program of the first launch
 
 
 def argmax_rows(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,34 +56,51 @@ def argmax_rows(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tens
     interpret = _pa._interpreter_mode()
     pdl = _pdl.enabled(x.device)
     block = min(BLOCK, triton.next_power_of_2(vocab))
+    split = block * CHUNKS_PER_SPLIT
+    splits = triton.cdiv(vocab, split)
+    best = torch.empty((rows, splits), dtype=torch.float32, device=x.device)
+    best_i = torch.empty((rows, splits), dtype=torch.int32, device=x.device)
+    gate = x if gate is None else gate
     with _pa._on_device(x.device):
-        _pa._kernel(_argmax_kernel, interpret)[(rows,)](
-            x,
-            out,
-            x if gate is None else gate,
-            x.stride(0),
-            vocab,
-            BLOCK=block,
-            GATED=gate is not None,
-            PDL=pdl,
-            num_warps=8,
+        _pa._kernel(_argmax_split_kernel, interpret)[(rows, splits)](
+            x, best, best_i, gate, x.stride(0), vocab,
+            SPLIT=split, BLOCK=block, GATED=gate is not x, PDL=pdl, num_warps=8,
             **_pdl.launch_options(pdl),
-        )
+        )  # fmt: skip
+        _pa._kernel(_argmax_reduce_kernel, interpret)[(rows,)](
+            best, best_i, out, gate, splits,
+            BLOCK_S=triton.next_power_of_2(splits), GATED=gate is not x, PDL=pdl, num_warps=1,
+            **_pdl.launch_options(pdl),
+        )  # fmt: skip
     return out
 
 
 def _import_triton() -> None:
-    global triton, tl
+    global triton, tl, first_best
     _pa._import_triton()
     triton, tl = _pa.triton, _pa.tl
+    first_best = _pa._kernel(_first_best, _pa._interpreter_mode())
 
 
-def _argmax_kernel(
+def _first_best(best, best_i, n):
+    """(value, index) of the first best of `best` (NaN beats all; the lowest index among
+    equals), `n` an index larger than any of best_i."""
+    nan = best != best
+    any_nan = tl.max(nan.to(tl.int32), axis=0) != 0
+    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
+    winner = tl.where(any_nan, nan, best == top)
+    at = tl.min(tl.where(winner, best_i, n), axis=0)
+    return tl.where(any_nan, float("nan"), top), at
+
+
+def _argmax_split_kernel(
     x_ptr,
-    out_ptr,
+    best_ptr,  # out: fp32 [rows, splits]
+    best_i_ptr,  # out: int32 [rows, splits]
     gate_ptr,
     stride_x,
     V,
+    SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
     GATED: tl.constexpr,
     PDL: tl.constexpr,
@@ -86,19 +112,45 @@ def _argmax_kernel(
         if tl.load(gate_ptr) == 0:
             return
     row = tl.program_id(0).to(tl.int64)
+    split, splits = tl.program_id(1), tl.num_programs(1)
     lanes = tl.arange(0, BLOCK)
     base = x_ptr + row * stride_x
-    best = tl.load(base + lanes, mask=lanes < V, other=float("-inf")).to(tl.float32)
-    best_i = lanes
-    for k0 in range(BLOCK, V, BLOCK):
-        idx = k0 + lanes
+    first = split * SPLIT
+    best = tl.load(base + first + lanes, mask=first + lanes < V, other=float("-inf"))
+    best = best.to(tl.float32)
+    best_i = first + lanes
+    for k0 in tl.static_range(BLOCK, SPLIT, BLOCK):
+        idx = first + k0 + lanes
         v = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
         # strictly better (a later equal value never replaces an earlier one); NaN beats all
         better = (v > best) | ((v != v) & (best == best))
         best = tl.where(better, v, best)
         best_i = tl.where(better, idx, best_i)
-    nan = best != best
-    any_nan = tl.max(nan.to(tl.int32), axis=0) != 0
-    top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
-    winner = tl.where(any_nan, nan, best == top)
-    tl.store(out_ptr + row, tl.min(tl.where(winner, best_i, V), axis=0).to(tl.int64))
+    top, at = first_best(best, best_i, first + SPLIT)
+    tl.store(best_ptr + row * splits + split, top)
+    tl.store(best_i_ptr + row * splits + split, at)
+
+
+def _argmax_reduce_kernel(
+    best_ptr,
+    best_i_ptr,
+    out_ptr,
+    gate_ptr,
+    splits,
+    BLOCK_S: tl.constexpr,
+    GATED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # wait for the split kernel, then release the next (kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if GATED:  # noqa: SIM102  (a constexpr test, then a runtime one)
+        if tl.load(gate_ptr) == 0:
+            return
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    ok = s < splits
+    best = tl.load(best_ptr + row * splits + s, mask=ok, other=float("-inf"))
+    best_i = tl.load(best_i_ptr + row * splits + s, mask=ok, other=2**31 - 1)
+    _, at = first_best(best, best_i, 2**31 - 1)
+    tl.store(out_ptr + row, at.to(tl.int64))

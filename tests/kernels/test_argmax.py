@@ -1,6 +1,6 @@
 """kernels/argmax.argmax_rows against torch's `x.float().argmax(-1)`: ties (the first index
 wins), rows of -inf, NaNs (the first NaN wins), vocabularies that are not a power of two and
-span several chunks, bf16 and fp32; a zero gate skips the work. CPU: the interpreter."""
+span several chunks and several programs (splits), bf16 and fp32; a zero gate skips the work. CPU: the interpreter."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rlt_engine.kernels.argmax import BLOCK, argmax_rows
+from rlt_engine.kernels.argmax import BLOCK, CHUNKS_PER_SPLIT, argmax_rows
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -30,7 +30,9 @@ def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab", [1, 7, 256, BLOCK + 3, 3 * BLOCK])
+@pytest.mark.parametrize(
+    "vocab", [1, 7, 256, BLOCK + 3, 3 * BLOCK, 5 * BLOCK * CHUNKS_PER_SPLIT + 17]
+)
 def test_equals_torch(vocab, dtype):
     x = _logits(5, vocab, dtype, seed=vocab)
     assert torch.equal(argmax_rows(x), x.float().argmax(-1))
