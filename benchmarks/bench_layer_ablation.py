@@ -19,8 +19,6 @@ Parts:
 - variants: the full layer at c = 1 / 8 / 64 with the decode prefetches (K/V rows asked of L2
   before attention's PDL wait, the o_proj's whole weight during attention) undone one at a
   time, and both.
-- warm: decode tok/s at c = 1 / 8 with 0 / 8 / 16 / 24 MB of the gate/up weight asked of L2
-  by the o_proj during attention (small_gemm.WARM_BYTES).
 """
 
 from __future__ import annotations
@@ -180,31 +178,6 @@ def tune(cs=(1, 8)) -> dict:
 
 def variants() -> dict:
     return ablate((1, 8, 64), VARIANTS, "new")
-
-
-def warm(megabytes=(0, 8, 16, 24), cs=(1, 8)) -> dict:
-    """Decode tok/s with the o_proj asking L2 for the first `megabytes` of the gate/up weight
-    during attention (small_gemm.WARM_BYTES; 0: its own weight only)."""
-    from rlt_engine.kernels import small_gemm
-
-    saved, rows = small_gemm.WARM_BYTES, {}
-    try:
-        for mb in megabytes:
-            small_gemm.WARM_BYTES = mb << 20  # read at launch: each engine captures its own
-            llm = _engine(OURO, max_num_seqs=max(cs))
-            for c in cs:
-                r = _median_rate(llm, c)
-                rows[f"warm{mb}/c{c}"] = {
-                    "warm_mb": mb,
-                    "c": c,
-                    "decode_tok_s": r["decode_tok_s_median"],
-                    "runs": r["decode_tok_s_runs"],
-                }
-                print("warm", mb, c, round(r["decode_tok_s_median"], 1), flush=True)
-            del llm
-    finally:
-        small_gemm.WARM_BYTES = saved
-    return {"rows": rows}
 
 
 def ablate(cs=(1, 8), runs: dict | None = None, base: str = "base") -> dict:

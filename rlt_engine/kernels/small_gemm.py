@@ -66,9 +66,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # rows up to which `linear(..., prefetch_whole=True)` takes the Triton kernel: cuBLAS's 64-row
 # tile is faster alone from 32 rows on (small_gemm_table: Ouro o_proj 7.2 vs 6.4 us at 32)
 PREFETCH_WHOLE_MAX_M = 16
-# bytes of the *next* GEMM's weight (`warm`) a whole-prefetching launch also asks L2 for: the
-# first columns of every row, so each program of that GEMM finds the start of its K loop there
-WARM_BYTES = 16 << 20
 _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
 # A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's Triton
 # config wherever it has one (also where its entry says cuBLAS is a little faster)
@@ -162,7 +159,6 @@ def linear(
     w: torch.Tensor,
     gate: torch.Tensor | None = None,
     prefetch_whole: bool = False,
-    warm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, w)` (no bias): x [..., K], w [N, K] -> [..., N], through the Triton kernel
     where the table says it beats cuBLAS, else through cuBLAS.
@@ -174,16 +170,12 @@ def linear(
     `prefetch_whole`: the caller's word that the kernel before this GEMM leaves the HBM mostly
     idle (decode attention before the o_proj): under PDL the launch then streams its whole
     weight into L2 while that kernel runs, and it takes the Triton kernel (which can) up to
-    PREFETCH_WHOLE_MAX_M rows even where cuBLAS alone is a little faster.
-
-    `warm` (with `prefetch_whole`): the weight [N2, K2] of the GEMM that comes next but one
-    (the gate/up projection after the o_proj and a norm); the launch also asks L2 for the first
-    WARM_BYTES of it, spread over its rows, while that idle kernel runs."""
+    PREFETCH_WHOLE_MAX_M rows even where cuBLAS alone is a little faster."""
     whole = prefetch_whole and x.numel() <= PREFETCH_WHOLE_MAX_M * w.shape[-1]
     config = choose(x, w, gated=gate is not None or whole)
     if config is None:
         return F.linear(x, w)
-    return gemm(x, w, config, gate, prefetch_whole=whole, warm=warm if whole else None)
+    return gemm(x, w, config, gate, prefetch_whole=whole)
 
 
 # -- launch ---------------------------------------------------------------------------------------
@@ -195,11 +187,10 @@ def gemm(
     config: GemmConfig,
     gate: torch.Tensor | None = None,
     prefetch_whole: bool = False,
-    warm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x @ w.T` with the Triton kernel and an explicit config (tests, the benchmark): x [..., K]
     with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device.
-    `gate`, `prefetch_whole`, `warm`: see `linear`."""
+    `gate`, `prefetch_whole`: see `linear`."""
     if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
         raise ValueError(
             f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "
@@ -241,21 +232,13 @@ def gemm(
         workspace = counters = out  # unused
     pdl = _pdl.enabled(x.device)
     # a gated launch does not prefetch: where the gate is zero those bytes would be wasted
-    prefetch_k = warm_cols = warm_rows = 0
+    prefetch_k = 0
     if pdl and gate is None:
         prefetch_k = (
             k_per_split
             if prefetch_whole
             else _pdl.prefetch_k(n, splits, k_per_split, bk, x.element_size())
         )
-        if warm is not None and prefetch_whole and WARM_BYTES > 0:
-            if warm.dim() != 2 or not warm.is_contiguous() or warm.device != x.device:
-                raise ValueError("warm must be a contiguous [N, K] weight on x's device")
-            elt = warm.element_size()
-            warm_cols = min(warm.shape[1], WARM_BYTES // max(1, warm.shape[0] * elt))
-            if warm_cols * elt < _pdl.LINE_BYTES:  # less than a line a row: not worth it
-                warm_cols = 0
-            warm_rows = triton.cdiv(warm.shape[0], n_tiles * splits)  # rows per program
     kernel = _compiled(interpret)
     with _pa._on_device(x.device):
         kernel[(n_tiles, splits)](
@@ -272,11 +255,6 @@ def gemm(
             out.stride(0),
             k_per_split,
             prefetch_k,
-            x2 if not warm_cols else warm,
-            0 if not warm_cols else warm.shape[0],
-            0 if not warm_cols else warm.shape[1],
-            warm_rows,
-            warm_cols,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_K=bk,
@@ -287,7 +265,6 @@ def gemm(
             UPCAST=interpret and x.dtype != torch.float32,
             ROUND_BF16=interpret and x.dtype == torch.bfloat16,
             PDL=pdl,
-            WARM=warm_cols > 0,
             LINE=_pdl.LINE_BYTES // x.element_size(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
@@ -364,11 +341,6 @@ def _small_gemm_kernel(
     stride_om,
     k_per_split,  # a multiple of BLOCK_K
     prefetch_k,  # PDL: columns of its weight rows each program prefetches before the wait
-    warm_ptr,  # WARM: the next GEMM's weight [warm_n, warm_k]
-    warm_n,
-    warm_k,
-    warm_rows,  # WARM: its rows per program
-    warm_cols,  # WARM: the leading columns of each row asked of L2
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -379,7 +351,6 @@ def _small_gemm_kernel(
     UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
-    WARM: tl.constexpr,  # PDL: also ask L2 for the next GEMM's weight (small_gemm.linear)
     LINE: tl.constexpr,  # elements per 128-byte line (PDL's prefetch)
 ):
     pid_n = tl.program_id(0)
@@ -395,12 +366,6 @@ def _small_gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     if PDL:  # the weights depend on no kernel: start their stream, then wait (kernels/pdl.py)
         prefetch_l2(w_tile, rows, n_ok, K, k_lo, tl.minimum(k_lo + prefetch_k, k_hi), BLOCK_K, LINE)
-        if WARM:  # after its own weight: the next GEMM's leading columns, this program's rows
-            r_lo = (pid_n * splits + pid_k) * warm_rows
-            r_hi = tl.minimum(r_lo + warm_rows, warm_n)
-            for r0 in range(r_lo, r_hi, BLOCK_N):
-                warm_tile = warm_ptr + r0.to(tl.int64) * warm_k
-                prefetch_l2(warm_tile, rows, r0 + rows < r_hi, warm_k, 0, warm_cols, BLOCK_K, LINE)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if GATED:  # noqa: SIM102  (a constexpr test, then a runtime one)

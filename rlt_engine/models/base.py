@@ -69,8 +69,6 @@ class LoopedCausalLM(nn.Module):
                 module.fused_act = True
             if isinstance(module, RMSNorm):
                 module.fused = True
-        for layer in self.model.layers:  # attention's idle HBM warms L2 for the gate/up GEMM
-            layer.self_attn.warm_after = layer.mlp.gate_up
         self.small_gemm_head = True
         self.chained_norms = True
 

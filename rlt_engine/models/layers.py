@@ -77,19 +77,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def project(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    small_gemm: bool,
-    prefetch_whole: bool = False,
-    warm: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, small_gemm: bool, prefetch_whole: bool = False
 ) -> torch.Tensor:
     """`F.linear(x, weight)`; with `small_gemm` (the fast path) through kernels/small_gemm,
     which picks its Triton split-K kernel for decode-sized x where it beats cuBLAS
-    (`prefetch_whole`, `warm`: see small_gemm.linear)."""
+    (`prefetch_whole`: see small_gemm.linear)."""
     if small_gemm:
         from rlt_engine.kernels.small_gemm import linear
 
-        return linear(x, weight, prefetch_whole=prefetch_whole, warm=warm)
+        return linear(x, weight, prefetch_whole=prefetch_whole)
     return F.linear(x, weight)
 
 
@@ -154,8 +150,6 @@ class Attention(nn.Module):
         self.qkv: torch.Tensor | None = None  # packed [(heads + 2 kv_heads) * head_dim, hidden]
         self.fused_rope = False
         self.small_gemm = False  # kernels/small_gemm for qkv and o_proj; set by use_fast_path
-        # the layer's packed gate/up weight, asked of L2 during attention (use_fast_path)
-        self.warm_after: torch.Tensor | None = None
 
     def pack(self) -> None:
         self.qkv = pack_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -189,5 +183,5 @@ class Attention(nn.Module):
             out = backend.attend(self.layer, q, k, v, meta)
         out = out.reshape(rows, self.num_heads * d)
         if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
-            return project(out, self.o_proj.weight, True, prefetch_whole=True, warm=self.warm_after)
+            return project(out, self.o_proj.weight, True, prefetch_whole=True)
         return self.o_proj(out)
