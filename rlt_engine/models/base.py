@@ -42,6 +42,8 @@ class LoopedCausalLM(nn.Module):
         self.config = config
         self.model = LoopedModel(config, type(self).layer_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the exit gate's (weight, bias) in fp32, converted once by use_fast_path
+        self.exit_gate_fp32: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_loops(self) -> int:
@@ -71,6 +73,8 @@ class LoopedCausalLM(nn.Module):
                 module.fused = True
         self.small_gemm_head = True
         self.chained_norms = True
+        if self.config.has_exit_gate:  # converted once, not in every traversal (two launches)
+            self.exit_gate_fp32 = self._exit_gate_fp32()
 
     def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -112,9 +116,13 @@ class LoopedCausalLM(nn.Module):
     def exit_hazard(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if not self.config.has_exit_gate:
             return None
-        gate = self.model.early_exit_gate
-        logit = F.linear(hidden.float(), gate.weight.float(), gate.bias.float())
+        weight, bias = self.exit_gate_fp32 or self._exit_gate_fp32()
+        logit = F.linear(hidden.float(), weight, bias)
         return torch.sigmoid(logit).squeeze(-1)
+
+    def _exit_gate_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = self.model.early_exit_gate
+        return gate.weight.float(), gate.bias.float()
 
     def coda(self, hidden: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of `hidden`. `gate` (fast path only): a zero-valued one-element tensor lets
