@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +43,20 @@ from rlt_engine.kernels import pdl as _pdl
 triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
 # the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines, set by _prefetch_helpers (PDL only)
 prefetch_kv_l2 = prefetch_lines = None
+rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
+
+
+class RopeWrite(NamedTuple):
+    """What a decode launch rotates and writes before it attends (`paged_attention`'s
+    `rope_write`): the rows' cos / sin [rows, D] (q's dtype), their new k / v [rows, kv_heads,
+    D] (k before RoPE; contiguous last dimension) and the slots they go to [rows] int64."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,6 +104,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     long_context: bool = False,
     prefetch_kv: bool = False,
+    rope_write: RopeWrite | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q` over the paged cache; returns `out` [num_tokens, num_heads, d].
 
@@ -105,6 +121,10 @@ def paged_attention(
     neither `block_tables`, `seq_lens` nor `query_start` (RoPE + the K/V write does not): a
     decode launch under PDL (kernels/pdl.py) then asks L2 for its programs' K/V rows while that
     kernel still runs (a hint: L2 is coherent, so even rows it writes are read correctly).
+    `rope_write` (decode only, max_query_len 1): q and the new k come before RoPE and the pools
+    do not hold the new K/V yet; the launch rotates q and k (rope.py's rounding) and writes k
+    and v to their slots, then attends: the values of `rope_kv_write.rope_write_kv_` and this
+    call without it, one launch fewer (q is not rotated in place).
     """
     return _launch(
         q,
@@ -120,6 +140,7 @@ def paged_attention(
         out,
         long_context=long_context,
         prefetch_kv=prefetch_kv,
+        rope_write=rope_write,
     )
 
 
@@ -157,6 +178,7 @@ def _launch(
     kernel: str = "auto",
     long_context: bool = False,
     prefetch_kv: bool = False,
+    rope_write: RopeWrite | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
     `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
@@ -231,6 +253,10 @@ def _launch(
         prefetch_tiles = kv_prefetch_tiles(num_seqs * num_kv_heads * num_splits, tile, row_bytes)
         if prefetch_tiles:
             _prefetch_helpers()
+    rw = rope_write
+    if rw is not None:
+        _check_rope_write(rw, q, k_cache, max_query_len)
+        _rope_helpers()
     args = (
         q,
         k_cache,
@@ -255,6 +281,7 @@ def _launch(
         block_tables.shape[1],
         num_heads,
         prefetch_tiles,
+        *_rope_args(rw, q),
     )
     shapes = {
         "HEAD_DIM": head_dim,
@@ -266,6 +293,10 @@ def _launch(
         # 128-byte lines of a K/V row and elements per line (PREFETCH_KV)
         "ROW_LINES": max(1, row_bytes // _pdl.LINE_BYTES),
         "LINE": _pdl.LINE_BYTES // q.element_size(),
+        "ROPE": rw is not None,
+        "HALF": head_dim // 2,
+        "EXACT_MUL": not interpret,  # rope.py: mul.rn, no FMA contraction
+        "ROUND_BF16": interpret and q.dtype == torch.bfloat16,
     }
     with _on_device(q.device):
         if rows_kernel:
@@ -328,6 +359,38 @@ def _prefetch_helpers() -> None:
         _pdl._import_triton()
         prefetch_lines = _pdl.prefetch_lines
         prefetch_kv_l2 = _kernel(_prefetch_kv_l2, False)
+
+
+def _rope_helpers() -> None:
+    global rotate_full
+    if rotate_full is None:
+        from rlt_engine.kernels import rope  # rope imports this module: not at the top
+
+        rope._import_triton()
+        rotate_full = rope.rotate_full
+
+
+def _rope_args(rw: RopeWrite | None, q: torch.Tensor) -> tuple:
+    """The kernels' RopeWrite arguments (placeholders without one: ROPE is off)."""
+    if rw is None:
+        return (q, q, 0, 0, q, q, 0, 0, 0, 0, q)
+    k, v = rw.k, rw.v
+    return (rw.cos, rw.sin, rw.cos.stride(0), rw.sin.stride(0), k, v, k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), rw.slot_mapping)  # fmt: skip
+
+
+def _check_rope_write(rw: RopeWrite, q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int):
+    rows, _, head_dim = q.shape
+    kv = (rows, k_cache.shape[1], head_dim)
+    if max_query_len != 1 or head_dim % 2:
+        raise ValueError("rope_write is for decode rows (max_query_len 1) of an even head_dim")
+    if rw.k.shape != kv or rw.v.shape != kv or rw.k.stride(-1) != 1 or rw.v.stride(-1) != 1:
+        raise ValueError(f"rope_write k and v must be {kv} with a contiguous last dimension")
+    for name, t in (("cos", rw.cos), ("sin", rw.sin)):
+        if t.shape != (rows, head_dim) or t.dtype != q.dtype or t.stride(-1) != 1:
+            raise ValueError(f"rope_write {name} must be [{rows}, {head_dim}] {q.dtype}")
+    if rw.slot_mapping.shape != (rows,) or rw.slot_mapping.dtype != torch.int64:
+        raise ValueError(f"rope_write slot_mapping must be [{rows}] int64")
 
 
 def _rows_wins(programs: int, num_splits: int, long_context: bool) -> bool:
@@ -502,6 +565,17 @@ def _paged_attention_kernel(
     max_blocks,
     num_heads,
     prefetch_tiles,  # PREFETCH_KV: key tiles of its split a program asks L2 for
+    cos_ptr,  # ROPE (RopeWrite): cos / sin [rows, D], new k / v, their slots
+    sin_ptr,
+    stride_cos,
+    stride_sin,
+    k_new_ptr,
+    v_new_ptr,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    slot_ptr,
     q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -517,6 +591,10 @@ def _paged_attention_kernel(
     PREFETCH_KV: tl.constexpr,  # decode under PDL: K/V rows asked of L2 before the wait
     ROW_LINES: tl.constexpr,
     LINE: tl.constexpr,
+    ROPE: tl.constexpr,  # decode: rotate q and the new k, write the new K/V, then attend
+    HALF: tl.constexpr,  # head_dim // 2
+    EXACT_MUL: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         if PREFETCH_KV:
@@ -548,13 +626,9 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    q_ok = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptrs + d[None, :], mask=q_ok, other=0.0)
 
     # Keys this query tile can see: [0, kv_end); this program takes its split's share of tiles.
     kv_end = first_pos + tl.minimum(q_len, q0 + BLOCK_Q)
@@ -566,6 +640,30 @@ def _paged_attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if ROPE:  # decode (one query): q_begin is the row of q, of the new k / v and of cos / sin
+        row = q_begin.to(tl.int64)
+        swap = tl.where(d < HALF, d + HALF, d - HALF)
+        c = tl.load(cos_ptr + row * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + row * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)
+        q_swap = tl.load(q_ptrs + swap[None, :], mask=q_ok, other=0.0)
+        q = rotate_full(
+            q, q_swap, c[None, :], sn[None, :], (d < HALF)[None, :], EXACT_MUL, ROUND_BF16
+        )
+        # the split whose tiles hold the new key writes it, then reads it back in its loop
+        if (t_begin < n_tiles) & (n_tiles <= t_end):
+            k_new = k_new_ptr + row * stride_knt + kv_head.to(tl.int64) * stride_knh
+            v_new = v_new_ptr + row * stride_vnt + kv_head.to(tl.int64) * stride_vnh
+            k_row = tl.load(k_new + d, mask=d_ok, other=0.0)
+            k_row = rotate_full(
+                k_row, tl.load(k_new + swap, mask=d_ok, other=0.0), c, sn, d < HALF,
+                EXACT_MUL, ROUND_BF16,
+            )  # fmt: skip
+            slot_new = tl.load(slot_ptr + row)
+            tl.store(k_base + slot_new * stride_ks + d, k_row, mask=d_ok)
+            tl.store(v_base + slot_new * stride_vs + d, tl.load(v_new + d, mask=d_ok), mask=d_ok)
+            tl.debug_barrier()  # the program's own stores are seen by its loads below
+    if UPCAST:
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -646,6 +744,17 @@ def _decode_rows_kernel(
     max_blocks,
     num_heads,
     prefetch_tiles,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    stride_sin,
+    k_new_ptr,
+    v_new_ptr,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    slot_ptr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -655,6 +764,10 @@ def _decode_rows_kernel(
     PREFETCH_KV: tl.constexpr,
     ROW_LINES: tl.constexpr,
     LINE: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
+    EXACT_MUL: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """Decode rows of multi-head attention (one query per sequence, one kv head per head):
     a program owns one (sequence, head, split). With a single query row a tensor-core tile
@@ -679,8 +792,8 @@ def _decode_rows_kernel(
     token = q_begin.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0)
-    q = q.to(tl.float32) * qk_scale
+    q_row = q_ptr + token * stride_qt + head * stride_qh
+    q = tl.load(q_row + d, mask=d_ok, other=0.0)
 
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
@@ -689,6 +802,25 @@ def _decode_rows_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + head.to(tl.int64) * stride_kh
     v_base = v_ptr + head.to(tl.int64) * stride_vh
+    if ROPE:  # as in _paged_attention_kernel: rotate q, and the new key's split writes it
+        swap = tl.where(d < HALF, d + HALF, d - HALF)
+        c = tl.load(cos_ptr + token * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + token * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)
+        q_swap = tl.load(q_row + swap, mask=d_ok, other=0.0)
+        q = rotate_full(q, q_swap, c, sn, d < HALF, EXACT_MUL, ROUND_BF16)
+        if (t_begin < n_tiles) & (n_tiles <= t_end):
+            k_new = k_new_ptr + token * stride_knt + head.to(tl.int64) * stride_knh
+            v_new = v_new_ptr + token * stride_vnt + head.to(tl.int64) * stride_vnh
+            k_row = tl.load(k_new + d, mask=d_ok, other=0.0)
+            k_row = rotate_full(
+                k_row, tl.load(k_new + swap, mask=d_ok, other=0.0), c, sn, d < HALF,
+                EXACT_MUL, ROUND_BF16,
+            )  # fmt: skip
+            slot_new = tl.load(slot_ptr + token)
+            tl.store(k_base + slot_new * stride_ks + d, k_row, mask=d_ok)
+            tl.store(v_base + slot_new * stride_vs + d, tl.load(v_new + d, mask=d_ok), mask=d_ok)
+            tl.debug_barrier()  # the program's own stores are seen by its loads below
+    q = q.to(tl.float32) * qk_scale
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)

@@ -119,16 +119,17 @@ def _launch(
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16, rotate_halves
+    global triton, tl, round_bf16, rotate_halves, rotate_full
     _pa._import_triton()
     triton, tl = _pa.triton, _pa.tl
     if round_bf16 is None:
         round_bf16 = _pa._kernel(_round_bf16, _pa._interpreter_mode())
         rotate_halves = _pa._kernel(_rotate_halves, _pa._interpreter_mode())
+        rotate_full = _pa._kernel(_rotate_full, _pa._interpreter_mode())
 
 
-# the @jit forms of _round_bf16 and _rotate_halves, set by _import_triton()
-round_bf16 = rotate_halves = None
+# the @jit forms of _round_bf16, _rotate_halves and _rotate_full, set by _import_triton()
+round_bf16 = rotate_halves = rotate_full = None
 
 
 def _round_bf16(v):
@@ -223,3 +224,26 @@ def _rotate_halves(x1, x2, c1, c2, s1, s2, EXACT_MUL: tl.constexpr, ROUND_BF16: 
         o1 = (a1.to(dtype).to(tl.float32) - b1.to(dtype).to(tl.float32)).to(dtype)
         o2 = (a2.to(dtype).to(tl.float32) + b2.to(dtype).to(tl.float32)).to(dtype)
     return o1, o2
+
+
+def _rotate_full(x, partner, c, s, first, EXACT_MUL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """RoPE of whole heads x (x's dtype) given `partner`, x with its halves swapped (element
+    d holds x[d + D/2] where `first`, the first half, else x[d - D/2]), by the fp32 cos / sin
+    c, s: x*c - partner*s on the first half, x*c + partner*s on the second, each product
+    rounded to the dtype: the values of `_rotate_halves`, for kernels that hold a head whole."""
+    dtype = x.dtype
+    x, partner = x.to(tl.float32), partner.to(tl.float32)
+    if EXACT_MUL:
+        a = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, c], dtype=tl.float32, is_pure=True, pack=1
+        )
+        b = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [partner, s], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        a, b = x * c, partner * s
+    if ROUND_BF16:
+        a, b = round_bf16(a), round_bf16(b)
+        return round_bf16(tl.where(first, a - b, a + b)).to(dtype)
+    a, b = a.to(dtype).to(tl.float32), b.to(dtype).to(tl.float32)
+    return tl.where(first, a - b, a + b).to(dtype)

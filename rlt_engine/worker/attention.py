@@ -183,11 +183,18 @@ class TritonPagedAttention(PagedKVCache):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """`attend` for q and k before RoPE: rotates them (in place) and writes K/V in one
-        launch (kernels/rope_kv_write), the same values as apply_rope_ then `write`."""
+        """`attend` for q and k before RoPE, the same values as apply_rope_ then `attend`.
+        Decode rows: the attention launch itself rotates q and k and writes K/V
+        (paged_attention's `rope_write`); otherwise one launch does that first
+        (kernels/rope_kv_write, q and k rotated in place)."""
+        from rlt_engine.kernels.paged_attention import RopeWrite
         from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 
         assert isinstance(meta, (PagedMetadata, MixedMetadata))
+        if isinstance(meta, PagedMetadata) and meta.max_query_len == 1:
+            # the qkv GEMM before this launch writes no metadata: its K/V prefetch is safe
+            new = RopeWrite(*rope, k, v, meta.slot_mapping)
+            return self._read(layer, q, meta, prefetch_kv=True, rope_write=new)
         rope_write_kv_(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
         if isinstance(meta, PagedMetadata):  # the K/V write just before writes no metadata
             return self._read(layer, q, meta, prefetch_kv=True)
@@ -222,7 +229,12 @@ class TritonPagedAttention(PagedKVCache):
         return _split_read(self._read, layer, q, meta)
 
     def _read(
-        self, layer: int, q: torch.Tensor, meta: PagedMetadata, prefetch_kv: bool = False
+        self,
+        layer: int,
+        q: torch.Tensor,
+        meta: PagedMetadata,
+        prefetch_kv: bool = False,
+        rope_write=None,
     ) -> torch.Tensor:
         from rlt_engine.kernels.paged_attention import decode_splits, paged_attention
 
@@ -243,6 +255,7 @@ class TritonPagedAttention(PagedKVCache):
             ),
             long_context=self.long_context,
             prefetch_kv=prefetch_kv,
+            rope_write=rope_write,
         )
 
 

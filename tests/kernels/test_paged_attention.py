@@ -26,6 +26,7 @@ from rlt_engine.kernels.paged_attention import _launch, decode_splits, paged_att
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+DEVICE = "cuda" if CUDA else "cpu"
 
 # Declared tolerances (atol = rtol) against the fp32 reference on the same rounded inputs.
 FP32_TOL = 1e-5
@@ -181,6 +182,75 @@ def test_decode_rows_kernel_matches_reference_and_mma(block_size, block_n, num_s
     check(rows, case.reference(), FP32_TOL, owned)
     check(rows, mma.float().cpu(), FP32_TOL, owned)
     assert torch.equal(rows[owned:], sentinel[owned:])
+
+
+def _rope_write_case(
+    kernel: str,
+    dtype: torch.dtype,
+    device: str,
+    block_size: int = 4,
+    lens: tuple[int, ...] = (1, 5, 17, 40, 9),
+    heads: tuple[int, int] | None = None,
+    head_dim: int = 24,
+):
+    """A decode case for `rope_write`: pre-RoPE q, the rows' new k / v, cos / sin, the slots
+    of their last positions; the last row is idle and writes the trash slot (a spare block's),
+    as the engine's idle rows do, and a padding sequence has no query."""
+    heads = heads or ((3, 3) if kernel == "rows" else (4, 2))
+    specs = [(1, n) for n in lens] + [(0, 6)]
+    case = Case(specs, *heads, head_dim, block_size=block_size, dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(11)
+    rows, kvh, d = case.num_tokens, heads[1], head_dim
+    table, bs = case.block_tables.cpu(), block_size
+    last = [table[s, (n - 1) // bs].item() * bs + (n - 1) % bs for s, (_, n) in enumerate(specs)]
+    used = {int(b) for b in table.flatten() if b != GARBAGE_BLOCK}
+    spare = next(b for b in range(case.k.shape[0] // bs) if b not in used)
+    trash = spare * bs  # a spare block's slot: never read
+    slots = torch.tensor([*last[: len(lens) - 1], trash], dtype=torch.int64)
+    angle = torch.rand(rows, d // 2, generator=gen) * 6.0
+    angle = torch.cat([angle, angle], -1)
+    new = (
+        angle.cos(), angle.sin(), torch.randn(rows, kvh, d, generator=gen),
+        torch.randn(rows, kvh, d, generator=gen), slots,
+    )  # fmt: skip
+    moved = (t.to(device, dtype if t.is_floating_point() else None) for t in new)
+    return case, pa.RopeWrite(*moved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kernel", ["mma", "rows"])
+def test_rope_write_equals_rope_kv_write_then_attention(kernel, num_splits, dtype):
+    """Decode with `rope_write` (the launch rotates q and k and writes K/V itself) against
+    kernels/rope_kv_write then attention: the same output and pools, bit for bit."""
+    from rlt_engine.kernels.rope_kv_write import rope_write_kv_
+
+    case, new = _rope_write_case(kernel, dtype, DEVICE)
+    args = (case.block_tables, case.seq_lens, case.query_start, case.block_size, case.scale, 1)
+    k_pool, v_pool, q = case.k.clone(), case.v.clone(), case.q.clone()
+    rope_write_kv_(q, new.k.clone(), new.v, new.cos, new.sin, k_pool, v_pool, new.slot_mapping)
+    want = _launch(q, k_pool, v_pool, *args, num_splits, kernel=kernel)
+    k2, v2 = case.k.clone(), case.v.clone()
+    q_before, k_before = case.q.clone(), new.k.clone()
+    got = _launch(case.q, k2, v2, *args, num_splits, kernel=kernel, rope_write=new)
+    owned = int(case.query_start[-1])
+    assert torch.equal(got[:owned], want[:owned])
+    trash = new.slot_mapping[-1]
+    for mine, theirs in ((k2, k_pool), (v2, v_pool)):
+        keep = torch.ones(mine.shape[0], dtype=torch.bool, device=mine.device)
+        keep[trash] = False
+        torch.testing.assert_close(mine[keep], theirs[keep], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(case.q, q_before) and torch.equal(new.k, k_before)  # inputs untouched
+
+
+def test_rope_write_refuses_what_it_cannot_run():
+    case, new = _rope_write_case("mma", torch.float32, DEVICE)
+    args = (case.q, case.k, case.v, case.block_tables, case.seq_lens, case.query_start)
+    with pytest.raises(ValueError, match="decode rows"):
+        paged_attention(*args, case.block_size, case.scale, 2, rope_write=new)
+    with pytest.raises(ValueError, match="int64"):
+        bad = new._replace(slot_mapping=new.slot_mapping.int())
+        paged_attention(*args, case.block_size, case.scale, 1, rope_write=bad)
 
 
 def test_auto_takes_the_rows_kernel_for_many_short_decode_rows_only(monkeypatch):
@@ -519,3 +589,45 @@ def test_gpu_prefetch_kv_changes_no_bit(kernel, num_splits):
     torch.cuda.synchronize()
     rows = sum(q for q, _ in specs)
     assert torch.equal(out[:rows], plain[:rows])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize(("kernel", "num_seqs"), [("mma", 8), ("rows", 64)])
+def test_gpu_rope_write_changes_no_bit(kernel, num_seqs, num_splits):
+    """Ouro's decode shapes (bf16, 16 heads of 128) with `rope_write` and the K/V prefetch, as
+    the decode traversal launches it: output and pools equal rope_kv_write then attention,
+    eagerly and replayed from a CUDA graph."""
+    from rlt_engine.kernels.rope_kv_write import rope_write_kv_
+
+    lens = tuple(n for _, n in _decode_specs(num_seqs, 300, 5))
+    case, new = _rope_write_case(
+        kernel, torch.bfloat16, "cuda", 16, lens, heads=(16, 16), head_dim=128
+    )
+    args = (case.block_tables, case.seq_lens, case.query_start, case.block_size, case.scale, 1)
+    k_pool, v_pool, q = case.k.clone(), case.v.clone(), case.q.clone()
+    rope_write_kv_(q, new.k.clone(), new.v, new.cos, new.sin, k_pool, v_pool, new.slot_mapping)
+    want = _launch(q, k_pool, v_pool, *args, num_splits, kernel=kernel)
+    owned = int(case.query_start[-1])
+    k2, v2, out = case.k.clone(), case.v.clone(), torch.empty_like(case.q)
+
+    def run():
+        return _launch(
+            case.q, k2, v2, *args, num_splits, out, kernel=kernel, prefetch_kv=True,
+            rope_write=new,
+        )  # fmt: skip
+
+    for _ in range(2):
+        assert torch.equal(run()[:owned], want[:owned])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:owned], want[:owned])
+    keep = torch.ones(k2.shape[0], dtype=torch.bool, device="cuda")
+    keep[new.slot_mapping[-1]] = False
+    for mine, theirs in ((k2, k_pool), (v2, v_pool)):
+        torch.testing.assert_close(mine[keep], theirs[keep], rtol=0, atol=0, equal_nan=True)
