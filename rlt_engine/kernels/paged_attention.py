@@ -122,9 +122,11 @@ def paged_attention(
     decode launch under PDL (kernels/pdl.py) then asks L2 for its programs' K/V rows while that
     kernel still runs (a hint: L2 is coherent, so even rows it writes are read correctly).
     `rope_write` (decode only, max_query_len 1): q and the new k come before RoPE and the pools
-    do not hold the new K/V yet; the launch rotates q and k (rope.py's rounding) and writes k
-    and v to their slots, then attends: the values of `rope_kv_write.rope_write_kv_` and this
-    call without it, one launch fewer (q is not rotated in place).
+    do not hold the new K/V yet: the values of `rope_kv_write.rope_write_kv_` then this call
+    without it. The rows kernel rotates q and k (rope.py's rounding) and writes k and v itself,
+    one launch fewer (measured faster at 64 sequences); before the tensor-core kernel
+    rope_write_kv_ runs as its own launch (rotating q and k in place), which measured faster at
+    8 sequences than the same work inside it (2026-12-02-exit-copies-h200.md).
     """
     return _launch(
         q,
@@ -256,7 +258,13 @@ def _launch(
     rw = rope_write
     if rw is not None:
         _check_rope_write(rw, q, k_cache, max_query_len)
-        _rope_helpers()
+        if not rows_kernel:  # the tensor-core kernel: RoPE and the K/V write launch first
+            from rlt_engine.kernels.rope_kv_write import rope_write_kv_
+
+            rope_write_kv_(q, rw.k, rw.v, rw.cos, rw.sin, k_cache, v_cache, rw.slot_mapping)
+            rw = None
+        else:
+            _rope_helpers()
     args = (
         q,
         k_cache,
@@ -281,7 +289,6 @@ def _launch(
         block_tables.shape[1],
         num_heads,
         prefetch_tiles,
-        *_rope_args(rw, q),
     )
     shapes = {
         "HEAD_DIM": head_dim,
@@ -293,16 +300,17 @@ def _launch(
         # 128-byte lines of a K/V row and elements per line (PREFETCH_KV)
         "ROW_LINES": max(1, row_bytes // _pdl.LINE_BYTES),
         "LINE": _pdl.LINE_BYTES // q.element_size(),
-        "ROPE": rw is not None,
-        "HALF": head_dim // 2,
-        "EXACT_MUL": not interpret,  # rope.py: mul.rn, no FMA contraction
-        "ROUND_BF16": interpret and q.dtype == torch.bfloat16,
     }
     with _on_device(q.device):
         if rows_kernel:
             _kernel(_decode_rows_kernel, interpret)[(num_seqs, num_heads, num_splits)](
                 *args,
+                *_rope_args(rw, q),
                 **shapes,
+                ROPE=rw is not None,
+                HALF=head_dim // 2,
+                EXACT_MUL=not interpret,  # rope.py: mul.rn, no FMA contraction
+                ROUND_BF16=interpret and q.dtype == torch.bfloat16,
                 BLOCK_N=rows_block_n,
                 num_warps=num_warps or warps,
                 num_stages=num_stages or stages,
@@ -371,7 +379,7 @@ def _rope_helpers() -> None:
 
 
 def _rope_args(rw: RopeWrite | None, q: torch.Tensor) -> tuple:
-    """The kernels' RopeWrite arguments (placeholders without one: ROPE is off)."""
+    """The rows kernel's RopeWrite arguments (placeholders without one: ROPE is off)."""
     if rw is None:
         return (q, q, 0, 0, q, q, 0, 0, 0, 0, q)
     k, v = rw.k, rw.v
@@ -565,17 +573,6 @@ def _paged_attention_kernel(
     max_blocks,
     num_heads,
     prefetch_tiles,  # PREFETCH_KV: key tiles of its split a program asks L2 for
-    cos_ptr,  # ROPE (RopeWrite): cos / sin [rows, D], new k / v, their slots
-    sin_ptr,
-    stride_cos,
-    stride_sin,
-    k_new_ptr,
-    v_new_ptr,
-    stride_knt,
-    stride_knh,
-    stride_vnt,
-    stride_vnh,
-    slot_ptr,
     q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -591,10 +588,6 @@ def _paged_attention_kernel(
     PREFETCH_KV: tl.constexpr,  # decode under PDL: K/V rows asked of L2 before the wait
     ROW_LINES: tl.constexpr,
     LINE: tl.constexpr,
-    ROPE: tl.constexpr,  # decode: rotate q and the new k, write the new K/V, then attend
-    HALF: tl.constexpr,  # head_dim // 2
-    EXACT_MUL: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
 ):
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         if PREFETCH_KV:
@@ -626,9 +619,13 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-    q_ok = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptrs + d[None, :], mask=q_ok, other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
 
     # Keys this query tile can see: [0, kv_end); this program takes its split's share of tiles.
     kv_end = first_pos + tl.minimum(q_len, q0 + BLOCK_Q)
@@ -640,30 +637,6 @@ def _paged_attention_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
-    if ROPE:  # decode (one query): q_begin is the row of q, of the new k / v and of cos / sin
-        row = q_begin.to(tl.int64)
-        swap = tl.where(d < HALF, d + HALF, d - HALF)
-        c = tl.load(cos_ptr + row * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + row * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)
-        q_swap = tl.load(q_ptrs + swap[None, :], mask=q_ok, other=0.0)
-        q = rotate_full(
-            q, q_swap, c[None, :], sn[None, :], (d < HALF)[None, :], EXACT_MUL, ROUND_BF16
-        )
-        # the split whose tiles hold the new key writes it, then reads it back in its loop
-        if (t_begin < n_tiles) & (n_tiles <= t_end):
-            k_new = k_new_ptr + row * stride_knt + kv_head.to(tl.int64) * stride_knh
-            v_new = v_new_ptr + row * stride_vnt + kv_head.to(tl.int64) * stride_vnh
-            k_row = tl.load(k_new + d, mask=d_ok, other=0.0)
-            k_row = rotate_full(
-                k_row, tl.load(k_new + swap, mask=d_ok, other=0.0), c, sn, d < HALF,
-                EXACT_MUL, ROUND_BF16,
-            )  # fmt: skip
-            slot_new = tl.load(slot_ptr + row)
-            tl.store(k_base + slot_new * stride_ks + d, k_row, mask=d_ok)
-            tl.store(v_base + slot_new * stride_vs + d, tl.load(v_new + d, mask=d_ok), mask=d_ok)
-            tl.debug_barrier()  # the program's own stores are seen by its loads below
-    if UPCAST:
-        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

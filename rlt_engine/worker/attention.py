@@ -183,10 +183,9 @@ class TritonPagedAttention(PagedKVCache):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """`attend` for q and k before RoPE, the same values as apply_rope_ then `attend`.
-        Decode rows: the attention launch itself rotates q and k and writes K/V
-        (paged_attention's `rope_write`); otherwise one launch does that first
-        (kernels/rope_kv_write, q and k rotated in place)."""
+        """`attend` for q and k before RoPE, the same values as apply_rope_ then `attend`:
+        one launch rotates them and writes K/V (kernels/rope_kv_write), or for decode rows
+        on the rows kernel the attention launch itself (paged_attention's `rope_write`)."""
         from rlt_engine.kernels.paged_attention import RopeWrite
         from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 

@@ -1,6 +1,7 @@
 """kernels/argmax.argmax_rows against torch's `x.float().argmax(-1)`: ties (the first index
 wins), rows of -inf, NaNs (the first NaN wins), vocabularies that are not a power of two and
-span several chunks and several programs (splits), bf16 and fp32; a zero gate skips the work. CPU: the interpreter."""
+span several chunks and several programs (splits), bf16 and fp32; a zero gate skips the work.
+CPU: the interpreter."""
 
 from __future__ import annotations
 
