@@ -613,11 +613,14 @@ def test_gpu_rope_write_changes_no_bit(kernel, num_seqs, num_splits):
     want = _launch(q, k_pool, v_pool, *args, num_splits, kernel=kernel)
     owned = int(case.query_start[-1])
     k2, v2, out = case.k.clone(), case.v.clone(), torch.empty_like(case.q)
+    q_in, k_in = case.q.clone(), new.k.clone()
 
-    def run():
+    def run():  # fresh inputs each time: the tensor-core path rotates q and k in place
+        q_in.copy_(case.q)
+        k_in.copy_(new.k)
         return _launch(
-            case.q, k2, v2, *args, num_splits, out, kernel=kernel, prefetch_kv=True,
-            rope_write=new,
+            q_in, k2, v2, *args, num_splits, out, kernel=kernel, prefetch_kv=True,
+            rope_write=new._replace(k=k_in),
         )  # fmt: skip
 
     for _ in range(2):
