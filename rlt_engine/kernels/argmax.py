@@ -8,11 +8,11 @@ the logits in their own dtype (the fp32 conversion is exact and monotone, so the
 same) and return at once where the gate is zero, leaving the output undefined (no row needs it
 then).
 
-Two launches: each program of the first takes SPLIT entries of one row (a [rows, splits] grid)
-and writes its best value and index; the second reduces a row's splits. One program per row
-walking the whole vocabulary in dependent chunks took ~25 us on the H200 (24 chunks of Ouro's
-49k vocabulary, one memory latency each; 81 for Nanbeige's 166k) where the split grid reads the
-logits at once (2026-12-02-exit-copies-h200.md).
+Two launches: each program of the first takes 2 chunks of one row (a [rows, splits] grid) and
+writes its best value and index; the second reduces a row's splits. One program per row used to
+walk the whole vocabulary in dependent chunks (24 for Ouro's 49k vocabulary, 81 for Nanbeige's
+166k); the split grid took adaptive exit's share of the loop savings on the H200 from 87% to
+91% at c=8 (benchmarks/results/2026-12-02-exit-copies-h200.md).
 
 Semantics are torch's: the first index of the maximum; a NaN counts as larger than any number
 (the first NaN wins). Per lane a program keeps the best value and index over the chunks it
