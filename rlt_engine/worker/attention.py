@@ -15,10 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlt_engine.models.attention import AttentionMetadata
+
+if TYPE_CHECKING:  # the kernels are imported where they are used
+    from rlt_engine.kernels.paged_attention import RopeWrite
 
 
 @dataclass
@@ -191,7 +195,8 @@ class TritonPagedAttention(PagedKVCache):
 
         assert isinstance(meta, (PagedMetadata, MixedMetadata))
         if isinstance(meta, PagedMetadata) and meta.max_query_len == 1:
-            # the qkv GEMM before this launch writes no metadata: its K/V prefetch is safe
+            # no launch before attention (the qkv GEMM, or RoPE + the K/V write before the
+            # tensor-core kernel) writes metadata: its K/V prefetch is safe
             new = RopeWrite(*rope, k, v, meta.slot_mapping)
             return self._read(layer, q, meta, prefetch_kv=True, rope_write=new)
         rope_write_kv_(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
@@ -233,7 +238,7 @@ class TritonPagedAttention(PagedKVCache):
         q: torch.Tensor,
         meta: PagedMetadata,
         prefetch_kv: bool = False,
-        rope_write=None,
+        rope_write: RopeWrite | None = None,
     ) -> torch.Tensor:
         from rlt_engine.kernels.paged_attention import decode_splits, paged_attention
 
