@@ -60,3 +60,29 @@ def test_fused_rows_equal_the_torch_path(ckpt, monkeypatch, options):
     assert llm.engine.runner.traversal.fused
     assert fused == _stopped(reference, stops)
     assert {reason for _, _, reason in fused} == {"stop", "length"}
+
+
+def test_rows_kernel_with_rope_write_equals_the_torch_path(tmp_path, monkeypatch):
+    """MHA decode on the register attention kernel, which rotates q and k and writes the new
+    K/V itself (paged_attention's `rope_write`; the engine takes it from 512 programs, forced
+    here for a tiny batch), with early exits and their copies: the same tokens and exit depths
+    as the torch backend."""
+    from tiny_checkpoints import write_tiny_ouro
+
+    from rlt_engine.kernels import paged_attention
+
+    mha = write_tiny_ouro(tmp_path / "mha", tokenizer_from=None, num_key_value_heads=4)
+    _, reference = _generate(mha, None, attention_backend="torch")
+    launches = []
+    real = paged_attention._launch
+
+    def spy(*args, **kwargs):
+        launches.append(kwargs.get("rope_write") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(slot_step, "_MODE", "")
+    monkeypatch.setattr(paged_attention, "_rows_wins", lambda *args: True)
+    monkeypatch.setattr(paged_attention, "_launch", spy)
+    _, fused = _generate(mha, None, attention_backend="triton")
+    assert fused == reference
+    assert any(launches) and not all(launches)  # decode fused; prefill chunks as before
