@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlt_engine.kernels import kv_copy
 from rlt_engine.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels are imported where they are used
@@ -86,6 +87,9 @@ class PagedKVCache:
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim)
 
+    # LAST_EXITED exit copies (kernels/kv_copy.py): the torch form here, one launch on Triton
+    _copy_exits = staticmethod(kv_copy.exit_copies_reference)
+
     def exit_copies(
         self,
         exits: torch.Tensor,
@@ -97,11 +101,7 @@ class PagedKVCache:
     ) -> None:
         """LAST_EXITED: each exiting row's K/V (every layer, at slot `src`) also goes to its
         position in every plane deeper than its loop (kernels/kv_copy.py)."""
-        from rlt_engine.kernels.kv_copy import exit_copies_reference
-
-        exit_copies_reference(
-            self.k, self.v, exits, loop, block, offset, src, tables, self.block_size
-        )
+        self._copy_exits(self.k, self.v, exits, loop, block, offset, src, tables, self.block_size)
 
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata | MixedMetadata
@@ -204,19 +204,7 @@ class TritonPagedAttention(PagedKVCache):
             return self._read(layer, q, meta, prefetch_kv=True)
         return self.attend(layer, q, k, v, meta, kv_written=True)
 
-    def exit_copies(
-        self,
-        exits: torch.Tensor,
-        loop: torch.Tensor,
-        block: torch.Tensor,
-        offset: torch.Tensor,
-        src: torch.Tensor,
-        tables: torch.Tensor,
-    ) -> None:
-        from rlt_engine.kernels.kv_copy import exit_copies_
-
-        # one launch for every layer of K and V; rows that stay move nothing
-        exit_copies_(self.k, self.v, exits, loop, block, offset, src, tables, self.block_size)
+    _copy_exits = staticmethod(kv_copy.exit_copies_)  # rows that stay move nothing
 
     def attend(
         self,
