@@ -119,17 +119,20 @@ def _launch(
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16, rotate_halves, rotate_full
+    global triton, tl, round_bf16, rope_products, rope_round, rotate_halves, rotate_full
     _pa._import_triton()
     triton, tl = _pa.triton, _pa.tl
     if round_bf16 is None:
-        round_bf16 = _pa._kernel(_round_bf16, _pa._interpreter_mode())
-        rotate_halves = _pa._kernel(_rotate_halves, _pa._interpreter_mode())
-        rotate_full = _pa._kernel(_rotate_full, _pa._interpreter_mode())
+        interpret = _pa._interpreter_mode()
+        round_bf16 = _pa._kernel(_round_bf16, interpret)
+        rope_products = _pa._kernel(_rope_products, interpret)
+        rope_round = _pa._kernel(_rope_round, interpret)
+        rotate_halves = _pa._kernel(_rotate_halves, interpret)
+        rotate_full = _pa._kernel(_rotate_full, interpret)
 
 
-# the @jit forms of _round_bf16, _rotate_halves and _rotate_full, set by _import_triton()
-round_bf16 = rotate_halves = rotate_full = None
+# the @jit forms of the helpers below, set by _import_triton()
+round_bf16 = rope_products = rope_round = rotate_halves = rotate_full = None
 
 
 def _round_bf16(v):
@@ -199,31 +202,10 @@ def _rotate_halves(x1, x2, c1, c2, s1, s2, EXACT_MUL: tl.constexpr, ROUND_BF16: 
     halves: (x1*c1 - x2*s1, x2*c2 + x1*s2) in x's dtype, each product rounded to the dtype as
     torch rounds it (see the module docstring). Shared by the kernels that rotate heads."""
     dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    # first half: x1*c1 + (-x2)*s1; second half: x2*c2 + x1*s2 (each product rounded to dtype)
-    if EXACT_MUL:
-        a1 = tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [x1, c1], dtype=tl.float32, is_pure=True, pack=1
-        )
-        b1 = tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [x2, s1], dtype=tl.float32, is_pure=True, pack=1
-        )
-        a2 = tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [x2, c2], dtype=tl.float32, is_pure=True, pack=1
-        )
-        b2 = tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [x1, s2], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        a1, b1, a2, b2 = x1 * c1, x2 * s1, x2 * c2, x1 * s2
-    if ROUND_BF16:
-        o1 = round_bf16(round_bf16(a1) - round_bf16(b1)).to(dtype)
-        o2 = round_bf16(round_bf16(a2) + round_bf16(b2)).to(dtype)
-    else:
-        # a - b == a + (-b) exactly: the negation of rotate_half costs no rounding
-        o1 = (a1.to(dtype).to(tl.float32) - b1.to(dtype).to(tl.float32)).to(dtype)
-        o2 = (a2.to(dtype).to(tl.float32) + b2.to(dtype).to(tl.float32)).to(dtype)
-    return o1, o2
+    a1, b1 = rope_products(x1, x2, c1, s1, EXACT_MUL, ROUND_BF16)
+    a2, b2 = rope_products(x2, x1, c2, s2, EXACT_MUL, ROUND_BF16)
+    # a - b == a + (-b) exactly: the negation of rotate_half costs no rounding
+    return rope_round(a1 - b1, dtype, ROUND_BF16), rope_round(a2 + b2, dtype, ROUND_BF16)
 
 
 def _rotate_full(x, partner, c, s, first, EXACT_MUL: tl.constexpr, ROUND_BF16: tl.constexpr):
@@ -231,19 +213,31 @@ def _rotate_full(x, partner, c, s, first, EXACT_MUL: tl.constexpr, ROUND_BF16: t
     d holds x[d + D/2] where `first`, the first half, else x[d - D/2]), by the fp32 cos / sin
     c, s: x*c - partner*s on the first half, x*c + partner*s on the second, each product
     rounded to the dtype: the values of `_rotate_halves`, for kernels that hold a head whole."""
+    a, b = rope_products(x, partner, c, s, EXACT_MUL, ROUND_BF16)
+    return rope_round(tl.where(first, a - b, a + b), x.dtype, ROUND_BF16)
+
+
+def _rope_products(x, y, c, s, EXACT_MUL: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """(x*c, y*s) in fp32, each rounded to x's dtype and kept in fp32 (products by mul.rn, so
+    the compiler cannot contract them with the sum after into an FMA)."""
     dtype = x.dtype
-    x, partner = x.to(tl.float32), partner.to(tl.float32)
+    x, y = x.to(tl.float32), y.to(tl.float32)
     if EXACT_MUL:
         a = tl.inline_asm_elementwise(
             "mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, c], dtype=tl.float32, is_pure=True, pack=1
         )
         b = tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [partner, s], dtype=tl.float32, is_pure=True, pack=1
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [y, s], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
-        a, b = x * c, partner * s
+        a, b = x * c, y * s
     if ROUND_BF16:
-        a, b = round_bf16(a), round_bf16(b)
-        return round_bf16(tl.where(first, a - b, a + b)).to(dtype)
-    a, b = a.to(dtype).to(tl.float32), b.to(dtype).to(tl.float32)
-    return tl.where(first, a - b, a + b).to(dtype)
+        return round_bf16(a), round_bf16(b)
+    return a.to(dtype).to(tl.float32), b.to(dtype).to(tl.float32)
+
+
+def _rope_round(v, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """The fp32 sum of two rounded products, rounded to `dtype`."""
+    if ROUND_BF16:
+        return round_bf16(v).to(dtype)
+    return v.to(dtype)
