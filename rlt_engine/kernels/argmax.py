@@ -60,16 +60,17 @@ def argmax_rows(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tens
     splits = triton.cdiv(vocab, split)
     best = torch.empty((rows, splits), dtype=torch.float32, device=x.device)
     best_i = torch.empty((rows, splits), dtype=torch.int32, device=x.device)
-    gate = x if gate is None else gate
+    gated = gate is not None
+    gate_arg = gate if gated else x  # unread without a gate
     with _pa._on_device(x.device):
         _pa._kernel(_argmax_split_kernel, interpret)[(rows, splits)](
-            x, best, best_i, gate, x.stride(0), vocab,
-            SPLIT=split, BLOCK=block, GATED=gate is not x, PDL=pdl, num_warps=8,
+            x, best, best_i, gate_arg, x.stride(0), vocab,
+            SPLIT=split, BLOCK=block, GATED=gated, PDL=pdl, num_warps=8,
             **_pdl.launch_options(pdl),
         )  # fmt: skip
         _pa._kernel(_argmax_reduce_kernel, interpret)[(rows,)](
-            best, best_i, out, gate, splits,
-            BLOCK_S=triton.next_power_of_2(splits), GATED=gate is not x, PDL=pdl, num_warps=1,
+            best, best_i, out, gate_arg, splits,
+            BLOCK_S=triton.next_power_of_2(splits), GATED=gated, PDL=pdl, num_warps=1,
             **_pdl.launch_options(pdl),
         )  # fmt: skip
     return out
