@@ -49,13 +49,14 @@ class LoopedCausalLM(nn.Module):
     def num_loops(self) -> int:
         return self.config.num_loops
 
-    def use_fast_path(self) -> None:
+    def use_fast_path(self, max_positions: int | None = None) -> None:
         """Packed q/k/v and gate/up weights (one GEMM each), the fused Triton norm, RoPE and
         SwiGLU-activation kernels, each residual add with the norm after it in one launch
         (the layers' `forward_chained`), RoPE with the K/V write in one launch where the
         backend offers `attend_rope`, and the small-M GEMM kernel for the weight GEMMs and
-        lm_head where its table says it beats cuBLAS (kernels/small_gemm). Same function; the
-        worker turns it on with the Triton backend."""
+        lm_head where its table says it beats cuBLAS (kernels/small_gemm), and, given the
+        bound on positions `max_positions`, a table of RoPE's cos / sin (one gather a step).
+        Same function; the worker turns it on with the Triton backend."""
         from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
 
         for module in self.modules():
@@ -75,6 +76,8 @@ class LoopedCausalLM(nn.Module):
         self.chained_norms = True
         if self.config.has_exit_gate:  # converted once, not in every traversal (two launches)
             self.exit_gate_fp32 = self._exit_gate_fp32()
+        if max_positions is not None:
+            self.model.rotary_emb.precompute(max_positions, self.lm_head.weight.dtype)
 
     def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -55,15 +55,31 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
+        # dtype -> [positions, 2, head_dim]: cos and sin of every position below its length
+        self.tables: dict[torch.dtype, torch.Tensor] = {}
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         # `.to(torch.bfloat16)` would round inv_freq and shift every angle: recompute in fp32
         # (on the CPU, as the reference implementations do, then move it).
         super()._apply(fn, recurse)
         self.inv_freq = rope_inv_freq(self.head_dim, self.theta).to(self.inv_freq.device)
+        self.tables = {}
         return self
 
+    def precompute(self, num_positions: int, dtype: torch.dtype) -> None:
+        """Keep cos / sin of positions [0, num_positions) in `dtype`: `forward` then gathers
+        rows (one launch) instead of computing them (seven). The same elementwise arithmetic
+        on the same inputs, so the same values. The caller keeps positions below the bound."""
+        positions = torch.arange(num_positions, device=self.inv_freq.device)
+        self.tables[dtype] = torch.stack(self.angles(positions, dtype), dim=1)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        table = self.tables.get(dtype)
+        if table is None:
+            return self.angles(positions, dtype)
+        return table.index_select(0, positions).unbind(1)  # rows with a stride of 2 * head_dim
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -247,6 +247,33 @@ def test_bf16_keeps_rope_inv_freq_fp32():
     assert model.lm_head.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_the_computed_angles(dtype):
+    """`precompute` keeps cos / sin of every position; gathered rows are the values `forward`
+    computes, bit for bit, whatever the batch, and a cast of the module drops the table (its
+    inv_freq is recomputed). A table that holds other angles (a shift, another dtype's rounding,
+    a missing half) fails."""
+    rope = _build("ouro").model.rotary_emb
+    positions = [torch.tensor([0]), torch.tensor([511, 3, 3, 77]), torch.randint(0, 512, (13,))]
+    computed = [rope(p, dtype) for p in positions]
+    rope.precompute(512, dtype)
+    assert rope.tables[dtype].shape == (512, 2, rope.head_dim)
+    for p, (cos, sin) in zip(positions, computed, strict=True):
+        got_cos, got_sin = rope(p, dtype)
+        assert got_cos.dtype == dtype and got_cos.stride(-1) == 1
+        assert torch.equal(got_cos, cos) and torch.equal(got_sin, sin)
+    rope.to(torch.float64)
+    assert rope.tables == {}
+
+
+def test_fast_path_keeps_a_rope_table_only_given_the_bound():
+    model = _build("nanbeige")
+    model.use_fast_path()
+    assert model.model.rotary_emb.tables == {}
+    model.use_fast_path(max_positions=40)
+    assert model.model.rotary_emb.tables[torch.float32].shape[0] == 40
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 @torch.inference_mode()
 def test_bf16_model_tracks_fp32_oracle(name: str):
