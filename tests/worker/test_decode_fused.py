@@ -86,3 +86,29 @@ def test_rows_kernel_with_rope_write_equals_the_torch_path(tmp_path, monkeypatch
     _, fused = _generate(mha, None, attention_backend="triton")
     assert fused == reference
     assert any(launches) and not all(launches)  # decode fused; prefill chunks as before
+
+
+def test_rope_table_covers_requests_to_the_last_position(tmp_path, monkeypatch):
+    """The fast path gathers RoPE's cos / sin from a table bounded by the runner's positions:
+    requests that run to the model's last position (prompt + max_tokens = context) decode as
+    on the torch backend, nothing indexes past the table, and the table was used."""
+    from tiny_checkpoints import write_tiny_ouro
+
+    from rlt_engine.sampling_params import SamplingParams
+
+    short = write_tiny_ouro(tmp_path / "short", tokenizer_from=None, max_position_embeddings=16)
+    prompts = [[5, 9, 3], [7] * 9, [11, 4, 8, 2, 6]]
+    params = [SamplingParams(max_tokens=16 - len(p), ignore_eos=True) for p in prompts]
+
+    def run(backend: str):
+        llm = make_llm(short, block_size=4, decode_window=3, attention_backend=backend)
+        outs = llm.generate(prompts, params)
+        return llm, [(o.token_ids, o.exit_depths, o.finish_reason) for o in outs]
+
+    _, reference = run("torch")
+    monkeypatch.setattr(slot_step, "_MODE", "")
+    llm, fused = run("triton")
+    assert fused == reference
+    assert all(len(t) == 16 - len(p) for (t, _, _), p in zip(fused, prompts, strict=True))
+    tables = llm.engine.model.model.rotary_emb.tables
+    assert [tuple(t.shape[:2]) for t in tables.values()] == [(17, 2)]  # 4 blocks of 4, + 1
