@@ -49,14 +49,16 @@ class LoopedCausalLM(nn.Module):
     def num_loops(self) -> int:
         return self.config.num_loops
 
-    def use_fast_path(self, max_positions: int | None = None) -> None:
+    def use_fast_path(self) -> None:
         """Packed q/k/v and gate/up weights (one GEMM each), the fused Triton norm, RoPE and
         SwiGLU-activation kernels, each residual add with the norm after it in one launch
         (the layers' `forward_chained`), RoPE with the K/V write in one launch where the
         backend offers `attend_rope`, and the small-M GEMM kernel for the weight GEMMs and
-        lm_head where its table says it beats cuBLAS (kernels/small_gemm), and, given the
-        bound on positions `max_positions`, a table of RoPE's cos / sin (one gather a step).
-        Same function; the worker turns it on with the Triton backend."""
+        lm_head where its table says it beats cuBLAS (kernels/small_gemm), and a table of
+        RoPE's cos / sin over the model's context (one gather a step instead of seven launches;
+        32 MB for Ouro-1.4B in bf16, built while the engine profiles its memory, so the KV
+        pool is sized around it). Same function; the worker turns it on with the Triton
+        backend."""
         from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU
 
         for module in self.modules():
@@ -76,8 +78,10 @@ class LoopedCausalLM(nn.Module):
         self.chained_norms = True
         if self.config.has_exit_gate:  # converted once, not in every traversal (two launches)
             self.exit_gate_fp32 = self._exit_gate_fp32()
-        if max_positions is not None:
-            self.model.rotary_emb.precompute(max_positions, self.lm_head.weight.dtype)
+        # requests end within the context (prompt + max_tokens <= it: the engine refuses
+        # more), so no position, a finished slot's included, reaches past it
+        context = self.config.max_position_embeddings
+        self.model.rotary_emb.precompute(context, self.lm_head.weight.dtype)
 
     def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

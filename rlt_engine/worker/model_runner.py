@@ -110,9 +110,7 @@ class ModelRunner:
             fused=triton and slot_step.enabled(),
         )
         if triton:
-            # packed weights, fused norm and RoPE kernels. Positions stay inside a sequence's
-            # blocks; a finished row's slot keeps its next position (at most the bound)
-            model.use_fast_path(max_positions=max_blocks * block_size + 1)
+            model.use_fast_path()  # packed weights, fused norm and RoPE kernels
         capturable = isinstance(self.kv, TritonPagedAttention) and self.device.type == "cuda"
         self.graphs = (
             GraphCache(self.traversal, num_slots)

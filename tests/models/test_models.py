@@ -266,12 +266,12 @@ def test_rope_table_rows_equal_the_computed_angles(dtype):
     assert rope.tables == {}
 
 
-def test_fast_path_keeps_a_rope_table_only_given_the_bound():
+def test_fast_path_keeps_a_rope_table_over_the_context():
     model = _build("nanbeige")
-    model.use_fast_path()
     assert model.model.rotary_emb.tables == {}
-    model.use_fast_path(max_positions=40)
-    assert model.model.rotary_emb.tables[torch.float32].shape[0] == 40
+    model.use_fast_path()
+    context = model.config.max_position_embeddings
+    assert model.model.rotary_emb.tables[torch.float32].shape == (context, 2, 16)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -89,9 +89,9 @@ def test_rows_kernel_with_rope_write_equals_the_torch_path(tmp_path, monkeypatch
 
 
 def test_rope_table_covers_requests_to_the_last_position(tmp_path, monkeypatch):
-    """The fast path gathers RoPE's cos / sin from a table bounded by the runner's positions:
-    requests that run to the model's last position (prompt + max_tokens = context) decode as
-    on the torch backend, nothing indexes past the table, and the table was used."""
+    """The fast path gathers RoPE's cos / sin from a table over the model's context: requests
+    that run to its last position (prompt + max_tokens = context) decode as on the torch
+    backend and nothing indexes past the table (one position short, it fails)."""
     from tiny_checkpoints import write_tiny_ouro
 
     from rlt_engine.sampling_params import SamplingParams
@@ -111,4 +111,4 @@ def test_rope_table_covers_requests_to_the_last_position(tmp_path, monkeypatch):
     assert fused == reference
     assert all(len(t) == 16 - len(p) for (t, _, _), p in zip(fused, prompts, strict=True))
     tables = llm.engine.model.model.rotary_emb.tables
-    assert [tuple(t.shape[:2]) for t in tables.values()] == [(17, 2)]  # 4 blocks of 4, + 1
+    assert [tuple(t.shape[:2]) for t in tables.values()] == [(16, 2)]  # the context
