@@ -50,7 +50,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bench_small_gemm import rounding_bound  # noqa: E402
 
 from rlt_engine.kernels import pdl as _pdl  # noqa: E402
 from rlt_engine.kernels import small_gemm as _sg  # noqa: E402
@@ -189,20 +191,32 @@ def sweep() -> dict:
                     continue
                 name = f"{'tma' if tma else 'ptr'} {bn}x{bk} s{stages} {tag}"
                 variants[name] = dict(bn=bn, bk=bk, programs=programs, stages=stages, tma=tma)
-    rows = {}
-    for kind, (n, k) in SHAPES.items():
+
+    def per_shape(n: int, k: int) -> dict:
         per_tile = {
             f"tma 64x{bk} s{st} P=tiles": dict(bn=64, bk=bk, programs=n // 64, stages=st, tma=True)
             for bk, st in ((256, 3), (128, 4))
         }
+        return {**variants, **per_tile}
+
+    return against_the_table(streamk, per_shape)
+
+
+def against_the_table(gemm, variants_for) -> dict:
+    """Per Ouro GEMM and M = 1 / 8 / 16: cuBLAS, the table's kernel and `gemm(x, w, **kw)` for
+    each of `variants_for(n, k)`'s configs (name -> kw), us per GEMM in a CUDA graph of
+    back-to-back calls on distinct weight copies; a config is timed only after three launches
+    agree bitwise and stay within rounding of the fp32 product."""
+    rows = {}
+    for kind, (n, k) in SHAPES.items():
+        variants = variants_for(n, k)
         copies = max(8, (320 << 20) // (n * k * 2))
         weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
         w32 = weights[0].float()
         for m in (1, 8, 16):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             ref = x.float() @ w32.T
-            ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
-            bound = ulp + 2.0**-20 * (x.float().abs() @ w32.abs().T)
+            bound = rounding_bound(x, w32, ref)
             config = _sg.lookup(TABLE["entries"], n, k, m, torch.bfloat16, True)
 
             def per_gemm(call, x=x, weights=weights):
@@ -214,17 +228,17 @@ def sweep() -> dict:
                 "table_kernel": per_gemm(lambda a, b, c=config: _sg.gemm(a, b, c)),
                 "table_config": config.as_dict(),
             }
-            for name, kw in {**variants, **per_tile}.items():
+            for name, kw in variants.items():
                 try:
-                    outs = [streamk(x, weights[0], **kw) for _ in range(3)]
+                    outs = [gemm(x, weights[0], **kw) for _ in range(3)]
                     same = all(torch.equal(o, outs[0]) for o in outs)
                     excess = float(((outs[0].float() - ref).abs() - bound).max())
                     if not same or excess > 0:
                         row[name] = f"rejected: deterministic={same}, excess={excess:.3g}"
                         continue
-                    row[name] = per_gemm(lambda a, b, kw=kw: streamk(a, b, **kw))
+                    row[name] = per_gemm(lambda a, b, kw=kw: gemm(a, b, **kw))
                 except Exception as exc:  # a config the hardware refuses (shared memory)
-                    row[name] = f"error: {exc!r}"[:200]
+                    row[name] = f"error: {exc!r}"[:300]
             rows[f"{kind}/m{m}"] = row
             times = {key: v for key, v in row.items() if isinstance(v, float)}
             best = min(times, key=times.get)
@@ -583,44 +597,9 @@ def ws_gemm(x, w, bk=128, stages=4) -> torch.Tensor:
 
 
 def ws() -> dict:
-    rows = {}
     variants = {f"ws 64x{bk} {st} stages": dict(bk=bk, stages=st) for bk, st in
                 ((128, 4), (128, 6), (128, 8), (64, 8), (256, 3))}  # fmt: skip
-    for kind, (n, k) in SHAPES.items():
-        copies = max(8, (320 << 20) // (n * k * 2))
-        weights = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-        w32 = weights[0].float()
-        for m in (1, 8, 16):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            ref = x.float() @ w32.T
-            ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
-            bound = ulp + 2.0**-20 * (x.float().abs() @ w32.abs().T)
-            config = _sg.lookup(TABLE["entries"], n, k, m, torch.bfloat16, True)
-
-            def per_gemm(call, x=x, weights=weights):
-                graph = graph_of(lambda: [call(x, w) for w in weights])
-                return bench_us(graph.replay) / len(weights)
-
-            row = {
-                "cublas": per_gemm(F.linear),
-                "table_kernel": per_gemm(lambda a, b, c=config: _sg.gemm(a, b, c)),
-            }
-            for name, kw in variants.items():
-                try:
-                    outs = [ws_gemm(x, weights[0], **kw) for _ in range(3)]
-                    same = all(torch.equal(o, outs[0]) for o in outs)
-                    excess = float(((outs[0].float() - ref).abs() - bound).max())
-                    if not same or excess > 0:
-                        row[name] = f"rejected: deterministic={same}, excess={excess:.3g}"
-                        continue
-                    row[name] = per_gemm(lambda a, b, kw=kw: ws_gemm(a, b, **kw))
-                except Exception as exc:
-                    row[name] = f"error: {exc!r}"[:300]
-            rows[f"{kind}/m{m}"] = row
-            print(kind, m, {key: v if isinstance(v, str) else round(v, 2) for key, v in
-                            row.items()}, flush=True)  # fmt: skip
-        del weights
-    return rows
+    return against_the_table(ws_gemm, lambda n, k: variants)
 
 
 def main() -> None:

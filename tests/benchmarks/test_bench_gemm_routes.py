@@ -7,13 +7,13 @@ measurement relies on."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import benchmark_scripts
 import pytest
 import torch
 
@@ -23,13 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "bench_gemm_routes", ROOT / "benchmarks" / "bench_gemm_routes.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("bench_gemm_routes")
 
 
 @pytest.mark.parametrize(

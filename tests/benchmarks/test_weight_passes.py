@@ -3,22 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import benchmark_scripts
 
 from rlt_engine.core.plan import PrefillChunk, StepPlan
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(
-        "weight_passes", ROOT / "benchmarks" / "weight_passes.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("weight_passes")
 
 
 def test_a_traversal_reads_the_weights_once_a_lone_wave_once_per_loop_a_riding_wave_never():
