@@ -21,16 +21,11 @@ Parts:
   the next layer's qkv for the whole down_proj output), with or without each work item asking
   L2 for its weight slice before it waits; against the same chain as separate launches (the
   engine's kernels). Reports us per layer; checks both against a torch reference.
-- ws: a warp-specialised GEMM in Gluon (Triton's explicit dialect), one program per 64-row N
-  tile: one producer warp streams the weight tiles with TMA into a ring of shared-memory
-  stages (mbarriers), never waiting for the kernel before (weights depend on no kernel);
-  four consumer warps wait for it (PDL's griddepcontrol.wait), then run mma.sync on each
-  stage with the activation rows. Under PDL the ring fills while the previous kernel still
-  runs, which a Triton kernel cannot express (its pipeline starts after the wait). Timed like
-  `sweep` against the table's kernel and cuBLAS. Compiled for sm_90 on the CPU (the PTX holds
-  the TMA copies, the mbarrier waits, mma.sync and the griddepcontrol pair in the consumer
-  warps only); not yet run on a GPU when committed, so not in the default parts (run it
-  under `timeout`: a wrong barrier phase hangs).
+- ws: the warp-specialised GEMM (kernels/ws_gemm.py: a producer warp streams the weight
+  tiles with TMA into a shared-memory ring without waiting for the kernel before; a warpgroup
+  waits, loads its x rows with TMA, runs wgmma) over its tile / stage / split configs, timed
+  like `sweep` against the table's Triton kernel and cuBLAS. (Its first form, mma.sync with x
+  loaded from global memory every K step, lost: results/2026-12-02-ws-gemm-h200.md.)
 
 Results: benchmarks/results/2026-12-02-gemm-routes-h200.{md,json}.
 """
@@ -58,6 +53,7 @@ from rlt_engine.kernels import pdl as _pdl  # noqa: E402
 from rlt_engine.kernels import small_gemm as _sg  # noqa: E402
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu  # noqa: E402
 from rlt_engine.kernels.small_gemm_table import TABLE  # noqa: E402
+from rlt_engine.kernels.ws_gemm import check as ws_check  # noqa: E402
 
 _pdl._import_triton()
 prefetch_l2 = _pdl.prefetch_l2
@@ -496,116 +492,31 @@ def persistent(layers: int = 24) -> dict:
     return out
 
 
-# -- a warp-specialised GEMM in Gluon ------------------------------------------------------------
-
-
-def _ws_kernels():
-    """The Gluon kernel (built on first use: the part needs a GPU, the module imports without)."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-
-    @gluon.jit
-    def producer(w_desc, ring, full, empty, K, BN: gl.constexpr, BK: gl.constexpr,
-                 STAGES: gl.constexpr):  # fmt: skip
-        n0 = gl.program_id(0) * BN
-        for i in range(K // BK):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap passes
-            mbarrier.expect(full.index(s), BN * BK * 2)
-            tma.async_copy_global_to_shared(w_desc, [n0, i * BK], full.index(s), ring.index(s))
-
-    @gluon.jit
-    def consumer(x_ptr, out_ptr, M, N, K, stride_xm, ring, full, empty, BM: gl.constexpr,
-                 BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 PDL: gl.constexpr):  # fmt: skip
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[2, 0], warps_per_cta=[1, 4], instr_shape=[16, 8]
-        )
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-        b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        if PDL:  # the activations come from the kernel before; the weights already stream
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, a_layout))
-        cols = gl.arange(0, BK, layout=gl.SliceLayout(0, a_layout))
-        acc = gl.zeros([BM, BN], gl.float32, mma)
-        for i in range(K // BK):
-            s = i % STAGES
-            x = gl.load(x_ptr + rows[:, None] * stride_xm + (i * BK + cols)[None, :],
-                        mask=(rows < M)[:, None], other=0.0)  # fmt: skip
-            mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            w = ring.index(s).permute([1, 0]).load(b_layout)  # [BK, BN]
-            mbarrier.arrive(empty.index(s))
-            acc = mma_v2(x, w, acc)
-        out_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, mma))
-        out_cols = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-        gl.store(out_ptr + out_rows[:, None] * N + out_cols[None, :], acc.to(gl.bfloat16),
-                 mask=(out_rows < M)[:, None])  # fmt: skip
-
-    @gluon.jit
-    def ws_gemm(x_ptr, w_desc, out_ptr, M, N, K, stride_xm, BM: gl.constexpr, BN: gl.constexpr,
-                BK: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
-        ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], w_desc.layout)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(full.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        # fmt: off
-        gl.warp_specialize(
-            [
-                (consumer, (x_ptr, out_ptr, M, N, K, stride_xm, ring, full, empty, BM, BN, BK,
-                            STAGES, PDL)),
-                (producer, (w_desc, ring, full, empty, K, BN, BK, STAGES)),
-            ],
-            [1],  # one producer warp
-            [40],  # its registers: it only issues copies
-        )
-        # fmt: on
-
-    return ws_gemm
-
-
-_WS: list = []
-
-
-def ws_gemm(x, w, bk=128, stages=4) -> torch.Tensor:
-    """x [M <= 16, K] @ w[N, K].T with the warp-specialised kernel (N % 64 == K % bk == 0)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    if not _WS:
-        _WS.append(_ws_kernels())
-    n, k = w.shape
-    m = x.shape[0]
-    assert m <= 16 and n % 64 == 0 and k % bk == 0
-    key = ("ws", w.data_ptr(), bk)
-    if key not in _DESCRIPTORS:
-        layout = gl.NVMMASharedLayout.get_default_for([64, bk], gl.bfloat16)
-        _DESCRIPTORS[key] = GluonDescriptor.from_tensor(w, [64, bk], layout)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    pdl = _pdl.enabled(x.device)
-    _WS[0][(n // 64,)](
-        x, _DESCRIPTORS[key], out, m, n, k, x.stride(0), BM=16, BN=64, BK=bk, STAGES=stages,
-        PDL=pdl, num_warps=4, **_pdl.launch_options(pdl),
-    )  # fmt: skip
-    return out
+# -- the warp-specialised GEMM (kernels/ws_gemm.py) -----------------------------------------------
 
 
 def ws() -> dict:
-    variants = {f"ws 64x{bk} {st} stages": dict(bk=bk, stages=st) for bk, st in
-                ((128, 4), (128, 6), (128, 8), (64, 8), (256, 3))}  # fmt: skip
-    return against_the_table(ws_gemm, lambda n, k: variants)
+    def per_shape(n: int, k: int) -> dict:
+        configs = [(64, 256, 3, 1), (64, 128, 4, 1), (128, 128, 3, 1), (128, 256, 2, 1),
+                   (64, 128, 4, 2), (64, 256, 3, 2), (64, 128, 4, 4), (64, 128, 2, 4),
+                   (128, 128, 4, 4), (64, 128, 4, 8)]  # fmt: skip
+        return {
+            f"ws {bn}x{bk} s{st} split{sp}": {
+                "config": _sg.GemmConfig(bn, bk, sp, 4, st, kernel="ws")
+            }
+            for bn, bk, st, sp in configs
+            if ws_check(n, k, 16, bn, bk, sp) is None
+            and (n // bn) * sp <= 1024
+            and k // sp * 16 * 2 + st * bn * bk * 2 <= 200 * 1024  # shared memory
+        }
+
+    return against_the_table(lambda x, w, config: _sg.gemm(x, w, config), per_shape)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--parts", nargs="*", default=["sweep", "persistent"])
+    ap.add_argument("--parts", nargs="*", default=["sweep", "persistent", "ws"])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__}

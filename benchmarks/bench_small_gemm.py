@@ -4,9 +4,11 @@
 
 For every weight GEMM of Ouro-1.4B and Nanbeige4.2-3B (packed qkv, o_proj, packed gate_up,
 down_proj, lm_head; shapes from tests/fixtures/*/config.json) and M = 1, 2, 4, .., 64 bf16 rows,
-cuBLAS (F.linear) and every candidate Triton config (after checking it: three launches bitwise
-equal, every element within rounding of the fp32 matmul) are timed two ways, both
-triton.testing.do_bench medians (it flushes the L2 before each call):
+cuBLAS (F.linear) and every candidate config of the Triton kernel and, on Hopper at M <= 16 for
+the GEMMs the model calls ungated (qkv, o_proj, down_proj), of the warp-specialised one
+(kernels/ws_gemm.py) (each after checking it: three launches bitwise equal, every element
+within rounding of the fp32 matmul) are timed two ways, both triton.testing.do_bench medians (it
+flushes the L2 before each call):
 - graph: one CUDA graph of R back-to-back GEMMs, each on its own copy of the weight (R copies
   are >= 256 MB, several times the 60 MB L2), per GEMM. This is decode's situation (graph
   replays, weights streamed from HBM, no host launch cost) and what the table chooses by;
@@ -14,9 +16,10 @@ triton.testing.do_bench medians (it flushes the L2 before each call):
   for the best config and cuBLAS.
 Reports us, TB/s of weight bytes and their share of a device-to-device copy's bandwidth (read +
 written bytes, measured here). Writes <out>/small_gemm.json and, with --write-table,
-rlt_engine/kernels/small_gemm_table.py (and a copy in <out>): "triton" where the best config's
-graph time beats cuBLAS's by more than MARGIN, else "cublas". Only bf16 is tuned (the models'
-dtype); other dtypes stay on cuBLAS.
+rlt_engine/kernels/small_gemm_table.py (and a copy in <out>): the best config's kernel ("triton"
+or "ws") where its graph time beats cuBLAS's by more than MARGIN, else "cublas"; with --only, the
+tuned shapes' rows replace theirs in the table and the others stay. Only bf16 is tuned (the
+models' dtype); other dtypes stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from rlt_engine.kernels import small_gemm  # noqa: E402
+from rlt_engine.kernels import small_gemm, ws_gemm  # noqa: E402
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, table_key  # noqa: E402
 
 MODELS = {
@@ -45,6 +48,12 @@ MARGIN = 0.03  # the kernel must beat cuBLAS by 3% (do_bench noise is ~1%) to re
 # (block_n, block_k, num_warps, num_stages): shared memory per stage is block_n * block_k * 2 B
 TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4), (32, 256, 4, 4))
 SPLITS = (1, 2, 4, 6, 8, 16)
+# the warp-specialised kernel (block_n, block_k, num_stages; one program per SM: its shared
+# memory holds the ring and the program's x rows) and the GEMMs it may take: those the model
+# calls without a gate or the fused SwiGLU (both need the Triton kernel)
+WS_TILES = ((64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 256, 2), (64, 128, 2))
+WS_SPLITS = (1, 2, 4, 6, 8)
+WS_GEMMS = ("qkv", "o_proj", "down_proj")
 DEVICE = "cuda"
 TABLE_PATH = ROOT / "rlt_engine" / "kernels" / "small_gemm_table.py"
 
@@ -64,8 +73,9 @@ def model_shapes() -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def candidates(n: int, k: int) -> list[GemmConfig]:
-    """Tiles x splits that give 1/2..~12 waves of programs over the SMs, >= 2 K blocks a split."""
+def candidates(n: int, k: int, m: int, ws: bool) -> list[GemmConfig]:
+    """Tiles x splits that give 1/2..~12 waves of programs over the SMs, >= 2 K blocks a split;
+    `ws`: also the warp-specialised kernel's (<= 2 waves, shared memory <= 200 KB)."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     out = []
     for bn, bk, warps, stages in TILES:
@@ -74,6 +84,17 @@ def candidates(n: int, k: int) -> list[GemmConfig]:
             if s > 1 and (k // s < 2 * bk or not sms // 2 <= tiles * s <= 12 * sms):
                 continue
             out.append(GemmConfig(bn, bk, s, warps, stages))
+    if ws and ws_gemm.available(torch.device(DEVICE)):
+        for bn, bk, stages in WS_TILES:
+            for s in WS_SPLITS:
+                rows = 8 if m <= 8 else 16
+                shared = k // s * rows * 2 + stages * bn * bk * 2
+                if (
+                    ws_gemm.check(n, k, m, bn, bk, s) is None
+                    and shared <= 200 << 10
+                    and (sms // 2 <= n // bn * s <= 2 * sms)
+                ):
+                    out.append(GemmConfig(bn, bk, s, 4, stages, kernel="ws"))
     return out
 
 
@@ -114,7 +135,9 @@ def rounding_bound(x: torch.Tensor, w32: torch.Tensor, ref: torch.Tensor) -> tor
     return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7) + 2.0**-20 * absprod
 
 
-def tune(n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, args) -> dict:
+def tune(
+    n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, ws: bool, args
+) -> dict:
     w = weights[0]
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -122,7 +145,7 @@ def tune(n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor,
     bound = rounding_bound(x, w32, ref)
     cublas = graph_us(F.linear, x, weights, args)
     runs, rejected = [], []
-    for config in candidates(n, k):
+    for config in candidates(n, k, m, ws):
         try:
             outs = [gemm(x, w, config) for _ in range(3)]
         except Exception as exc:  # a config the compiler refuses (shared memory, ...)
@@ -150,7 +173,7 @@ def tune(n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor,
         "cublas_graph_us": cublas,
         "cublas_call_us": bench_us(lambda: F.linear(x, w), args.warmup, args.rep),
         "best": best,
-        "backend": "triton" if wins else "cublas",
+        "backend": best["config"]["kernel"] if wins else "cublas",
         "speedup": cublas / best["graph_us"] if best else None,
         "top": runs[:5],
         "rejected": rejected,
@@ -214,6 +237,11 @@ def main() -> None:
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + written)", flush=True)
     shapes = model_shapes()
     results, entries = [], {}  # entries: key -> table row
+    if args.only:  # the other shapes' rows stay, if they were tuned on this GPU and Triton
+        from rlt_engine.kernels.small_gemm_table import TABLE
+
+        if (TABLE["device"], TABLE["triton"]) == (meta["device"], meta["triton"]):
+            entries = dict(TABLE["entries"])
     by_nk: dict[tuple[int, int], list[str]] = {}
     for name, nk in shapes.items():
         if not args.only or name in args.only:
@@ -226,7 +254,8 @@ def main() -> None:
         copies = min(32, max(2, -(-(256 << 20) // wbytes)))
         weights = [w] + [w.clone() for _ in range(copies - 1)]
         for m in MS:
-            r = tune(n, k, m, weights, w32, args)
+            ws = any(name.split("/")[1] in WS_GEMMS for name in names)
+            r = tune(n, k, m, weights, w32, ws, args)
             best = r["best"] or {}
             for side, key in (("cublas", "cublas_graph_us"), ("cublas_call", "cublas_call_us")):
                 r[f"{side}_tb_s"] = wbytes / (r[key] * 1e-6) / 1e12

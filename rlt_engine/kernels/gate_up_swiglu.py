@@ -38,7 +38,7 @@ def gate_up_silu(
     benchmark) forces one: its block_n is split into the gate and up halves."""
     if config is None:
         config = _gemm.choose(x, w, gated=True)
-        if config is None or config.split_k != 1:
+        if config is None or config.split_k != 1 or config.kernel != "triton":
             return None
     if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1] or not w.is_contiguous():
         raise ValueError(f"need x [..., K] and w [2I, K] contiguous, got {x.shape}, {w.shape}")

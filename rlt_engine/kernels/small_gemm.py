@@ -86,6 +86,9 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    # "triton": this module's kernel; "ws": kernels/ws_gemm's warp-specialised one (Hopper,
+    # M <= 16, no gate; num_warps unused)
+    kernel: str = "triton"
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -147,11 +150,12 @@ def choose(x: torch.Tensor, w: torch.Tensor, gated: bool = False) -> GemmConfig 
 def lookup(
     entries: dict, n: int, k: int, m: int, dtype: torch.dtype, gated: bool = False
 ) -> GemmConfig | None:
-    """The Triton config the table's entries give for [m, k] @ [n, k].T, or None (cuBLAS)."""
+    """The kernel config the table's entries give for [m, k] @ [n, k].T, or None (cuBLAS).
+    `gated`: the fastest kernel's config even where the row says cuBLAS."""
     row = entries.get(table_key(n, k, m, dtype))  # small_gemm_table.FIELDS
-    if row is None or (row[0] != "triton" and not gated):
+    if row is None or (row[0] == "cublas" and not gated):
         return None
-    return GemmConfig(*row[1:6])
+    return GemmConfig(*row[1:6], kernel="ws" if row[0] == "ws" else "triton")
 
 
 def linear(
@@ -173,7 +177,7 @@ def linear(
     PREFETCH_WHOLE_MAX_M rows even where cuBLAS alone is a little faster."""
     whole = prefetch_whole and x.numel() <= PREFETCH_WHOLE_MAX_M * w.shape[-1]
     config = choose(x, w, gated=gate is not None or whole)
-    if config is None:
+    if config is None or (config.kernel == "ws" and not _ws_available(x.device)):
         return F.linear(x, w)
     return gemm(x, w, config, gate, prefetch_whole=whole)
 
@@ -188,9 +192,14 @@ def gemm(
     gate: torch.Tensor | None = None,
     prefetch_whole: bool = False,
 ) -> torch.Tensor:
-    """`x @ w.T` with the Triton kernel and an explicit config (tests, the benchmark): x [..., K]
-    with at most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device.
-    `gate`, `prefetch_whole`: see `linear`."""
+    """`x @ w.T` with the kernel of an explicit config (tests, the benchmark): x [..., K] with at
+    most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device. `gate`,
+    `prefetch_whole`: see `linear` (the "ws" kernel always runs the GEMM and streams its
+    weights ahead of the PDL wait by itself)."""
+    if config.kernel == "ws":
+        from rlt_engine.kernels.ws_gemm import ws_gemm
+
+        return ws_gemm(x, w, config)
     if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
         raise ValueError(
             f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "
@@ -271,6 +280,12 @@ def gemm(
             **_pdl.launch_options(pdl),
         )
     return out.view(*lead, n)
+
+
+def _ws_available(device: torch.device) -> bool:
+    from rlt_engine.kernels.ws_gemm import available
+
+    return available(device)
 
 
 _READY: dict[torch.device, bool] = {}  # device -> interpreter mode, once it can run there

@@ -1,9 +1,8 @@
 """benchmarks/bench_gemm_routes.py: its prototypes stay correct and compilable. The stream-K
 kernel runs under the interpreter against a float64 product (uneven shares of units, tiles
-split across up to five programs, more programs than N tiles); the persistent chain and the
-Gluon warp-specialised kernel cannot run there (spin-waits across programs, warp
-specialisation), so they are compiled for sm_90 and their PTX checked for what the
-measurement relies on."""
+split across up to five programs, more programs than N tiles); the persistent chain cannot run
+there (spin-waits across programs), so it is compiled for sm_90 and its PTX checked for what
+the measurement relies on. (The ws part times kernels/ws_gemm: tests/kernels/test_ws_gemm.py.)"""
 
 from __future__ import annotations
 
@@ -54,15 +53,13 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 import bench_gemm_routes as routes
 
-def sm90(fn, signature, constexprs, source=ASTSource, **options):
+def sm90(fn, signature, constexprs, **options):
     names = fn.arg_names
     sig = {name: "i32" for name in names} | signature | dict.fromkeys(constexprs, "constexpr")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
-    src = source(fn, sig, constexprs={(names.index(c),): v for c, v in constexprs.items()},
+    src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                  attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
@@ -75,14 +72,7 @@ chain = sm90(
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SO=4, SD=4, PREFETCH=True, LINE=64),
     num_warps=4, num_stages=4,
 )
-layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-ws = sm90(
-    routes._ws_kernels(),
-    {"x_ptr": "*bf16", "out_ptr": "*bf16", "w_desc": f"tensordesc<bf16[64, 128],{layout!r}>"},
-    dict(BM=16, BN=64, BK=128, STAGES=4, PDL=True),
-    source=GluonASTSource, num_warps=4,
-)
-print(json.dumps({"chain": chain, "ws": ws}))
+print(json.dumps({"chain": chain}))
 """
 
 
@@ -102,10 +92,3 @@ def test_persistent_chain_compiles_with_its_flag_polls_and_tickets(ptx):
     assert "atom.global.gpu.acquire.add" in chain  # the flags, polled with acquire atomics
     assert "atom.global.gpu.acq_rel.add" in chain  # the split partials' tickets
     assert "mma" in chain and "prefetch.global.L2" in chain
-
-
-def test_warp_specialised_gemm_compiles_with_a_tma_ring_before_the_pdl_wait(ptx):
-    ws = ptx["ws"]
-    assert "cp.async.bulk.tensor" in ws and "mbarrier.try_wait" in ws
-    assert "mma.sync" in ws and "setmaxnreg" in ws  # two partitions
-    assert ws.count("griddepcontrol.wait") == 1  # only the consumer waits for the kernel before

@@ -23,6 +23,7 @@ from rlt_engine.kernels.norm_chain import add_rms_norm
 from rlt_engine.kernels.paged_attention import paged_attention
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm
+from rlt_engine.kernels.ws_gemm import available as ws_available
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -88,14 +89,17 @@ class _Layers:
         angles = rand(self.rows, self.head_dim).float()
         self.cos, self.sin = angles.cos().bfloat16(), angles.sin().bfloat16()
 
-    def run(self) -> torch.Tensor:
+    def run(self, kernel: str = "triton") -> torch.Tensor:
+        """`kernel`: the small GEMMs' ("ws": the warp-specialised one, whose weight stream runs
+        ahead of its wait; gate/up + SwiGLU stays the Triton kernel)."""
         wide = GemmConfig(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3)
-        split = GemmConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4)
+        split = GemmConfig(64, 128, 4, 4, 4, kernel=kernel)
+        qkv_config = GemmConfig(64, 256, 1, 4, 3, kernel=kernel)
         heads, dim = self.heads, self.head_dim
         x = self.x
         h = rms_norm(x, self.layers[0]["norms"][0], 1e-6)
         for layer, (k_pool, v_pool) in zip(self.layers, self.pools, strict=True):
-            qkv = gemm(h, layer["qkv"], wide).view(self.rows, 3 * heads, dim)
+            qkv = gemm(h, layer["qkv"], qkv_config).view(self.rows, 3 * heads, dim)
             q, k, v = qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
             rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slot_mapping)
             attn = paged_attention(
@@ -118,29 +122,32 @@ class _Layers:
 
 @gpu
 @needs_hopper
-def test_gpu_pdl_chain_equals_no_pdl_eager_and_graphed(monkeypatch):
+@pytest.mark.parametrize("kernel", ["triton", "ws"])
+def test_gpu_pdl_chain_equals_no_pdl_eager_and_graphed(monkeypatch, kernel):
+    if kernel == "ws" and not ws_available(torch.device("cuda")):
+        pytest.skip("the warp-specialised GEMM needs compute capability 9.0 and Gluon")
     case = _Layers()
     saved = [(k.clone(), v.clone()) for k, v in case.pools]
     monkeypatch.setattr(pdl, "_DISABLED", True)
     assert not pdl.enabled(torch.device("cuda"))
-    plain = case.run()
+    plain = case.run(kernel)
     case.reset_pools(saved)
 
     monkeypatch.setattr(pdl, "_DISABLED", False)
     assert pdl.enabled(torch.device("cuda"))
     for _ in range(3):  # eager with PDL, several times (a race need not show every run)
-        assert torch.equal(case.run(), plain)
+        assert torch.equal(case.run(kernel), plain)
         case.reset_pools(saved)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        case.run()  # warm-up outside the capture
+        case.run(kernel)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     case.reset_pools(saved)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = case.run()
+        out = case.run(kernel)
     for _ in range(20):
         case.reset_pools(saved)
         graph.replay()

@@ -32,6 +32,7 @@ from rlt_engine.kernels.small_gemm import (
     table_key,
 )
 from rlt_engine.kernels.small_gemm_table import FIELDS, TABLE
+from rlt_engine.kernels.ws_gemm import check as ws_check
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -180,17 +181,21 @@ def test_linear_falls_back_to_cublas_off_the_table():
 def test_table_keys_and_entries():
     assert [m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 33, 64)] == [1, 2, 4, 8, 8, 16, 64, 64]
     assert table_key(6144, 2048, 5, torch.bfloat16) == "6144x2048:m8:bfloat16"
-    assert FIELDS[0] == "backend" and FIELDS[1:6] == tuple(vars(GemmConfig()))
+    assert FIELDS[0] == "backend" and FIELDS[1:6] == tuple(vars(GemmConfig()))[:5]
     for key, row in TABLE["entries"].items():
         assert "float32" not in key, "fp32 stays cuBLAS (exact tiny-checkpoint outputs)"
-        assert len(row) == len(FIELDS) and row[0] in ("triton", "cublas"), key
+        assert len(row) == len(FIELDS) and row[0] in ("triton", "ws", "cublas"), key
         shape, bucket, dtype = key.split(":")
-        n, k = map(int, shape.split("x"))
-        config = lookup(TABLE["entries"], n, k, int(bucket[1:]), getattr(torch, dtype))
+        n, k, m = *map(int, shape.split("x")), int(bucket[1:])
+        config = lookup(TABLE["entries"], n, k, m, getattr(torch, dtype))
         assert (config is None) == (row[0] == "cublas"), key
         if config is not None:
             assert config.block_n >= 16 and config.block_k >= 16 and config.split_k >= 1
             assert row[6] < row[7], f"{key}: chosen although slower than cuBLAS"
+            assert config.kernel == ("ws" if row[0] == "ws" else "triton"), key
+            if config.kernel == "ws":
+                why = ws_check(n, k, m, config.block_n, config.block_k, config.split_k)
+                assert why is None, f"{key}: {why}"
     assert lookup(TABLE["entries"], 6144, 2048, 3, torch.float16) is None  # not tuned: cuBLAS
 
 

@@ -1,0 +1,230 @@
+"""Small-M weight GEMM on Hopper with warp specialisation: `ws_gemm(x, w, config) == x @ w.T`
+for decode rows (M <= 16), written in Gluon (Triton's explicit-layout dialect).
+
+Why a second kernel beside kernels/small_gemm: at decode a GEMM is a weight stream that must
+wait for its activations, which the kernel before it writes. A Triton program's K-loop
+pipeline can only start after its PDL wait, so every GEMM pays the stream's ramp-up (first
+loads' latency, tail) again: ~3.3 us a GEMM on the H200 on top of its bytes. Here the work is
+split between warps:
+
+- one producer warp streams the program's weight tiles with TMA into a ring of shared-memory
+  stages (mbarriers: `full` when a tile has landed, `empty` when it has been consumed). The
+  weights depend on no kernel, so it starts at once: under PDL the ring fills while the kernel
+  before still runs;
+- four consumer warps (one warpgroup) execute the PDL wait, load the program's activation rows
+  for its whole K range with TMA in one go (rows >= M are filled with zeros by the copy), then
+  run one wgmma per stage, swap-AB: out.T[BLOCK_N, BM] = w[BLOCK_N, k] @ x.T[k, BM], both
+  operands read from shared memory, BM = 8 or 16 the MMA's narrow side;
+- split-K as in kernels/small_gemm: fp32 partials to a workspace, a ticket per N tile drawn
+  with an acq_rel atomic, the last split sums the partials in split order 0..S-1 and rounds
+  once. Bitwise deterministic run to run; a CUDA graph replay equals eager.
+
+Measured on the H200 (benchmarks/results/2026-12-02-ws-gemm-h200.md): Ouro's qkv 8.5 vs 9.2 us
+(the Triton kernel), o_proj 4.5 vs 5.2, down_proj 8.5 vs 9.2 at M = 8, back to back under PDL.
+
+Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
+interpreter: `available` says whether. Chosen per shape by small_gemm's table (backend "ws");
+no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlt_engine.kernels import pdl as _pdl
+
+__all__ = ["available", "check", "ws_gemm"]
+
+MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
+_DTYPES = (torch.bfloat16, torch.float16)
+_KERNEL: list = []  # the @gluon.jit kernel, built on first use
+_AVAILABLE: dict[int, bool] = {}
+_W_DESCRIPTORS: dict[tuple, object] = {}
+
+
+def available(device: torch.device) -> bool:
+    """Whether `ws_gemm` runs on `device`: CUDA, compute capability 9.0, Gluon importable."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _AVAILABLE:
+        ok = torch.cuda.get_device_capability(index) == (9, 0)
+        if ok:
+            from rlt_engine.kernels import paged_attention as _pa
+
+            ok = _pa._import_triton() is None and not _pa._interpreter_mode()
+        if ok:
+            try:
+                from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+                    warpgroup_mma,
+                )
+            except ImportError:
+                ok = False
+        _AVAILABLE[index] = ok
+    return _AVAILABLE[index]
+
+
+def check(n: int, k: int, m: int, block_n: int, block_k: int, split_k: int) -> str | None:
+    """Why the kernel cannot take this shape and config, or None."""
+    if m > MAX_M:
+        return f"at most {MAX_M} rows, got {m}"
+    if block_n not in (64, 128) or n % block_n:
+        return f"N = {n} must be a multiple of block_n (64 or 128), got {block_n}"
+    if k % (split_k * block_k):
+        return f"K = {k} must be a multiple of split_k * block_k = {split_k * block_k}"
+    return None
+
+
+def ws_gemm(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:  # config: GemmConfig
+    """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
+    a device where `available`; config's block_n / block_k / split_k / num_stages."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, k = w.shape
+    if x.dtype not in _DTYPES or w.dtype != x.dtype or x.shape[-1] != k or not w.is_contiguous():
+        raise ValueError(
+            f"x [..., {k}] and w [N, K] contiguous must share a dtype in {_DTYPES}, got x "
+            f"{x.dtype} {tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}"
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    bn, bk, splits = config.block_n, config.block_k, config.split_k
+    why = check(n, k, m, bn, bk, splits)
+    if why is not None:
+        raise ValueError(why)
+    if not available(x.device):
+        raise RuntimeError(f"the warp-specialised GEMM does not run on {x.device}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    key = (w.data_ptr(), n, k, w.dtype, bn, bk)  # a descriptor is its address, shape and tile
+    if key not in _W_DESCRIPTORS:
+        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
+        _W_DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, [bn, bk], layout)
+    bm = 8 if m <= 8 else 16
+    x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
+    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
+    n_tiles = n // bn
+    if splits > 1:
+        from rlt_engine.kernels.small_gemm import _COUNTERS_PER_DEVICE, _counters
+
+        if n_tiles > _COUNTERS_PER_DEVICE:
+            raise ValueError(f"{n_tiles} N tiles exceed the {_COUNTERS_PER_DEVICE} counters")
+        partials = torch.empty(n_tiles * splits * bn * bm, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device)
+    else:
+        partials, counters = out, out  # unused
+    pdl = _pdl.enabled(x.device)
+    _kernel()[(n_tiles, splits)](
+        x_desc, _W_DESCRIPTORS[key], out, partials, counters, m, n,
+        KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
+        PDL=pdl, num_warps=4, **_pdl.launch_options(pdl),
+    )  # fmt: skip
+    return out.view(*lead, n)
+
+
+def _kernel():
+    if not _KERNEL:
+        _KERNEL.append(_build())
+    return _KERNEL[0]
+
+
+def _build():
+    """Define the Gluon kernel (needs triton's Gluon; see `available`)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    @gluon.jit
+    def producer(w_desc, ring, full, empty, KT: gl.constexpr, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+        n0 = gl.program_id(0) * BN
+        k0 = gl.program_id(1) * (KT * BK)
+        for i in range(KT):  # no PDL wait: the weights depend on no kernel
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap passes
+            mbarrier.expect(full.index(s), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [n0, k0 + i * BK], full.index(s), ring.index(s))
+
+    @gluon.jit
+    def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty, xbar,
+                 KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                 STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+        if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+        k0 = gl.program_id(1) * (KT * BK)
+        mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
+        for i in gl.static_range(KT):
+            tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
+        )
+        acc = gl.zeros([BN, BM], gl.float32, mma)
+        mbarrier.wait(xbar, 0)
+        for i in range(KT):
+            s = i % STAGES
+            mbarrier.wait(full.index(s), (i // STAGES) & 1)
+            acc = warpgroup_mma(ring.index(s), xs.index(i).permute([1, 0]), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index(s))
+        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))  # weight rows = output columns
+        cols = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))  # x rows = output rows
+        out = out_ptr + cols[None, :] * N + (gl.program_id(0) * BN + rows)[:, None]
+        keep = (cols < M)[None, :] & (rows >= 0)[:, None]
+        if SPLIT == 1:
+            gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=keep)
+        else:
+            tile = gl.program_id(0)
+            offs = rows[:, None] * BM + cols[None, :]
+            gl.store(part_ptr + (tile * SPLIT + gl.program_id(1)) * (BN * BM) + offs, acc)
+            gl.thread_barrier()  # every thread's partial is written before the ticket is drawn
+            ticket = gl.atomic_add(tick_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:
+                total = gl.zeros([BN, BM], gl.float32, mma)
+                for j in gl.static_range(SPLIT):  # fixed order: deterministic
+                    # .cg: read at L2, where the other SMs' partials are (L1 is not coherent)
+                    total += gl.load(part_ptr + (tile * SPLIT + j) * (BN * BM) + offs,
+                                     cache_modifier=".cg")  # fmt: skip
+                gl.store(out, total.to(out_ptr.dtype.element_ty), mask=keep)
+                gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
+
+    @gluon.jit
+    def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, KT: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+        ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+        xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(full.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(xbar, count=1)
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty,
+                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PDL)),
+                (producer, (w_desc, ring, full, empty, KT, BN, BK, STAGES)),
+            ],
+            [1],  # one producer warp
+            [40],  # its registers: it only issues copies
+        )
+        # fmt: on
+
+    return ws_gemm_kernel

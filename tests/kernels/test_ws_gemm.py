@@ -1,0 +1,205 @@
+"""The warp-specialised small-M GEMM (kernels/ws_gemm.py): Gluon, Hopper only.
+
+It cannot run under the interpreter (warp specialisation, TMA, wgmma), so on CPU it is compiled
+for sm_90 in a process without TRITON_INTERPRET and its PTX checked for what its exactness and
+speed rest on; the dispatch rules are tested directly. On an H200 (-m gpu): Ouro / Nanbeige
+shapes within the fp32-accumulation bound of the exact product (kernels/test_small_gemm's
+`check`), bitwise deterministic with split-K under contention, counters left zero, graph
+replay = eager. Its place in a PDL chain of decode layers: kernels/test_pdl.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rlt_engine.kernels import small_gemm
+from rlt_engine.kernels.small_gemm import GemmConfig, gemm, lookup
+from rlt_engine.kernels.ws_gemm import available, check
+
+from .test_small_gemm import ACC_TOL_GPU, make
+from .test_small_gemm import check as check_product
+
+ROOT = Path(__file__).resolve().parents[2]
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_ws = pytest.mark.skipif(
+    not CUDA or not available(torch.device("cuda")), reason="needs compute capability 9.0"
+)
+
+
+def ws(block_n: int = 64, block_k: int = 128, split_k: int = 1, stages: int = 4) -> GemmConfig:
+    return GemmConfig(block_n, block_k, split_k, 4, stages, kernel="ws")
+
+
+def test_not_available_off_hopper():
+    assert not available(torch.device("cpu"))
+    x, w = make(4, 64, 128, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not run on cpu"):
+        gemm(x, w, ws())
+
+
+def test_shape_checks_name_the_constraint():
+    assert check(6144, 2048, 16, 64, 256, 1) is None
+    assert check(2048, 5632, 8, 64, 128, 4) is None
+    assert "at most 16 rows" in check(6144, 2048, 17, 64, 256, 1)
+    assert "multiple of block_n" in check(6100, 2048, 8, 64, 256, 1)
+    assert "split_k * block_k = 1024" in check(2048, 5632, 8, 64, 256, 4)
+    x, w = make(17, 64, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemm(x, w, ws())
+    with pytest.raises(ValueError, match="must share a dtype"):
+        gemm(x[:4].float(), w.float(), ws())
+
+
+def test_table_rows_name_the_kernel():
+    """A "ws" row gives the warp-specialised config (also gated: the fastest kernel); the
+    fused gate/up + SwiGLU never takes it (it needs the Triton kernel's config)."""
+    entries = {
+        "64x128:m8:bfloat16": ("ws", 64, 128, 1, 4, 4, 4.0, 5.0),
+        "64x128:m16:bfloat16": ("cublas", 64, 128, 2, 4, 3, 5.1, 5.0),
+    }
+    assert lookup(entries, 64, 128, 5, torch.bfloat16) == ws()
+    assert lookup(entries, 64, 128, 5, torch.bfloat16, gated=True) == ws()
+    assert lookup(entries, 64, 128, 12, torch.bfloat16) is None
+    assert lookup(entries, 64, 128, 12, torch.bfloat16, gated=True) == GemmConfig(64, 128, 2, 4, 3)
+
+
+# compiled in a process of its own: this one imported triton for the interpreter
+_COMPILE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from rlt_engine.kernels import ws_gemm
+
+fn = ws_gemm._build()
+names = fn.arg_names
+out = {}
+for bm, bn, bk, stages, split, dt in ((8, 64, 256, 3, 1, "bf16"), (16, 64, 128, 4, 4, "fp16")):
+    g = gl.bfloat16 if dt == "bf16" else gl.float16
+    desc = lambda rows: (
+        f"tensordesc<{dt}[{rows}, {bk}],"
+        f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
+    )
+    const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
+                 PDL=True)
+    sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
+        "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
+        "tick_ptr": "*i32"}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
+    src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                         attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    out[f"split{split}"] = kernel.asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(ROOT)], env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
+    for name, code in ptx.items():
+        assert "wgmma.mma_async" in code, name  # both operands from shared memory
+        assert "cp.async.bulk.tensor" in code and "mbarrier.try_wait" in code, name  # the ring
+        assert "setmaxnreg" in code, name  # two partitions: the producer warp and the MMA warps
+        # one wait, in the consumer partition only: the producer's copies never wait for it
+        assert code.count("griddepcontrol.wait") == 1, name
+        assert code.count("griddepcontrol.launch_dependents") == 1, name
+    assert "atom.global.gpu.acq_rel.add" in ptx["split4"]  # the partials' tickets
+    assert "atom.global" not in ptx["split1"]
+
+
+# -- GPU -----------------------------------------------------------------------------------------
+
+SHAPES = {  # (N, K) -> configs the table may choose
+    "ouro_qkv": ((6144, 2048), [ws(64, 256, 1, 3), ws(64, 128, 1, 4), ws(128, 128, 2, 3)]),
+    "ouro_o": ((2048, 2048), [ws(64, 128, 4, 4), ws(64, 256, 2, 3)]),
+    "ouro_down": ((2048, 5632), [ws(64, 128, 4, 4), ws(64, 128, 2, 4)]),
+    "nanbeige_down": ((3072, 10752), [ws(64, 128, 4, 3), ws(64, 128, 6, 2)]),
+}
+
+
+@gpu
+@needs_ws
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
+def test_gpu_model_shapes_within_the_product_bound(name, m):
+    (n, k), configs = SHAPES[name]
+    x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m)
+    for config in configs:
+        out = gemm(x, w, config)
+        check_product(out, x, w, ACC_TOL_GPU)
+        assert torch.equal(gemm(x, w, config), out)
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
+
+
+@gpu
+@needs_ws
+def test_gpu_fp16_lead_dims_and_views():
+    x, w = make(6, 2048, 2048, torch.float16, device="cuda", seed=3)
+    out = gemm(x.view(2, 3, 2048), w, ws(64, 128, 4))
+    assert out.shape == (2, 3, 2048)
+    check_product(out.view(6, 2048), x, w, ACC_TOL_GPU)
+    wide = torch.cat([x, x], dim=1)[:, :2048]  # a strided view: copied, same result
+    assert torch.equal(gemm(wide, w, ws(64, 128, 4)), out.view(6, 2048))
+
+
+@gpu
+@needs_ws
+def test_gpu_split_k_deterministic_under_contention():
+    x, w = make(8, 2048, 5632, torch.bfloat16, device="cuda", seed=4)
+    for config in (ws(64, 128, 4), ws(64, 128, 11, 2)):
+        first = gemm(x, w, config)
+        check_product(first, x, w, ACC_TOL_GPU)
+        for _ in range(50):
+            assert torch.equal(gemm(x, w, config), first)
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
+
+
+@gpu
+@needs_ws
+def test_gpu_cuda_graph_equals_eager():
+    """A chain (each GEMM reads the one before: the PDL wait is what orders them)."""
+    (n, k), _ = SHAPES["ouro_o"]
+    weights = [make(1, n, k, torch.bfloat16, device="cuda", seed=i)[1] * 0.1 for i in range(4)]
+    x = make(8, n, k, torch.bfloat16, device="cuda", seed=9)[0]
+    configs = [ws(64, 128, 4), ws(64, 256, 1, 3), ws(64, 128, 2), ws(128, 128, 1, 3)]
+
+    def chain() -> torch.Tensor:
+        h = x
+        for w, config in zip(weights, configs, strict=True):
+            h = gemm(h, w, config)
+        return h
+
+    eager = chain()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
