@@ -5,10 +5,10 @@
 For every weight GEMM of Ouro-1.4B and Nanbeige4.2-3B (packed qkv, o_proj, packed gate_up,
 down_proj, lm_head; shapes from tests/fixtures/*/config.json) and M = 1, 2, 4, .., 64 bf16 rows,
 cuBLAS (F.linear) and every candidate config of the Triton kernel and, on Hopper at M <= 16 for
-all GEMMs but the gated lm_head, of the warp-specialised one (kernels/ws_gemm.py; gate_up in
-the configs of its SwiGLU form), each after checking it (three launches bitwise equal, every
-element within rounding of the fp32 matmul), are timed two ways, both triton.testing.do_bench
-medians (it flushes the L2 before each call):
+the GEMMs the model calls ungated (qkv, o_proj, down_proj), of the warp-specialised one
+(kernels/ws_gemm.py) (each after checking it: three launches bitwise equal, every element
+within rounding of the fp32 matmul) are timed two ways, both triton.testing.do_bench medians (it
+flushes the L2 before each call):
 - graph: one CUDA graph of R back-to-back GEMMs, each on its own copy of the weight (R copies
   are >= 256 MB, several times the 60 MB L2), per GEMM. This is decode's situation (graph
   replays, weights streamed from HBM, no host launch cost) and what the table chooses by;
@@ -49,12 +49,13 @@ MARGIN = 0.03  # the kernel must beat cuBLAS by 3% (do_bench noise is ~1%) to re
 TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4), (32, 256, 4, 4))
 SPLITS = (1, 2, 4, 6, 8, 16)
 # the warp-specialised kernel (block_n, block_k, num_stages; one program per SM: its shared
-# memory holds the ring and the program's x rows) and the GEMMs it may take: all but the gated
-# lm_head (its skip needs the Triton kernel); gate_up in the configs its SwiGLU form takes
+# memory holds the ring and the program's x rows) and the GEMMs it may take: those the model
+# calls without a gate or the fused SwiGLU (both need the Triton kernel; a SwiGLU form of this
+# kernel lost 9% in place: results/2026-12-02-ws-gemm-h200.md)
 WS_TILES = ((64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 256, 2), (64, 128, 2), (64, 256, 5),
             (128, 128, 6))  # fmt: skip
 WS_SPLITS = (1, 2, 4, 6, 8)
-WS_GEMMS = {"qkv": "plain", "o_proj": "plain", "down_proj": "plain", "gate_up": "swiglu"}
+WS_GEMMS = ("qkv", "o_proj", "down_proj")
 DEVICE = "cuda"
 TABLE_PATH = ROOT / "rlt_engine" / "kernels" / "small_gemm_table.py"
 
@@ -74,10 +75,9 @@ def model_shapes() -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def candidates(n: int, k: int, m: int, ws: str | None) -> list[GemmConfig]:
+def candidates(n: int, k: int, m: int, ws: bool) -> list[GemmConfig]:
     """Tiles x splits that give 1/2..~12 waves of programs over the SMs, >= 2 K blocks a split;
-    `ws` ("plain" / "swiglu"): also the warp-specialised kernel's configs for that form (<= 2
-    waves, shared memory <= 200 KB)."""
+    `ws`: also the warp-specialised kernel's (<= 2 waves, shared memory <= 200 KB)."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     out = []
     for bn, bk, warps, stages in TILES:
@@ -86,13 +86,13 @@ def candidates(n: int, k: int, m: int, ws: str | None) -> list[GemmConfig]:
             if s > 1 and (k // s < 2 * bk or not sms // 2 <= tiles * s <= 12 * sms):
                 continue
             out.append(GemmConfig(bn, bk, s, warps, stages))
-    if ws is not None and ws_gemm.available(torch.device(DEVICE)):
+    if ws and ws_gemm.available(torch.device(DEVICE)):
         for bn, bk, stages in WS_TILES:
             for s in WS_SPLITS:
                 rows = 8 if m <= 8 else 16
                 shared = k // s * rows * 2 + stages * bn * bk * 2
                 if (
-                    ws_gemm.check(n, k, m, bn, bk, s, swiglu=ws == "swiglu") is None
+                    ws_gemm.check(n, k, m, bn, bk, s) is None
                     and shared <= 200 << 10
                     and (sms // 2 <= n // bn * s <= 2 * sms)
                 ):
@@ -138,7 +138,7 @@ def rounding_bound(x: torch.Tensor, w32: torch.Tensor, ref: torch.Tensor) -> tor
 
 
 def tune(
-    n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, ws: str | None, args
+    n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, ws: bool, args
 ) -> dict:
     w = weights[0]
     gen = torch.Generator(device=DEVICE).manual_seed(m)
@@ -256,8 +256,7 @@ def main() -> None:
         copies = min(32, max(2, -(-(256 << 20) // wbytes)))
         weights = [w] + [w.clone() for _ in range(copies - 1)]
         for m in MS:
-            kinds = [name.split("/")[1] for name in names]
-            ws = next((WS_GEMMS[kind] for kind in kinds if kind in WS_GEMMS), None)
+            ws = any(name.split("/")[1] in WS_GEMMS for name in names)
             r = tune(n, k, m, weights, w32, ws, args)
             best = r["best"] or {}
             for side, key in (("cublas", "cublas_graph_us"), ("cublas_call", "cublas_call_us")):

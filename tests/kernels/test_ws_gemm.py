@@ -21,9 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 from rlt_engine.kernels import small_gemm
-from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, lookup
-from rlt_engine.kernels.swiglu import silu_mul
 from rlt_engine.kernels.ws_gemm import available, check
 
 from .test_small_gemm import ACC_TOL_GPU, make
@@ -54,9 +52,6 @@ def test_shape_checks_name_the_constraint():
     assert "at most 16 rows" in check(6144, 2048, 17, 64, 256, 1)
     assert "multiple of block_n" in check(6100, 2048, 8, 64, 256, 1)
     assert "split_k * block_k = 1024" in check(2048, 5632, 8, 64, 256, 4)
-    assert check(11264, 2048, 8, 128, 256, 1, swiglu=True) is None  # 64 gate + 64 up rows
-    assert "no split-K" in check(11264, 2048, 8, 128, 256, 2, swiglu=True)
-    assert "128 rows a part" in check(11264, 2048, 8, 64, 256, 1, swiglu=True)
     x, w = make(17, 64, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="at most 16 rows"):
         gemm(x, w, ws())
@@ -90,16 +85,14 @@ from rlt_engine.kernels import ws_gemm
 fn = ws_gemm._build()
 names = fn.arg_names
 out = {}
-configs = ((8, 64, 256, 3, 1, 1, "bf16"), (16, 64, 128, 4, 4, 1, "fp16"),
-           (8, 64, 256, 2, 1, 2, "bf16"))
-for bm, bn, bk, stages, split, parts, dt in configs:
+for bm, bn, bk, stages, split, dt in ((8, 64, 256, 3, 1, "bf16"), (16, 64, 128, 4, 4, "fp16")):
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True)
+                 PDL=True)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
         "tick_ptr": "*i32"}
@@ -107,7 +100,7 @@ for bm, bn, bk, stages, split, parts, dt in configs:
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    out[f"split{split}" + ("_swiglu" if parts == 2 else "")] = kernel.asm["ptx"]
+    out[f"split{split}"] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
 
@@ -133,9 +126,6 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         assert code.count("griddepcontrol.launch_dependents") == 1, name
     assert "atom.global.gpu.acq_rel.add" in ptx["split4"]  # the partials' tickets
     assert "atom.global" not in ptx["split1"]
-    swiglu = ptx["split1_swiglu"]  # two MMAs a stage, silu with an IEEE division
-    assert swiglu.count("wgmma.mma_async") == 2 * ptx["split1"].count("wgmma.mma_async")
-    assert "div.rn.f32" in swiglu and "div.rn.f32" not in ptx["split1"]
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -213,17 +203,3 @@ def test_gpu_cuda_graph_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
-
-
-@gpu
-@needs_ws
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize(("inter", "hidden"), [(5632, 2048), (64 * 12, 3072)])
-def test_gpu_swiglu_form_equals_its_gemm_then_silu_mul(m, inter, hidden):
-    """Each part accumulates as the plain kernel does on those rows, then the unfused path's
-    roundings: bit for bit the ws GEMM of [gate; up] followed by kernels/swiglu."""
-    x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
-    for bk, stages in ((256, 2), (128, 4)):
-        fused = gate_up_silu(x, w, ws(128, bk, 1, stages))
-        assert torch.equal(fused, silu_mul(gemm(x, w, ws(64, bk, 1, stages))))
-        assert torch.equal(gate_up_silu(x, w, ws(128, bk, 1, stages)), fused)
