@@ -19,9 +19,11 @@ The counters are one zeroed int32 buffer per device that every launch leaves zer
 must not run concurrently on two streams of one device (the engine runs one stream at a time).
 
 `linear` chooses per shape from `small_gemm_table.TABLE`, keyed by (N, K, M bucket, dtype) and
-autotuned on one GPU model by benchmarks/bench_small_gemm.py; it falls back to `F.linear`
-(cuBLAS) for shapes not in the table, entries that say "cublas", another GPU model, CPU tensors,
-M > 64, autograd, or RLT_SMALL_GEMM=0. fp32 is never in the table: fp32 outputs stay cuBLAS's.
+autotuned on one GPU model by benchmarks/bench_small_gemm.py: this kernel, or on Hopper at
+M <= 16 the warp-specialised one (kernels/ws_gemm.py, entries "ws"), or cuBLAS. It falls back
+to `F.linear` (cuBLAS) for shapes not in the table, entries that say "cublas", another GPU
+model, CPU tensors, M > 64, autograd, a "ws" entry where that kernel cannot run, or
+RLT_SMALL_GEMM=0. fp32 is never in the table: fp32 outputs stay cuBLAS's.
 CUDA-graph capturable: no host synchronisation; the grid and workspace depend on shapes only.
 triton is imported lazily (see paged_attention: interpreter mode and its workarounds).
 
@@ -67,8 +69,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # tile is faster alone from 32 rows on (small_gemm_table: Ouro o_proj 7.2 vs 6.4 us at 32)
 PREFETCH_WHOLE_MAX_M = 16
 _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
-# A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's Triton
-# config wherever it has one (also where its entry says cuBLAS is a little faster)
+# A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's kernel
+# config (Triton or ws) wherever it has one (also where its entry says cuBLAS is a little faster)
 _MODE = os.environ.get("RLT_SMALL_GEMM", "1")
 _DISABLED = _MODE == "0"
 _PREFER_TRITON = _MODE == "triton"
