@@ -15,7 +15,16 @@ flushes the L2 before each call):
 - call: one eager call (host launch overhead included when it exceeds the flush's GPU time),
   for the best config and cuBLAS.
 Reports us, TB/s of weight bytes and their share of a device-to-device copy's bandwidth (read +
-written bytes, measured here). Writes <out>/small_gemm.json and, with --write-table,
+written bytes, measured here).
+
+--confirm-in-place: isolated times do not always rank configs as decode does (a kernel's
+shared memory decides whether the next kernel's programs start under it with PDL: the ws
+SwiGLU form won alone and lost 9% in place, results/2026-12-02-ws-gemm-h200.md). So after
+tuning, per model, decode tok/s in place (dummy weights, 64/32, c = 1 and 8, engines with one
+table each) with the new table, and with each shape whose rows changed reverted to the old
+table's rows alone; a shape keeps its new rows unless decode is IN_PLACE_MARGIN faster without
+them. The old table is the committed one where it was tuned on this GPU and Triton, else none
+(cuBLAS). Writes <out>/small_gemm.json and, with --write-table,
 rlt_engine/kernels/small_gemm_table.py (and a copy in <out>): the best config's kernel ("triton"
 or "ws") where its graph time beats cuBLAS's by more than MARGIN, else "cublas"; with --only, the
 tuned shapes' rows replace theirs in the table and the others stay. Only bf16 is tuned (the
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from rlt_engine.kernels import small_gemm, ws_gemm  # noqa: E402
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, table_key  # noqa: E402
@@ -44,6 +54,8 @@ MODELS = {
     "nanbeige4.2-3b": "tests/fixtures/nanbeige4.2-3b",
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
+IN_PLACE_CS = (1, 8)  # concurrencies --confirm-in-place decodes at
+IN_PLACE_MARGIN = 0.01  # what the old rows must gain in place to come back (drift: ~0.6%)
 MARGIN = 0.03  # the kernel must beat cuBLAS by 3% (do_bench noise is ~1%) to replace it
 # (block_n, block_k, num_warps, num_stages): shared memory per stage is block_n * block_k * 2 B
 TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4), (32, 256, 4, 4))
@@ -200,7 +212,9 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
         '"""Small-GEMM dispatch table (kernels/small_gemm.py): written by',
         "benchmarks/bench_small_gemm.py on the GPU named below; do not edit by hand. Keys are",
         '"NxK:m<bucket>:<dtype>"; rows are FIELDS, "us" and "cublas_us" the per-GEMM CUDA-graph',
-        'times (do_bench medians) the choice was made by."""',
+        'times (do_bench medians) the choice was made by."""'
+        if "in_place" not in meta
+        else 'times (do_bench medians); the choices checked in decode (--confirm-in-place)."""',
         "",
         f"FIELDS = {FIELDS!r}",
         "TABLE: dict = {",
@@ -214,6 +228,60 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
     path.write_text("\n".join(lines).replace("'", '"'))
 
 
+def shape_rows(entries: dict, n: int, k: int) -> dict:
+    """The table rows of the [*, k] @ [n, k].T GEMM (every M bucket and dtype)."""
+    return {key: row for key, row in entries.items() if key.startswith(f"{n}x{k}:")}
+
+
+def with_rows(entries: dict, rows_from: dict, n: int, k: int) -> dict:
+    """`entries` with shape (n, k)'s rows as `rows_from` has them (none where it has none)."""
+    out = {key: row for key, row in entries.items() if not key.startswith(f"{n}x{k}:")}
+    return out | shape_rows(rows_from, n, k)
+
+
+def mean_speedup(rates: dict[int, float], base: dict[int, float]) -> float:
+    return statistics.mean(rates[c] / base[c] for c in base)
+
+
+def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple[dict, dict]:
+    """`new` with each changed shape's rows reverted to `old`'s where decode is more than
+    IN_PLACE_MARGIN faster in place with them (each shape tried alone against `new`).
+    shapes_by_model: model -> [(n, k), ..]; rate(model, entries) -> {c: decode tok/s}."""
+    entries, report = dict(new), {}
+    for model, shapes in shapes_by_model.items():
+        changed = [nk for nk in shapes if shape_rows(old, *nk) != shape_rows(new, *nk)]
+        if not changed:
+            continue
+        base = rate(model, new)
+        report[model] = {"new": base}
+        for n, k in changed:
+            trial = rate(model, with_rows(new, old, n, k))
+            gain = mean_speedup(trial, base)
+            kept = "new" if gain <= 1 + IN_PLACE_MARGIN else "old"
+            report[model][f"{n}x{k}"] = {"old_rows": trial, "old_rows_speedup": gain, "kept": kept}
+            if kept == "old":
+                entries = with_rows(entries, old, n, k)
+        report[model]["final"] = rate(model, entries)
+        report[model]["old"] = rate(model, old)
+    return entries, report
+
+
+def decode_rates(model: str, entries: dict) -> dict[int, float]:
+    """Committed decode tok/s of `model` (dummy bf16 weights) with the table `entries`."""
+    from h200_decode import _engine, _median_rate
+
+    small_gemm._TABLES.clear()
+    small_gemm._TABLES[torch.cuda.current_device()] = entries
+    try:
+        llm = _engine(ROOT / MODELS[model])
+        rates = {c: _median_rate(llm, c)["decode_tok_s_median"] for c in IN_PLACE_CS}
+        print(model, {c: round(r, 1) for c, r in rates.items()}, flush=True)
+        del llm
+        return rates
+    finally:
+        small_gemm._TABLES.clear()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -221,6 +289,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=20, help="do_bench repetitions, ms")
     ap.add_argument("--only", nargs="*", help="shape names (e.g. ouro-1.4b/qkv)")
+    ap.add_argument("--confirm-in-place", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -239,11 +308,12 @@ def main() -> None:
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + written)", flush=True)
     shapes = model_shapes()
     results, entries = [], {}  # entries: key -> table row
-    if args.only:  # the other shapes' rows stay, if they were tuned on this GPU and Triton
-        from rlt_engine.kernels.small_gemm_table import TABLE
+    from rlt_engine.kernels.small_gemm_table import TABLE
 
-        if (TABLE["device"], TABLE["triton"]) == (meta["device"], meta["triton"]):
-            entries = dict(TABLE["entries"])
+    same_gpu = (TABLE["device"], TABLE["triton"]) == (meta["device"], meta["triton"])
+    old = dict(TABLE["entries"]) if same_gpu else {}
+    if args.only:  # the other shapes' rows stay, if they were tuned on this GPU and Triton
+        entries = dict(old)
     by_nk: dict[tuple[int, int], list[str]] = {}
     for name, nk in shapes.items():
         if not args.only or name in args.only:
@@ -284,6 +354,20 @@ def main() -> None:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         # after every shape: a run cut short by a time limit still leaves what it measured
+        meta["seconds"] = time.perf_counter() - t0
+        (args.out / "small_gemm.json").write_text(
+            json.dumps({**meta, "results": results}, indent=1) + "\n"
+        )
+        if args.write_table:
+            write_table(TABLE_PATH, meta, entries)
+            write_table(args.out / "small_gemm_table.py", meta, entries)
+    if args.confirm_in_place:
+        shapes_by_model: dict[str, list[tuple[int, int]]] = {}
+        for nk, names in by_nk.items():
+            for name in names:
+                shapes_by_model.setdefault(name.split("/")[0], []).append(nk)
+        entries, report = confirm_in_place(old, entries, shapes_by_model, decode_rates)
+        meta["in_place"] = report
         meta["seconds"] = time.perf_counter() - t0
         (args.out / "small_gemm.json").write_text(
             json.dumps({**meta, "results": results}, indent=1) + "\n"
