@@ -41,7 +41,6 @@ MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
-_W_DESCRIPTORS: dict[tuple, object] = {}
 
 
 def available(device: torch.device) -> bool:
@@ -104,10 +103,10 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:  # config
     if m == 0:
         return out.view(*lead, n)
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    key = (w.data_ptr(), n, k, w.dtype, bn, bk)  # a descriptor is its address, shape and tile
-    if key not in _W_DESCRIPTORS:
-        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
-        _W_DESCRIPTORS[key] = TensorDescriptor.from_tensor(w, [bn, bk], layout)
+    # descriptors are built per call (the launcher encodes them at every launch anyway): one
+    # kept would keep its tensor alive
+    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
+    w_desc = TensorDescriptor.from_tensor(w, [bn, bk], w_layout)
     bm = 8 if m <= 8 else 16
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
@@ -123,7 +122,7 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:  # config
         partials, counters = out, out  # unused
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
-        x_desc, _W_DESCRIPTORS[key], out, partials, counters, m, n,
+        x_desc, w_desc, out, partials, counters, m, n,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PDL=pdl, num_warps=4, **_pdl.launch_options(pdl),
     )  # fmt: skip

@@ -9,10 +9,12 @@ replay = eager. Its place in a PDL chain of decode layers: kernels/test_pdl.py."
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -203,3 +205,17 @@ def test_gpu_cuda_graph_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@gpu
+@needs_ws
+def test_gpu_keeps_no_reference_to_its_operands():
+    """Nothing of a launch outlives it: a dropped weight's memory is freed (a descriptor kept
+    in a cache would hold the tensor, and with it a dropped engine's weights)."""
+    x, w = make(8, 2048, 2048, torch.bfloat16, device="cuda", seed=5)
+    for config in (ws(64, 128, 4), ws(64, 256, 1, 3)):
+        gemm(x, w, config)
+    refs = [weakref.ref(w), weakref.ref(x)]
+    del x, w
+    gc.collect()
+    assert all(ref() is None for ref in refs)
