@@ -147,6 +147,16 @@ def _build():
     )
 
     @gluon.jit
+    def gdc_wait():  # griddepcontrol, as triton.language.extra.cuda has it for Triton kernels
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def gdc_launch_dependents():
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
     def producer(w_desc, ring, full, empty, KT: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
         n0 = gl.program_id(0) * BN
@@ -162,15 +172,12 @@ def _build():
                  KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)  # fmt: skip
+            gdc_wait()
+            gdc_launch_dependents()
         k0 = gl.program_id(1) * (KT * BK)
         mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
         for i in gl.static_range(KT):
             tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
-        if PDL:
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                      dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
         )

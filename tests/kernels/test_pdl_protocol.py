@@ -42,7 +42,21 @@ def _is_pdl_block(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and stmt.test.id == "PDL"
 
 
-KERNEL_DEFS = _kernels_with_pdl()
+def _partitions(fn: ast.FunctionDef) -> list[str] | None:
+    """The partition functions a Gluon kernel hands to `warp_specialize`, or None."""
+    for sub in ast.walk(fn):
+        if isinstance(sub, ast.Call) and _calls(sub)[:1] == ["warp_specialize"]:
+            return [part.elts[0].id for part in sub.args[0].elts]
+    return None
+
+
+# a warp-specialised kernel is checked through its partitions: the one given PDL as a kernel
+KERNEL_DEFS = [(n, f) for n, f in _kernels_with_pdl() if _partitions(f) is None]
+SPECIALISED = [(n, f) for n, f in _kernels_with_pdl() if _partitions(f) is not None]
+# what a kernel body may do before handing over to its partitions, and all a partition without
+# the wait may do: stream weights (TMA copies of `w_desc`) through mbarriers
+SETUP = {"allocate_shared_memory", "MBarrierLayout", "init", "index", "static_range"}
+WEIGHT_STREAM = {"program_id", "range", "wait", "expect", "index", "async_copy_global_to_shared"}
 
 
 def test_the_pdl_kernels_are_found():
@@ -66,6 +80,31 @@ def test_nothing_touches_memory_before_the_wait(name, fn):
     before = calls[: calls.index("gdc_wait")]
     allowed = PURE | {"prefetch_l2", "prefetch_kv_l2"}
     assert set(before) <= allowed, f"{name}: {before} before the wait"
+
+
+def test_warp_specialised_kernels_are_found():
+    assert "ws_gemm.py::ws_gemm_kernel" in {name for name, _ in SPECIALISED}
+    assert "ws_gemm.py::consumer" in {name for name, _ in KERNEL_DEFS}
+
+
+@pytest.mark.parametrize("name,fn", SPECIALISED, ids=[n for n, _ in SPECIALISED])
+def test_warp_specialised_partitions_wait_or_only_stream_weights(name, fn):
+    """The kernel body only sets up shared memory; one partition takes PDL (and is checked as
+    a kernel above); every other one only copies weight tiles: it never waits, and needs not."""
+    body_calls = [c for stmt in fn.body for c in _calls(stmt)]
+    assert set(body_calls[: body_calls.index("warp_specialize")]) <= SETUP, name
+    module = ast.parse((KERNELS / name.split("::")[0]).read_text())
+    defs = {d.name: d for d in ast.walk(module) if isinstance(d, ast.FunctionDef)}
+    parts = [defs[p] for p in _partitions(fn)]
+    waiting = [p for p in parts if any(a.arg == "PDL" for a in p.args.args)]
+    assert len(waiting) == 1, f"{name}: one partition waits for the kernel before"
+    for part in parts:
+        if part is waiting[0]:
+            continue
+        assert set(_calls(part)) <= WEIGHT_STREAM, f"{name}: {part.name} {set(_calls(part))}"
+        copies = [c for c in ast.walk(part) if isinstance(c, ast.Call) and
+                  _calls(c)[:1] == ["async_copy_global_to_shared"]]  # fmt: skip
+        assert copies and all(c.args[0].id == "w_desc" for c in copies), part.name
 
 
 def test_every_pdl_launch_compiles_the_wait():
