@@ -182,7 +182,7 @@ class LLMEngine:
         triton = impl == "triton"
         return {
             "pdl": triton and pdl.enabled(self.device),
-            "small_gemm": small_gemm.dispatch_mode() if triton else "cublas",
+            "small_gemm": small_gemm.dispatch_mode(self.device) if triton else "cublas",
             "fused_rows": self.runner.traversal.fused,
         }
 

@@ -76,9 +76,18 @@ _DISABLED = _MODE == "0"
 _PREFER_TRITON = _MODE == "triton"
 
 
-def dispatch_mode() -> str:
-    """What `linear` dispatches by (RLT_SMALL_GEMM): "table", "cublas" or "triton"."""
-    return {"0": "cublas", "triton": "triton"}.get(_MODE, "table")
+def dispatch_mode(device: torch.device) -> str:
+    """What `linear` dispatches by on `device`: "cublas" (RLT_SMALL_GEMM=0, or no table for
+    this device: not CUDA, another GPU model or Triton version), else "table" (or "triton"
+    with RLT_SMALL_GEMM=triton), with "+ws" where the table has rows for the warp-specialised
+    kernel and it runs here."""
+    entries = None if _DISABLED or device.type != "cuda" else _table_for(device)
+    if entries is None:
+        return "cublas"
+    mode = "triton" if _PREFER_TRITON else "table"
+    if any(row[0] == "ws" for row in entries.values()) and _ws_available(device):
+        mode += "+ws"
+    return mode
 
 
 @dataclass(frozen=True)

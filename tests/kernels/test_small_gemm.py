@@ -169,6 +169,29 @@ def test_gated_dispatch_takes_the_kernel_where_the_table_prefers_cublas():
     assert torch.equal(linear(x, w, gate=torch.tensor(False)), F.linear(x, w))  # CPU: runs
 
 
+def test_dispatch_mode_says_what_runs(monkeypatch):
+    """cuBLAS off CUDA and where no table was tuned for the GPU; "+ws" only where the table
+    has warp-specialised rows and that kernel runs on the device."""
+    from rlt_engine.kernels import ws_gemm
+
+    cuda = torch.device("cuda", 0)
+    assert small_gemm.dispatch_mode(torch.device("cpu")) == "cublas"
+    monkeypatch.setattr(small_gemm, "_TABLES", {0: None})  # another GPU model
+    assert small_gemm.dispatch_mode(cuda) == "cublas"
+    rows = {"64x32:m1:bfloat16": ("triton", 32, 32, 1, 4, 2, 5.0, 6.0)}
+    monkeypatch.setattr(small_gemm, "_TABLES", {0: rows})
+    monkeypatch.setattr(ws_gemm, "_AVAILABLE", {0: True})
+    assert small_gemm.dispatch_mode(cuda) == "table"
+    rows["64x32:m8:bfloat16"] = ("ws", 64, 32, 1, 4, 3, 4.0, 6.0)
+    assert small_gemm.dispatch_mode(cuda) == "table+ws"
+    monkeypatch.setattr(ws_gemm, "_AVAILABLE", {0: False})  # a table row it cannot run
+    assert small_gemm.dispatch_mode(cuda) == "table"
+    monkeypatch.setattr(small_gemm, "_PREFER_TRITON", True)
+    assert small_gemm.dispatch_mode(cuda) == "triton"
+    monkeypatch.setattr(small_gemm, "_DISABLED", True)
+    assert small_gemm.dispatch_mode(cuda) == "cublas"
+
+
 def test_linear_falls_back_to_cublas_off_the_table():
     """CPU tensors, M > 64, fp32 and unknown shapes go to F.linear: bitwise torch's result."""
     x, w = make(4, 32, 64, torch.float32)
