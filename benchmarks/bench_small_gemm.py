@@ -314,6 +314,16 @@ def main() -> None:
     old = dict(TABLE["entries"]) if same_gpu else {}
     if args.only:  # the other shapes' rows stay, if they were tuned on this GPU and Triton
         entries = dict(old)
+
+    def save(entries: dict) -> None:
+        meta["seconds"] = time.perf_counter() - t0
+        (args.out / "small_gemm.json").write_text(
+            json.dumps({**meta, "results": results}, indent=1) + "\n"
+        )
+        if args.write_table:
+            write_table(TABLE_PATH, meta, entries)
+            write_table(args.out / "small_gemm_table.py", meta, entries)
+
     by_nk: dict[tuple[int, int], list[str]] = {}
     for name, nk in shapes.items():
         if not args.only or name in args.only:
@@ -353,14 +363,7 @@ def main() -> None:
         del w, w32
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        # after every shape: a run cut short by a time limit still leaves what it measured
-        meta["seconds"] = time.perf_counter() - t0
-        (args.out / "small_gemm.json").write_text(
-            json.dumps({**meta, "results": results}, indent=1) + "\n"
-        )
-        if args.write_table:
-            write_table(TABLE_PATH, meta, entries)
-            write_table(args.out / "small_gemm_table.py", meta, entries)
+        save(entries)  # after every shape: a run cut short still leaves what it measured
     if args.confirm_in_place:
         shapes_by_model: dict[str, list[tuple[int, int]]] = {}
         for nk, names in by_nk.items():
@@ -368,13 +371,7 @@ def main() -> None:
                 shapes_by_model.setdefault(name.split("/")[0], []).append(nk)
         entries, report = confirm_in_place(old, entries, shapes_by_model, decode_rates)
         meta["in_place"] = report
-        meta["seconds"] = time.perf_counter() - t0
-        (args.out / "small_gemm.json").write_text(
-            json.dumps({**meta, "results": results}, indent=1) + "\n"
-        )
-        if args.write_table:
-            write_table(TABLE_PATH, meta, entries)
-            write_table(args.out / "small_gemm_table.py", meta, entries)
+        save(entries)
     small_gemm._TABLES.clear()
     print(f"done in {meta['seconds']:.0f} s", flush=True)
 

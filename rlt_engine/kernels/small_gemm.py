@@ -55,6 +55,7 @@ __all__ = [
     "linear",
     "lookup",
     "m_bucket",
+    "split_buffers",
     "supported",
     "table_key",
 ]
@@ -243,13 +244,7 @@ def gemm(
     n_tiles = triton.cdiv(n, bn)
     k_per_split = triton.cdiv(triton.cdiv(k, max(1, config.split_k)), bk) * bk
     splits = triton.cdiv(k, k_per_split)  # no empty split
-    if splits > 1:
-        if n_tiles > _COUNTERS_PER_DEVICE:
-            raise ValueError(f"{n_tiles} N tiles exceed the {_COUNTERS_PER_DEVICE} counters")
-        workspace = torch.empty(n_tiles * splits * m * bn, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        workspace = counters = out  # unused
+    workspace, counters = split_buffers(n_tiles, splits, m * bn, out)
     pdl = _pdl.enabled(x.device)
     # a gated launch does not prefetch: where the gate is zero those bytes would be wasted
     prefetch_k = 0
@@ -291,6 +286,17 @@ def gemm(
             **_pdl.launch_options(pdl),
         )
     return out.view(*lead, n)
+
+
+def split_buffers(n_tiles: int, splits: int, tile: int, out: torch.Tensor):
+    """Split-K's fp32 partials ([n_tiles, splits, tile]) and the device's ticket counters; with
+    no split, `out` for both (the kernel does not touch them)."""
+    if splits == 1:
+        return out, out
+    if n_tiles > _COUNTERS_PER_DEVICE:
+        raise ValueError(f"{n_tiles} N tiles exceed the {_COUNTERS_PER_DEVICE} counters")
+    partials = torch.empty(n_tiles * splits * tile, dtype=torch.float32, device=out.device)
+    return partials, _counters(out.device)
 
 
 def _ws_available(device: torch.device) -> bool:

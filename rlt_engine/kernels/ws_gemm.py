@@ -110,16 +110,10 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:  # config
     bm = 8 if m <= 8 else 16
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
-    n_tiles = n // bn
-    if splits > 1:
-        from rlt_engine.kernels.small_gemm import _COUNTERS_PER_DEVICE, _counters
+    from rlt_engine.kernels.small_gemm import split_buffers
 
-        if n_tiles > _COUNTERS_PER_DEVICE:
-            raise ValueError(f"{n_tiles} N tiles exceed the {_COUNTERS_PER_DEVICE} counters")
-        partials = torch.empty(n_tiles * splits * bn * bm, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
-    else:
-        partials, counters = out, out  # unused
+    n_tiles = n // bn
+    partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n,

@@ -6,19 +6,12 @@ the measurement relies on. (The ws part times kernels/ws_gemm: tests/kernels/tes
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import benchmark_scripts
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():  # type: ignore[no-untyped-def]
@@ -78,13 +71,7 @@ print(json.dumps({"chain": chain}))
 
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(ROOT)], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_compile_script(_COMPILE)
 
 
 def test_persistent_chain_compiles_with_its_flag_polls_and_tickets(ptx):

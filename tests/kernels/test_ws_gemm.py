@@ -10,15 +10,11 @@ replay = eager. Its place in a PDL chain of decode layers: kernels/test_pdl.py."
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 pytest.importorskip("triton")
 
@@ -29,7 +25,6 @@ from rlt_engine.kernels.ws_gemm import available, check
 from .test_small_gemm import ACC_TOL_GPU, make
 from .test_small_gemm import check as check_product
 
-ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_ws = pytest.mark.skipif(
@@ -109,13 +104,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(ROOT)], env=env, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_compile_script(_COMPILE)
 
 
 def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
