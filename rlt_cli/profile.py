@@ -202,15 +202,27 @@ def _top_table(report: dict[str, Any]) -> Table:
     for name, justify in (("total ms", "right"), ("%", "right"), ("calls", "right")):
         table.add_column(name, justify=justify)
     table.add_column("mean us", justify="right")
+    added = top.get("added_ms") is not None
+    if added:  # under PDL device times overlap: what each call adds to its stream's timeline
+        table.add_column("added us", justify="right")
+        table.add_column("% added", justify="right")
     table.add_column("name", overflow="ellipsis", no_wrap=True, max_width=100)
     for item in top["items"]:
-        table.add_row(
+        cells = [
             f"{item['total_ms']:.2f}",
             f"{100 * item['share']:.1f}%",
             str(item["calls"]),
             f"{item['mean_us']:.1f}",
-            escape(item["name"]),
+        ]
+        if added:
+            cells += [f"{item['added_mean_us']:.1f}", _pct(item["added_share"])]
+        table.add_row(*cells, escape(item["name"]))
+    if added:
+        table.caption = (
+            "added us: a call's end past the previous kernel's end on its stream (kernels "
+            "overlap under PDL; the added times sum to the busy time)"
         )
+        table.caption_justify = "left"
     return table
 
 

@@ -20,6 +20,11 @@ prefill waves, the decode window and the read back; ...). Here:
   per decode traversal; host launch calls (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch)
   and host synchronisations likewise.
 - **Top kernels** by total device time; on CPU (no device events) the top CPU ops by self time.
+  Each kernel also gets its **added time**: how far its end lies past the previous kernel's
+  end on the same stream (from its own start where the stream was idle before it). Under
+  programmatic dependent launch a kernel starts while the one before still runs, so device
+  times overlap and overstate; the added times of a stream sum to its busy time, and a
+  kernel's is what the decode chain would lose without it.
 """
 
 from __future__ import annotations
@@ -342,12 +347,14 @@ def _top(
     """Top kernels by total device time; without device events, top CPU ops by self time."""
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    added: dict[str, float] | None = None
     kernels = [e for e in device if e.get("cat") == "kernel"]
     if kernels:
         kind = "cuda_kernels"
         for e in kernels:
             totals[e["name"]] += float(e["dur"])
             counts[e["name"]] += 1
+        added = added_times(kernels)
     else:
         kind = "cpu_ops"
         ops = [
@@ -362,6 +369,7 @@ def _top(
         for lo, hi, name in exclusive_segments(ops):
             totals[name] += hi - lo
     total = sum(totals.values())
+    added_total = sum(added.values()) if added is not None else None
     ranked = sorted(totals, key=lambda k: -totals[k])[:n]
     items = [
         {
@@ -370,7 +378,32 @@ def _top(
             "total_ms": totals[name] / 1e3,
             "mean_us": totals[name] / counts[name],
             "share": totals[name] / total if total else 0.0,
+            "added_ms": None if added is None else added[name] / 1e3,
+            "added_mean_us": None if added is None else added[name] / counts[name],
+            "added_share": _ratio(added[name], added_total) if added is not None else None,
         }
         for name in ranked
     ]
-    return {"kind": kind, "total_ms": total / 1e3, "items": items}
+    return {
+        "kind": kind,
+        "total_ms": total / 1e3,
+        "added_ms": None if added_total is None else added_total / 1e3,
+        "items": items,
+    }
+
+
+def added_times(kernels: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per kernel name, the time (us) its calls add to their streams: each call's end past the
+    latest end before it on its stream (device pid, stream tid), counted from its own start
+    where the stream was idle."""
+    out: dict[str, float] = defaultdict(float)
+    streams: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    for e in kernels:
+        streams[(e.get("pid"), e.get("tid"))].append(e)
+    for calls in streams.values():
+        last_end = float("-inf")
+        for e in sorted(calls, key=lambda e: float(e["ts"])):
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            out[e["name"]] += max(0.0, end - max(last_end, start))
+            last_end = max(last_end, end)
+    return out

@@ -12,6 +12,7 @@ import pytest
 from rlt_engine.profile.trace import (
     HOST_GAPS,
     PHASES,
+    added_times,
     analyze,
     exclusive_segments,
     load_trace,
@@ -167,6 +168,29 @@ def test_top_kernels_by_device_time() -> None:
     assert top["items"][0]["total_ms"] == pytest.approx(0.4)
     assert top["items"][0]["mean_us"] == pytest.approx(200)
     assert top["items"][0]["share"] == pytest.approx(0.4 / 0.59)
+
+
+def test_added_time_is_each_kernels_end_past_the_previous_end_on_its_stream() -> None:
+    """Overlapping kernels (PDL) add only their tail; an idle stream counts from the start;
+    a kernel ending inside the one before adds nothing; streams are separate."""
+    calls = [
+        kernel("norm", 0, 10, 1),
+        kernel("gemm", 5, 20, 2),  # starts under norm: adds 15 (10 -> 25)
+        kernel("norm", 22, 6, 3),  # adds 3 (25 -> 28)
+        kernel("tiny", 23, 2, 4),  # ends inside: adds 0
+        kernel("gemm", 40, 10, 5),  # idle from 28 to 40: adds its 10
+        {**kernel("gemm", 0, 7, 6), "tid": 8},  # another stream: its own 7
+    ]
+    assert added_times(calls) == {"norm": 13.0, "gemm": 32.0, "tiny": 0.0}
+
+
+def test_top_kernels_carry_their_added_time() -> None:
+    top = analyze(gpu_trace(), token_steps=4, traversals=16, top=2)["top"]
+    assert top["added_ms"] == pytest.approx(top["total_ms"])  # these kernels never overlap
+    gemm = top["items"][0]
+    assert gemm["added_ms"] <= gemm["total_ms"]
+    assert gemm["added_mean_us"] == pytest.approx(gemm["added_ms"] * 1e3 / gemm["calls"])
+    assert 0 < gemm["added_share"] <= 1
 
 
 def test_cpu_trace_has_no_gpu_numbers_and_ranks_cpu_ops_by_self_time() -> None:
