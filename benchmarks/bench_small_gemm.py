@@ -8,7 +8,9 @@ cuBLAS (F.linear) and every candidate config of the Triton kernel and, on Hopper
 the GEMMs the model calls ungated (qkv, o_proj, down_proj), of the warp-specialised one
 (kernels/ws_gemm.py) (each after checking it: three launches bitwise equal, every element
 within rounding of the fp32 matmul) are timed two ways, both triton.testing.do_bench medians (it
-flushes the L2 before each call):
+flushes the L2 before each call). The packed gate/up is timed as the model runs it, fused with
+SwiGLU (kernels/gate_up_swiglu: the Triton kernel's and the ws kernel's forms, against cuBLAS +
+silu_mul; checked against silu_mul of the rounded fp32 product):
 - graph: one CUDA graph of R back-to-back GEMMs, each on its own copy of the weight (R copies
   are >= 256 MB, several times the 60 MB L2), per GEMM. This is decode's situation (graph
   replays, weights streamed from HBM, no host launch cost) and what the table chooses by;
@@ -62,12 +64,16 @@ TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4), (3
 SPLITS = (1, 2, 4, 6, 8, 16)
 # the warp-specialised kernel (block_n, block_k, num_stages; one program per SM: its shared
 # memory holds the ring and the program's x rows) and the GEMMs it may take: those the model
-# calls without a gate or the fused SwiGLU (both need the Triton kernel; a SwiGLU form of this
-# kernel lost 9% in place: results/2026-12-02-ws-gemm-h200.md)
+# calls without a gate (the lm_head's skip needs the Triton kernel)
 WS_TILES = ((64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 256, 2), (64, 128, 2), (64, 256, 5),
             (128, 128, 6))  # fmt: skip
 WS_SPLITS = (1, 2, 4, 6, 8)
 WS_GEMMS = ("qkv", "o_proj", "down_proj")
+# the packed gate/up runs fused with SwiGLU (kernels/gate_up_swiglu): timed in that form, the
+# Triton kernel's (block_n split into gate and up halves, no split-K) against the ws kernel's
+# (block_n / 2 rows of each, no split-K) and cuBLAS + silu_mul
+SWIGLU_GEMMS = ("gate_up",)
+WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3))
 DEVICE = "cuda"
 TABLE_PATH = ROOT / "rlt_engine" / "kernels" / "small_gemm_table.py"
 
@@ -87,28 +93,41 @@ def model_shapes() -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def candidates(n: int, k: int, m: int, ws: bool) -> list[GemmConfig]:
+def form_of(names: list[str]) -> str:
+    """How the model calls a shape: "swiglu" (gate_up_silu), "ws" (ungated: the warp-
+    specialised kernel may take it) or "plain" (the gated lm_head: the Triton kernel only)."""
+    kinds = {name.split("/")[1] for name in names}
+    return "swiglu" if kinds & set(SWIGLU_GEMMS) else "ws" if kinds & set(WS_GEMMS) else "plain"
+
+
+def candidates(n: int, k: int, m: int, form: str) -> list[GemmConfig]:
     """Tiles x splits that give 1/2..~12 waves of programs over the SMs, >= 2 K blocks a split;
-    `ws`: also the warp-specialised kernel's (<= 2 waves, shared memory <= 200 KB)."""
+    the warp-specialised kernel's where `form` allows (<= 2 waves, shared memory <= 200 KB).
+    "swiglu": the fused forms' configs (no split-K; the Triton kernel's halves >= 32 rows)."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    swiglu = form == "swiglu"
     out = []
     for bn, bk, warps, stages in TILES:
         tiles = -(-n // bn)
-        for s in SPLITS:
+        for s in (1,) if swiglu else SPLITS:
             if s > 1 and (k // s < 2 * bk or not sms // 2 <= tiles * s <= 12 * sms):
                 continue
-            out.append(GemmConfig(bn, bk, s, warps, stages))
-    if ws and ws_gemm.available(torch.device(DEVICE)):
-        for bn, bk, stages in WS_TILES:
-            for s in WS_SPLITS:
-                rows = 8 if m <= 8 else 16
-                shared = k // s * rows * 2 + stages * bn * bk * 2
-                if (
-                    ws_gemm.check(n, k, m, bn, bk, s) is None
-                    and shared <= 200 << 10
-                    and (sms // 2 <= n // bn * s <= 2 * sms)
-                ):
-                    out.append(GemmConfig(bn, bk, s, 4, stages, kernel="ws"))
+            if not swiglu or bn >= 64:
+                out.append(GemmConfig(bn, bk, s, warps, stages))
+    if form != "plain" and ws_gemm.available(torch.device(DEVICE)):
+        tiles_splits = [(t, 1) for t in WS_SWIGLU_TILES] if swiglu else [
+            (t, s) for t in WS_TILES for s in WS_SPLITS
+        ]  # fmt: skip
+        for (bn, bk, stages), s in tiles_splits:
+            rows = 8 if m <= 8 else 16
+            shared = k // s * rows * 2 + stages * bn * bk * 2
+            n_tiles = n // bn * s
+            if (
+                ws_gemm.check(n, k, m, bn, bk, s, swiglu=swiglu) is None
+                and shared <= 200 << 10
+                and (sms // 2 <= n_tiles <= 2 * sms or swiglu)
+            ):
+                out.append(GemmConfig(bn, bk, s, 4, stages, kernel="ws"))
     return out
 
 
@@ -150,18 +169,31 @@ def rounding_bound(x: torch.Tensor, w32: torch.Tensor, ref: torch.Tensor) -> tor
 
 
 def tune(
-    n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, ws: bool, args
+    n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, form: str, args
 ) -> dict:
+    """`form` (see `form_of`): "swiglu" times and checks the fused gate/up + SwiGLU forms
+    against silu_mul of the rounded fp32 product (2 bf16 ulps: the product's rounding goes
+    through the activation) and cuBLAS + silu_mul; else the plain GEMM against the product's
+    rounding bound and cuBLAS."""
+    from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
+    from rlt_engine.kernels.swiglu import silu_mul
+
     w = weights[0]
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     ref = x.float() @ w32.T
-    bound = rounding_bound(x, w32, ref)
-    cublas = graph_us(F.linear, x, weights, args)
+    if form == "swiglu":
+        ref = silu_mul(ref.to(torch.bfloat16)).float()
+        bound = ref.abs() * 2.0**-6 + 2.0**-20 * float((x.float().abs() @ w32.abs().T).max())
+        run, base = gate_up_silu, lambda a, b: silu_mul(F.linear(a, b))
+    else:
+        bound = rounding_bound(x, w32, ref)
+        run, base = gemm, F.linear
+    cublas = graph_us(base, x, weights, args)
     runs, rejected = [], []
-    for config in candidates(n, k, m, ws):
+    for config in candidates(n, k, m, form):
         try:
-            outs = [gemm(x, w, config) for _ in range(3)]
+            outs = [run(x, w, config) for _ in range(3)]
         except Exception as exc:  # a config the compiler refuses (shared memory, ...)
             rejected.append({"config": config.as_dict(), "why": repr(exc)[:200]})
             continue
@@ -171,21 +203,22 @@ def tune(
             why = f"deterministic={same}, excess over the rounding bound {excess:.3g}"
             rejected.append({"config": config.as_dict(), "why": why})
             continue
-        us = graph_us(lambda a, b, c=config: gemm(a, b, c), x, weights, args)
+        us = graph_us(lambda a, b, c=config: run(a, b, c), x, weights, args)
         runs.append({"config": config.as_dict(), "graph_us": us})
     runs.sort(key=lambda r: r["graph_us"])
     best = runs[0] if runs else None
     if best is not None:
         config = GemmConfig(**best["config"])
-        best["call_us"] = bench_us(lambda: gemm(x, w, config), args.warmup, args.rep)
+        best["call_us"] = bench_us(lambda: run(x, w, config), args.warmup, args.rep)
     wins = best is not None and best["graph_us"] < cublas * (1 - MARGIN)
     return {
         "n": n,
         "k": k,
         "m": m,
+        "form": form,
         "graph_copies": len(weights),
         "cublas_graph_us": cublas,
-        "cublas_call_us": bench_us(lambda: F.linear(x, w), args.warmup, args.rep),
+        "cublas_call_us": bench_us(lambda: base(x, w), args.warmup, args.rep),
         "best": best,
         "backend": best["config"]["kernel"] if wins else "cublas",
         "speedup": cublas / best["graph_us"] if best else None,
@@ -336,8 +369,7 @@ def main() -> None:
         copies = min(32, max(2, -(-(256 << 20) // wbytes)))
         weights = [w] + [w.clone() for _ in range(copies - 1)]
         for m in MS:
-            ws = any(name.split("/")[1] in WS_GEMMS for name in names)
-            r = tune(n, k, m, weights, w32, ws, args)
+            r = tune(n, k, m, weights, w32, form_of(names), args)
             best = r["best"] or {}
             for side, key in (("cublas", "cublas_graph_us"), ("cublas_call", "cublas_call_us")):
                 r[f"{side}_tb_s"] = wbytes / (r[key] * 1e-6) / 1e12

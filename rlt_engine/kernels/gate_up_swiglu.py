@@ -11,8 +11,9 @@ them. Under the interpreter the result is bit-identical to `small_gemm.gemm` + `
 the GPU to within the tensor cores' accumulation order (tested to an ulp of the output).
 
 Used where the small-GEMM table has a config for the packed shape with no split-K (its
-BLOCK_N rows become two halves of BLOCK_N / 2); elsewhere `gate_up_silu` returns None and the
-caller runs the two launches. CUDA-graph capturable; triton imported lazily.
+BLOCK_N rows become two halves of BLOCK_N / 2); a config of the warp-specialised kernel runs
+its SwiGLU form (kernels/ws_gemm.py, the same roundings); elsewhere `gate_up_silu` returns
+None and the caller runs the two launches. CUDA-graph capturable; triton imported lazily.
 """
 
 from __future__ import annotations
@@ -38,8 +39,17 @@ def gate_up_silu(
     benchmark) forces one: its block_n is split into the gate and up halves."""
     if config is None:
         config = _gemm.choose(x, w, gated=True)
-        if config is None or config.split_k != 1 or config.kernel != "triton":
+        if config is None or config.split_k != 1:
             return None
+    if config.kernel == "ws":  # the warp-specialised kernel's SwiGLU form (kernels/ws_gemm)
+        from rlt_engine.kernels import ws_gemm
+
+        m = x.numel() // max(1, x.shape[-1])
+        if not ws_gemm.available(x.device) or ws_gemm.check(
+            *w.shape, m, config.block_n, config.block_k, config.split_k, swiglu=True
+        ):
+            return None
+        return ws_gemm.ws_gemm(x, w, config, swiglu=True)
     if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1] or not w.is_contiguous():
         raise ValueError(f"need x [..., K] and w [2I, K] contiguous, got {x.shape}, {w.shape}")
     if x.dtype != w.dtype or x.device != w.device or config.block_n % 32:

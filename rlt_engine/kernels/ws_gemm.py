@@ -65,20 +65,32 @@ def available(device: torch.device) -> bool:
     return _AVAILABLE[index]
 
 
-def check(n: int, k: int, m: int, block_n: int, block_k: int, split_k: int) -> str | None:
-    """Why the kernel cannot take this shape and config, or None."""
+def check(
+    n: int, k: int, m: int, block_n: int, block_k: int, split_k: int, swiglu: bool = False
+) -> str | None:
+    """Why the kernel cannot take this shape and config, or None. `swiglu`: n counts the
+    packed gate and up rows; a program takes block_n / 2 rows of each."""
     if m > MAX_M:
         return f"at most {MAX_M} rows, got {m}"
-    if block_n not in (64, 128) or n % block_n:
-        return f"N = {n} must be a multiple of block_n (64 or 128), got {block_n}"
+    rows, n_out = (block_n // 2, n // 2) if swiglu else (block_n, n)
+    if swiglu and (n % 2 or split_k != 1):
+        # split-K (the last split applying the activation) ran 15-40% slower on the H200,
+        # alone and in place (results/2026-12-02-attention-swiglu-h200.md): not offered
+        return f"SwiGLU needs [gate; up] packed (an even N, got {n}) and no split-K"
+    if rows not in (64, 128) or n_out % rows:
+        part = " a part" if swiglu else ""
+        return f"N = {n} must be a multiple of block_n (64 or 128 rows{part}), got {block_n}"
     if k % (split_k * block_k):
         return f"K = {k} must be a multiple of split_k * block_k = {split_k * block_k}"
     return None
 
 
-def ws_gemm(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:  # config: GemmConfig
+def ws_gemm(x: torch.Tensor, w: torch.Tensor, config, swiglu: bool = False) -> torch.Tensor:
     """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
-    a device where `available`; config's block_n / block_k / split_k / num_stages."""
+    a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
+    num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
+    [..., I] with kernels/gate_up_swiglu's roundings (block_n / 2 rows of each a program, no
+    split-K)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -93,15 +105,17 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:  # config
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    bn, bk, splits = config.block_n, config.block_k, config.split_k
-    why = check(n, k, m, bn, bk, splits)
+    bk, splits = config.block_k, config.split_k
+    why = check(n, k, m, config.block_n, bk, splits, swiglu)
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
         raise RuntimeError(f"the warp-specialised GEMM does not run on {x.device}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    parts = 2 if swiglu else 1
+    n_out, bn = n // parts, config.block_n // parts
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.view(*lead, n)
+        return out.view(*lead, n_out)
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
@@ -112,15 +126,15 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:  # config
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
     from rlt_engine.kernels.small_gemm import split_buffers
 
-    n_tiles = n // bn
+    n_tiles = n_out // bn
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
-        x_desc, w_desc, out, partials, counters, m, n,
+        x_desc, w_desc, out, partials, counters, m, n_out,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PDL=pdl, num_warps=4, **_pdl.launch_options(pdl),
+        PARTS=parts, PDL=pdl, num_warps=4, **_pdl.launch_options(pdl),
     )  # fmt: skip
-    return out.view(*lead, n)
+    return out.view(*lead, n_out)
 
 
 def _kernel():
@@ -139,6 +153,7 @@ def _build():
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.language.extra import libdevice
 
     @gluon.jit
     def gdc_wait():  # griddepcontrol, as triton.language.extra.cuda has it for Triton kernels
@@ -151,20 +166,32 @@ def _build():
                                   dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
-    def producer(w_desc, ring, full, empty, KT: gl.constexpr, BN: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    def swiglu(gate, up, dtype: gl.constexpr):
+        """kernels/gate_up_swiglu's roundings: each projection rounded as stored, silu in fp32
+        as torch's CUDA kernel computes it (expf, an IEEE division) and rounded, times up."""
+        g = gate.to(dtype).to(gl.float32)
+        silu = gl.div_rn(g, 1.0 + libdevice.exp(-g))
+        return (silu.to(dtype).to(gl.float32) * up.to(dtype).to(gl.float32)).to(dtype)
+
+    @gluon.jit
+    def producer(w_desc, ring, full, empty, N, KT: gl.constexpr, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
         n0 = gl.program_id(0) * BN
         k0 = gl.program_id(1) * (KT * BK)
         for i in range(KT):  # no PDL wait: the weights depend on no kernel
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap passes
-            mbarrier.expect(full.index(s), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [n0, k0 + i * BK], full.index(s), ring.index(s))
+            mbarrier.expect(full.index(s), PARTS * w_desc.block_type.nbytes)
+            for p in gl.static_range(PARTS):  # SwiGLU: the gate rows, then the up rows
+                tma.async_copy_global_to_shared(
+                    w_desc, [p * N + n0, k0 + i * BK], full.index(s), ring.index(s * PARTS + p)
+                )
 
     @gluon.jit
     def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty, xbar,
                  KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                 STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+                 STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
+                 PDL: gl.constexpr):  # fmt: skip
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
             gdc_wait()
             gdc_launch_dependents()
@@ -176,20 +203,30 @@ def _build():
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
         )
         acc = gl.zeros([BN, BM], gl.float32, mma)
+        acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
         mbarrier.wait(xbar, 0)
         for i in range(KT):
             s = i % STAGES
+            xt = xs.index(i).permute([1, 0])
             mbarrier.wait(full.index(s), (i // STAGES) & 1)
-            acc = warpgroup_mma(ring.index(s), xs.index(i).permute([1, 0]), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            acc = warpgroup_mma(ring.index(s * PARTS), xt, acc, is_async=True)
+            if PARTS == 2:
+                acc_up = warpgroup_mma(ring.index(s * PARTS + 1), xt, acc_up, is_async=True)
+                acc, acc_up = warpgroup_mma_wait(0, deps=[acc, acc_up])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(s))
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))  # weight rows = output columns
         cols = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))  # x rows = output rows
         out = out_ptr + cols[None, :] * N + (gl.program_id(0) * BN + rows)[:, None]
         keep = (cols < M)[None, :] & (rows >= 0)[:, None]
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
         if SPLIT == 1:
-            gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=keep)
-        else:
+            if PARTS == 2:
+                gl.store(out, swiglu(acc, acc_up, dtype), mask=keep)
+            else:
+                gl.store(out, acc.to(dtype), mask=keep)
+        else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
             gl.store(part_ptr + (tile * SPLIT + gl.program_id(1)) * (BN * BM) + offs, acc)
@@ -201,14 +238,16 @@ def _build():
                     # .cg: read at L2, where the other SMs' partials are (L1 is not coherent)
                     total += gl.load(part_ptr + (tile * SPLIT + j) * (BN * BM) + offs,
                                      cache_modifier=".cg")  # fmt: skip
-                gl.store(out, total.to(out_ptr.dtype.element_ty), mask=keep)
+                gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
 
     @gluon.jit
     def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, KT: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                       STAGES: gl.constexpr, SPLIT: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
-        ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
+                       PDL: gl.constexpr):  # fmt: skip
+        # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
+        ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -221,8 +260,8 @@ def _build():
         gl.warp_specialize(
             [
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty,
-                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PDL)),
-                (producer, (w_desc, ring, full, empty, KT, BN, BK, STAGES)),
+                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL)),
+                (producer, (w_desc, ring, full, empty, N, KT, BN, BK, STAGES, PARTS)),
             ],
             [1],  # one producer warp
             [40],  # its registers: it only issues copies

@@ -56,7 +56,15 @@ SPECIALISED = [(n, f) for n, f in _kernels_with_pdl() if _partitions(f) is not N
 # what a kernel body may do before handing over to its partitions, and all a partition without
 # the wait may do: stream weights (TMA copies of `w_desc`) through mbarriers
 SETUP = {"allocate_shared_memory", "MBarrierLayout", "init", "index", "static_range"}
-WEIGHT_STREAM = {"program_id", "range", "wait", "expect", "index", "async_copy_global_to_shared"}
+WEIGHT_STREAM = {
+    "program_id",
+    "range",
+    "static_range",
+    "wait",
+    "expect",
+    "index",
+    "async_copy_global_to_shared",
+}
 
 
 def test_the_pdl_kernels_are_found():

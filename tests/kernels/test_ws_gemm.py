@@ -19,7 +19,9 @@ from sm90_compile import run_compile_script
 pytest.importorskip("triton")
 
 from rlt_engine.kernels import small_gemm
+from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, lookup
+from rlt_engine.kernels.swiglu import silu_mul
 from rlt_engine.kernels.ws_gemm import available, check
 
 from .test_small_gemm import ACC_TOL_GPU, make
@@ -49,6 +51,10 @@ def test_shape_checks_name_the_constraint():
     assert "at most 16 rows" in check(6144, 2048, 17, 64, 256, 1)
     assert "multiple of block_n" in check(6100, 2048, 8, 64, 256, 1)
     assert "split_k * block_k = 1024" in check(2048, 5632, 8, 64, 256, 4)
+    assert check(11264, 2048, 8, 128, 256, 1, swiglu=True) is None  # 64 gate + 64 up rows
+    assert "no split-K" in check(11264, 2048, 8, 128, 128, 4, swiglu=True)
+    assert "128 rows a part" in check(11264, 2048, 8, 64, 256, 1, swiglu=True)
+    assert "even N" in check(11265, 2048, 8, 128, 256, 1, swiglu=True)
     x, w = make(17, 64, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="at most 16 rows"):
         gemm(x, w, ws())
@@ -56,9 +62,26 @@ def test_shape_checks_name_the_constraint():
         gemm(x[:4].float(), w.float(), ws())
 
 
+def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
+    """A "ws" row for the packed gate/up runs the SwiGLU form; where the kernel cannot run
+    (here: CPU) or take the config, the caller's two launches do."""
+    from rlt_engine.kernels import ws_gemm
+
+    x, w = make(8, 256, 128, torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(128, 64, 1, 2))
+    assert gate_up_silu(x, w) is None  # not available on CPU
+    monkeypatch.setattr(ws_gemm, "available", lambda device: True)
+    monkeypatch.setattr(ws_gemm, "ws_gemm", lambda *a, **kw: calls.append(kw) or "ran")
+    assert gate_up_silu(x, w) == "ran" and calls == [{"swiglu": True}]
+    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 64, 1, 2))
+    assert gate_up_silu(x, w) is None  # 32 rows a part: the SwiGLU form cannot take it
+    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(128, 64, 2, 2))
+    assert gate_up_silu(x, w) is None  # nor split-K
+
+
 def test_table_rows_name_the_kernel():
-    """A "ws" row gives the warp-specialised config (also gated: the fastest kernel); the
-    fused gate/up + SwiGLU never takes it (it needs the Triton kernel's config)."""
+    """A "ws" row gives the warp-specialised config (also gated: the fastest kernel)."""
     entries = {
         "64x128:m8:bfloat16": ("ws", 64, 128, 1, 4, 4, 4.0, 5.0),
         "64x128:m16:bfloat16": ("cublas", 64, 128, 2, 4, 3, 5.1, 5.0),
@@ -82,14 +105,16 @@ from rlt_engine.kernels import ws_gemm
 fn = ws_gemm._build()
 names = fn.arg_names
 out = {}
-for bm, bn, bk, stages, split, dt in ((8, 64, 256, 3, 1, "bf16"), (16, 64, 128, 4, 4, "fp16")):
+configs = ((8, 64, 256, 3, 1, 1, "bf16"), (16, 64, 128, 4, 4, 1, "fp16"),
+           (8, 64, 128, 3, 1, 2, "bf16"))
+for bm, bn, bk, stages, split, parts, dt in configs:
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PDL=True)
+                 PARTS=parts, PDL=True)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
         "tick_ptr": "*i32"}
@@ -97,7 +122,7 @@ for bm, bn, bk, stages, split, dt in ((8, 64, 256, 3, 1, "bf16"), (16, 64, 128, 
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    out[f"split{split}"] = kernel.asm["ptx"]
+    out[f"split{split}" + ("_swiglu" if parts == 2 else "")] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
 
@@ -117,6 +142,9 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         assert code.count("griddepcontrol.launch_dependents") == 1, name
     assert "atom.global.gpu.acq_rel.add" in ptx["split4"]  # the partials' tickets
     assert "atom.global" not in ptx["split1"]
+    swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
+    assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
+    assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -208,3 +236,20 @@ def test_gpu_keeps_no_reference_to_its_operands():
     del x, w
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+@gpu
+@needs_ws
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize(("inter", "hidden"), [(5632, 2048), (64 * 12, 3072)])
+def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hidden):
+    """The SwiGLU form within an ulp of the unfused path on the same kernel (its GEMM, then
+    silu_mul): the same accumulations, so only the activation's last rounding may differ;
+    deterministic."""
+    x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
+    for block_n, block_k, stages in ((128, 128, 3), (128, 256, 2), (256, 64, 3)):
+        config = ws(block_n, block_k, 1, stages)
+        fused = gate_up_silu(x, w, config)
+        plain = silu_mul(gemm(x, w, ws(block_n // 2, block_k, 1, stages)))
+        torch.testing.assert_close(fused, plain, rtol=2**-7, atol=1e-6)
+        assert torch.equal(gate_up_silu(x, w, config), fused)
