@@ -6,10 +6,12 @@ rows exit (the fp32 exit rule), runs the lm_head and the sampler, and advances e
 state. In torch that is ~50 tiny elementwise, gather and copy kernels per traversal, 1-4 us each
 on the H200 and serialised: ~80 us of a ~1.4 ms traversal at c=8. Here:
 
-- `prepare` (one program per row): run = active & ~parked; the layer input (the embedded token
-  at loop 0, else the hidden state); the row's block table in the plane it reads (its loop's,
-  or plane 0 with SHARED KV); the slot its K/V goes to (the trash slot for rows that do not
-  run); seq_lens; the position's block and offset (for LAST_EXITED exit copies).
+- `prepare` (one program per row): run = active & ~parked; the layer input (the token's
+  embedding row at loop 0, else the hidden state); the row's block table in the plane it reads
+  (its loop's, or plane 0 with SHARED KV); the slot its K/V goes to (the trash slot for rows
+  that do not run); seq_lens; the position's block and offset (for LAST_EXITED exit copies);
+  and, given the model's RoPE table, the position's cos / sin rows (the embedding and RoPE
+  gathers were two torch launches a traversal, outside the PDL chain).
 - `exit_rule` (one program over all rows): done = loop + 1; exits where done reaches max_loops,
   or (with a gate hazard) R' = R * (1 - h) in fp32 reaches 1 - R' >= threshold at
   done >= min_loops; only running rows exit. Also writes the lm_head gate (one int32: any row
@@ -65,13 +67,14 @@ def enabled() -> bool:
 class Prepared(NamedTuple):
     """A traversal's per-row inputs (see `prepare`)."""
 
-    x: torch.Tensor  # [b, H]: the embedded token at loop 0, else the hidden state
+    x: torch.Tensor  # [b, H]: the token's embedding at loop 0, else the hidden state
     tables: torch.Tensor  # [b, width] int32: each row's block table in the plane it reads
     slot_mapping: torch.Tensor  # [b] int64: the slot a running row writes (else trash)
     seq_lens: torch.Tensor  # [b] int32: keys each row attends to (position + 1)
     run: torch.Tensor  # [b] bool: active and not parked
     block: torch.Tensor  # [b] int64: index of the position's block in the tables
     offset: torch.Tensor  # [b] int64: the position's offset in that block
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [b, D] (given a RoPE table)
 
 
 class Rows(NamedTuple):
@@ -103,17 +106,24 @@ def prepare_reference(
     position: torch.Tensor,
     active: torch.Tensor,
     parked: torch.Tensor,
-    embedded: torch.Tensor,
+    token: torch.Tensor,
+    embedding: torch.Tensor,
     hidden: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
     trash_slot: int,
     shared: bool,
+    rope_table: torch.Tensor | None = None,
 ) -> Prepared:
     """The torch semantics of `prepare` (any device)."""
     b, width = loop.shape[0], block_tables.shape[2]
     run = active & ~parked
-    x = torch.where((loop == 0)[:, None], embedded, hidden)
+    x = torch.where((loop == 0)[:, None], embedding[token], hidden)
+    rope = None
+    if rope_table is not None:  # positions past the table (idle rows only) read zeros
+        inside = position < rope_table.shape[0]
+        rows = rope_table[position.clamp(max=rope_table.shape[0] - 1)]
+        rope = torch.where(inside[:, None, None], rows, 0).unbind(1)
     plane = torch.zeros_like(loop) if shared else loop
     tables = block_tables.gather(1, plane[:, None, None].expand(b, 1, width))[:, 0]
     # an idle row's position may sit one past its tables (its last token never runs):
@@ -122,7 +132,7 @@ def prepare_reference(
     own = tables.gather(1, block[:, None])[:, 0].long() * block_size + offset
     slot_mapping = torch.where(run, own, trash_slot)
     seq_lens = (position + 1).to(torch.int32)
-    return Prepared(x, tables, slot_mapping, seq_lens, run, block, offset)
+    return Prepared(x, tables, slot_mapping, seq_lens, run, block, offset, rope)
 
 
 def prepare(
@@ -130,18 +140,29 @@ def prepare(
     position: torch.Tensor,
     active: torch.Tensor,
     parked: torch.Tensor,
-    embedded: torch.Tensor,
+    token: torch.Tensor,
+    embedding: torch.Tensor,
     hidden: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
     trash_slot: int,
     shared: bool,
+    rope_table: torch.Tensor | None = None,
 ) -> Prepared:
-    """Rows [0, b) of the slot state before a traversal: loop / position int64 [b], active /
-    parked bool [b], embedded / hidden [b, H] (rows contiguous), block_tables int32
-    [b, planes, width] contiguous. One program per row; `prepare_reference` is the spec."""
+    """Rows [0, b) of the slot state before a traversal: loop / position / token int64 [b],
+    active / parked bool [b], the embedding table [vocab, H] and hidden [b, H] (rows
+    contiguous), block_tables int32 [b, planes, width] contiguous, and optionally the RoPE
+    table [positions, 2, D] (cos, sin rows). One program per row; `prepare_reference` is the
+    spec."""
     b, width = loop.shape[0], block_tables.shape[2]
     device = loop.device
+    rope = None
+    if rope_table is not None:
+        if rope_table.dim() != 3 or rope_table.shape[1] != 2 or not rope_table.is_contiguous():
+            raise ValueError(
+                f"rope_table must be [positions, 2, D] contiguous, got {rope_table.shape}"
+            )
+        rope = torch.empty((b, 2, rope_table.shape[2]), dtype=rope_table.dtype, device=device)
     out = Prepared(
         torch.empty_like(hidden),
         torch.empty((b, width), dtype=torch.int32, device=device),
@@ -150,23 +171,33 @@ def prepare(
         torch.empty(b, dtype=torch.bool, device=device),
         torch.empty(b, dtype=torch.int64, device=device),
         torch.empty(b, dtype=torch.int64, device=device),
+        None if rope is None else rope.unbind(1),
     )
     if b == 0:
         return out
-    if not block_tables.is_contiguous() or embedded.stride(-1) != 1 or hidden.stride(-1) != 1:
-        raise ValueError("block_tables must be contiguous; embedded and hidden rows too")
+    if not block_tables.is_contiguous() or embedding.stride(-1) != 1 or hidden.stride(-1) != 1:
+        raise ValueError("block_tables must be contiguous; embedding and hidden rows too")
+    if embedding.shape[1] != hidden.shape[1] or embedding.dtype != hidden.dtype:
+        raise ValueError("the embedding table must match hidden's width and dtype")
     interpret, pdl = _ready(device)
+    rope_args = (
+        (hidden, hidden, 0, 0)
+        if rope is None
+        else (rope_table, rope, *rope_table.shape[:1], rope.shape[2])
+    )
     with _pa._on_device(device):
         _pa._kernel(_prepare_kernel, interpret)[(b,)](
             loop,
             position,
             active,
             parked,
-            embedded,
+            token,
+            embedding,
             hidden,
             block_tables,
-            *out,
-            embedded.stride(0),
+            *out[:7],
+            *rope_args,
+            embedding.stride(0),
             hidden.stride(0),
             block_tables.stride(0),
             block_tables.stride(1),
@@ -176,6 +207,8 @@ def prepare(
             trash_slot,
             BLOCK_H=triton.next_power_of_2(hidden.shape[1]),
             BLOCK_W=min(1024, triton.next_power_of_2(width)),
+            BLOCK_D=triton.next_power_of_2(max(1, rope_args[3])),
+            ROPE=rope is not None,
             SHARED=shared,
             PDL=pdl,
             num_warps=4,
@@ -460,7 +493,8 @@ def _prepare_kernel(
     position_ptr,
     active_ptr,
     parked_ptr,
-    embedded_ptr,
+    token_ptr,
+    embedding_ptr,  # [vocab, H]
     hidden_ptr,
     tables_in_ptr,  # [b, planes, width] int32
     x_ptr,  # out [b, H]
@@ -470,7 +504,11 @@ def _prepare_kernel(
     run_ptr,  # out [b] bool
     block_ptr,  # out [b] int64
     offset_ptr,  # out [b] int64
-    stride_embedded,
+    rope_table_ptr,  # [positions, 2, D] (ROPE)
+    rope_ptr,  # out [b, 2, D] (ROPE)
+    positions,  # rows of the RoPE table
+    D,
+    stride_embedding,
     stride_hidden,
     stride_t_row,
     stride_t_plane,
@@ -480,6 +518,8 @@ def _prepare_kernel(
     trash_slot,
     BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr,
     SHARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -494,10 +534,18 @@ def _prepare_kernel(
 
     cols = tl.arange(0, BLOCK_H)
     h_ok = cols < H
-    fresh = loop == 0  # loop 0 reads the embedded token, later loops the hidden state
-    e = tl.load(embedded_ptr + row * stride_embedded + cols, mask=h_ok & fresh, other=0.0)
+    fresh = loop == 0  # loop 0 reads its token's embedding, later loops the hidden state
+    token = tl.load(token_ptr + row)
+    e = tl.load(embedding_ptr + token * stride_embedding + cols, mask=h_ok & fresh, other=0.0)
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=h_ok & ~fresh, other=0.0)
     tl.store(x_ptr + row * H + cols, tl.where(fresh, e, h), mask=h_ok)
+    if ROPE:  # the position's cos and sin rows; past the table (idle rows only) zeros
+        d = tl.arange(0, 2 * BLOCK_D)
+        part, col = d // BLOCK_D, d % BLOCK_D
+        ok = (col < D) & (position < positions)
+        src = rope_table_ptr + (position * 2 + part) * D + col
+        tl.store(rope_ptr + (row * 2 + part) * D + col, tl.load(src, mask=ok, other=0.0),
+                 mask=col < D)  # fmt: skip
 
     plane = 0 if SHARED else loop
     src = tables_in_ptr + row * stride_t_row + plane * stride_t_plane

@@ -86,11 +86,27 @@ class LoopedCausalLM(nn.Module):
     def prelude(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The prelude's table: prelude(ids) == embedding[ids] (callers may gather it)."""
+        return self.model.embed_tokens.weight
+
+    def rope_table(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """RoPE's precomputed [positions, 2, D] cos / sin rows in `dtype` (use_fast_path), or
+        None: `recurrent` takes rows gathered from it as its `rope`."""
+        return self.model.rotary_emb.tables.get(dtype)
+
     def recurrent(
-        self, hidden: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
+        self,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> RecurrentOutput:
-        """One traversal of the shared stack for rows that may sit at different loops."""
-        rope = self.model.rotary_emb(meta.positions, hidden.dtype)
+        """One traversal of the shared stack for rows that may sit at different loops. `rope`:
+        the rows' cos / sin [rows, D] where the caller gathered them (else computed here)."""
+        if rope is None:
+            rope = self.model.rotary_emb(meta.positions, hidden.dtype)
         if getattr(self, "chained_norms", False):  # set by use_fast_path
             hidden = self._chained_layers(hidden, rope, meta, backend)
         else:

@@ -110,9 +110,11 @@ class DecodeTraversal:
             parked.logical_and_(~release)
         loop, pos = s.loop[:b], s.position[:b]
         prepare = slot_step.prepare if self.fused else slot_step.prepare_reference
+        # loop-0 rows gather their token's embedding, and every row its RoPE rows, in the
+        # same launch (the model's tables: prelude and rotary_emb's values)
         rows = prepare(
-            loop, pos, active, parked, self.model.prelude(s.token[:b]), s.hidden[:b],
-            s.block_tables[:b], bs, trash, self.shared,
+            loop, pos, active, parked, s.token[:b], self.model.embedding, s.hidden[:b],
+            s.block_tables[:b], bs, trash, self.shared, self.model.rope_table(s.hidden.dtype),
         )  # fmt: skip
         run, block, offset, slot_mapping = rows.run, rows.block, rows.offset, rows.slot_mapping
         meta = PagedMetadata(
@@ -126,7 +128,7 @@ class DecodeTraversal:
             max_seq_len=self.max_seq_len,
         )
         if wave is None:
-            out = self.model.recurrent(rows.x, meta, self.kv)
+            out = self.model.recurrent(rows.x, meta, self.kv, rope=rows.rope)
             hidden, hazard = out.hidden, out.hazard
         else:
             x, mixed = self._with_wave(rows.x, meta, wave)

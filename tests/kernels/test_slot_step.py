@@ -124,7 +124,8 @@ def _prepare_inputs(b: int, seed: int, width: int, device: str) -> dict:
         "position": torch.randint(0, width * block_size + 1, (b,), generator=g).to(device),
         "active": (torch.randint(0, 4, (b,), generator=g) > 0).to(device),
         "parked": (torch.randint(0, 4, (b,), generator=g) == 0).to(device),
-        "embedded": torch.randn(b, HIDDEN, generator=g).to(device),
+        "token": torch.randint(0, 50, (b,), generator=g).to(device),
+        "embedding": torch.randn(50, HIDDEN, generator=g).to(device),
         "hidden": torch.randn(b, HIDDEN, generator=g).to(device),
         "block_tables": torch.randint(0, 1000, (b, planes, width), generator=g)
         .to(torch.int32)
@@ -134,15 +135,35 @@ def _prepare_inputs(b: int, seed: int, width: int, device: str) -> dict:
     }
 
 
+@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("b,width", [(1, 3), (9, 5), (6, 1100)])
-def test_prepare_equals_the_torch_reference(b, width, shared):
+def test_prepare_equals_the_torch_reference(b, width, shared, rope):
+    """Every output, the embedding rows of loop-0 rows and (given the table) the RoPE rows of
+    the positions, those past the table (idle rows) zero, equal to the torch reference."""
     for seed in range(2):
         inputs = _prepare_inputs(b, seed, width, DEVICE)
+        if rope:  # fewer rows than positions: some rows read past it
+            g = torch.Generator().manual_seed(seed)
+            inputs["rope_table"] = torch.randn(width * 2, 2, 6, generator=g).to(DEVICE)
         want = slot_step.prepare_reference(**inputs, shared=shared)
         got = slot_step.prepare(**inputs, shared=shared)
-        for name, w, o in zip(want._fields, want, got, strict=True):
+        assert (want.rope is None) == (got.rope is None) == (not rope)
+        pairs = [(n, w, o) for n, w, o in zip(want._fields, want, got, strict=True) if n != "rope"]
+        if rope:
+            pairs += [("cos", want.rope[0], got.rope[0]), ("sin", want.rope[1], got.rope[1])]
+        for name, w, o in pairs:
             assert o.dtype == w.dtype and torch.equal(o, w), name
+        x = torch.where(
+            (inputs["loop"] == 0)[:, None], inputs["embedding"][inputs["token"]], inputs["hidden"]
+        )
+        assert torch.equal(got.x, x)
+        if rope:
+            table, pos = inputs["rope_table"], inputs["position"]
+            inside = pos < table.shape[0]
+            assert torch.equal(got.rope[0][inside], table[pos[inside], 0])
+            assert torch.equal(got.rope[1][inside], table[pos[inside], 1])
+            assert not got.rope[0][~inside].any() and not got.rope[1][~inside].any()
 
 
 @gpu
