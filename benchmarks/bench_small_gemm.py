@@ -241,13 +241,21 @@ def table_entry(r: dict) -> tuple:
 
 def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
     """A Python module that `ruff format` leaves as it is (one row per line)."""
+    checked = sorted(
+        {k for report in meta.get("in_place", {}).values() for k in report if "x" in k}
+    )
     lines = [
         '"""Small-GEMM dispatch table (kernels/small_gemm.py): written by',
         "benchmarks/bench_small_gemm.py on the GPU named below; do not edit by hand. Keys are",
         '"NxK:m<bucket>:<dtype>"; rows are FIELDS, "us" and "cublas_us" the per-GEMM CUDA-graph',
         'times (do_bench medians) the choice was made by."""'
-        if "in_place" not in meta
-        else 'times (do_bench medians); the choices checked in decode (--confirm-in-place)."""',
+        if not checked
+        else "times (do_bench medians) the choice was made by; the shapes of the last run were",
+        *(
+            [f'also checked in decode (--confirm-in-place): {", ".join(checked)}."""']
+            if checked
+            else []
+        ),
         "",
         f"FIELDS = {FIELDS!r}",
         "TABLE: dict = {",
