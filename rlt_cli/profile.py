@@ -5,7 +5,9 @@ driver (rlt_engine/profile/driver.py) runs `--warmup` unprofiled runs, then one 
 the engine's phases marked, writes the Chrome trace (`--trace-out`; open it in
 chrome://tracing or https://ui.perfetto.dev) and summarises it (rlt_engine/profile/trace.py):
 wall time by phase, GPU time launched by each phase, GPU-busy share of the decode windows,
-kernel launches and host syncs per token step, and the top kernels (CPU ops on CPU).
+kernel launches and host syncs per token step, and the top kernels (CPU ops on CPU), each
+with its added time (its end past the previous kernel's on its stream: under PDL kernels
+overlap, so that, not device time, is what a kernel costs the chain).
 Human output: tables on stdout, progress on stderr. `--json`: one JSON object on stdout.
 torch loads only when run.
 """
