@@ -34,9 +34,9 @@ def _record_model_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
     model, seen = llm.engine.model, {"recurrent": [], "coda": []}
     recurrent, coda = model.recurrent, model.coda
 
-    def recording_recurrent(hidden, meta, backend):
+    def recording_recurrent(hidden, meta, backend, rope=None):
         seen["recurrent"].append((tuple(hidden.shape), meta.positions.tolist()))
-        return recurrent(hidden, meta, backend)
+        return recurrent(hidden, meta, backend, rope=rope)
 
     def recording_coda(hidden, gate=None):
         seen["coda"].append(tuple(hidden.shape))
