@@ -183,7 +183,7 @@ def prepare(
     rope_args = (
         (hidden, hidden, 0, 0)
         if rope is None
-        else (rope_table, rope, *rope_table.shape[:1], rope.shape[2])
+        else (rope_table, rope, rope_table.shape[0], rope.shape[2])
     )
     with _pa._on_device(device):
         _pa._kernel(_prepare_kernel, interpret)[(b,)](
