@@ -23,7 +23,7 @@ Measured on the H200 (benchmarks/results/2026-12-02-ws-gemm-h200.md), Ouro at M 
 back under PDL: qkv 7.8 us (Triton kernel 9.2, cuBLAS 10.1), o_proj 4.4 (5.2, 6.4), down_proj
 8.6 (9.2, 11.9); decode in place +3% at c=1, +5% at c=8. The SwiGLU form (`swiglu`: gate and
 up tiles in one ring stage, two wgmma a stage, the activation in the epilogue) takes Ouro's
-packed gate/up: 15.3 vs 16.2 us alone, +1% in place (2026-12-02-added-times-h200.md); it
+packed gate/up: 15.3 vs 16.7 us alone at M = 8, +1% in place (2026-12-02-added-times-h200.md); it
 lost 4% in place on Nanbeige's, which stays on the Triton kernel.
 
 Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
@@ -76,8 +76,8 @@ def check(
         return f"at most {MAX_M} rows, got {m}"
     rows, n_out = (block_n // 2, n // 2) if swiglu else (block_n, n)
     if swiglu and (n % 2 or split_k != 1):
-        # split-K (the last split applying the activation) ran 15-40% slower on the H200,
-        # alone and in place (results/2026-12-02-added-times-h200.md): not offered
+        # split-K (the last split applying the activation) ran 13-42% slower on the H200
+        # alone, 5-14% in decode (results/2026-12-02-added-times-h200.md): not offered
         return f"SwiGLU needs [gate; up] packed (an even N, got {n}) and no split-K"
     if rows not in (64, 128) or n_out % rows:
         part = " a part" if swiglu else ""
