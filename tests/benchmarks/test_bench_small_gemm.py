@@ -71,3 +71,26 @@ def test_a_gain_within_the_margin_keeps_the_new_rows(monkeypatch):
 
     entries, report = bench.confirm_in_place(OLD, NEW, {"m": [(96, 32)]}, rate)
     assert entries == NEW and report["m"]["96x32"]["kept"] == "new"
+
+
+def test_the_gate_up_is_tuned_as_the_model_runs_it():
+    """The packed gate/up in its fused SwiGLU forms, the ungated GEMMs with the ws kernel, the
+    gated lm_head on the Triton kernel only."""
+    bench = _module()
+    assert bench.form_of(["ouro-1.4b/gate_up"]) == "swiglu"
+    assert bench.form_of(["ouro-1.4b/qkv", "nanbeige4.2-3b/o_proj"]) == "ws"
+    assert bench.form_of(["ouro-1.4b/lm_head"]) == "plain"
+
+
+def test_the_table_names_the_shapes_checked_in_decode(tmp_path):
+    bench = _module()
+    meta = {"device": "GPU", "triton": "3.6.0", "torch": "2.11"}
+    bench.write_table(tmp_path / "plain.py", meta, NEW)
+    assert "checked in decode" not in (tmp_path / "plain.py").read_text()
+    report = {"m": {"new": {}, "64x32": {"kept": "new"}, "96x32": {"kept": "old"}, "final": {}}}
+    bench.write_table(tmp_path / "checked.py", {**meta, "in_place": report}, NEW)
+    text = (tmp_path / "checked.py").read_text()
+    assert "checked in decode (--confirm-in-place): 64x32, 96x32." in text
+    namespace: dict = {}
+    exec(compile(text, "checked.py", "exec"), namespace)  # a module that imports as written
+    assert namespace["TABLE"]["entries"] == NEW
