@@ -21,7 +21,8 @@ written bytes, measured here).
 
 --confirm-in-place: isolated times do not always rank configs as decode does (a kernel's
 shared memory decides whether the next kernel's programs start under it with PDL: the ws
-SwiGLU form won alone and lost 9% in place, results/2026-12-02-ws-gemm-h200.md). So after
+SwiGLU form on Nanbeige's gate/up won alone and lost 4% in decode,
+results/2026-12-02-added-times-h200.md). So after
 tuning, per model, decode tok/s in place (dummy weights, 64/32, c = 1 and 8, engines with one
 table each) with the new table, and with each shape whose rows changed reverted to the old
 table's rows alone; a shape keeps its new rows unless decode is IN_PLACE_MARGIN faster without
@@ -241,21 +242,20 @@ def table_entry(r: dict) -> tuple:
 
 def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
     """A Python module that `ruff format` leaves as it is (one row per line)."""
-    checked = sorted(
-        {k for report in meta.get("in_place", {}).values() for k in report if "x" in k}
-    )
+    # the shapes --confirm-in-place tried: its report's entries with a verdict
+    reports = meta.get("in_place", {}).values()
+    checked = sorted({k for r in reports for k, v in r.items() if "kept" in v})
+    tail = ['times (do_bench medians) the choice was made by."""']
+    if checked:
+        tail = [
+            "times (do_bench medians) the choice was made by; the shapes of the last run were",
+            f'also checked in decode (--confirm-in-place): {", ".join(checked)}."""',
+        ]
     lines = [
         '"""Small-GEMM dispatch table (kernels/small_gemm.py): written by',
         "benchmarks/bench_small_gemm.py on the GPU named below; do not edit by hand. Keys are",
         '"NxK:m<bucket>:<dtype>"; rows are FIELDS, "us" and "cublas_us" the per-GEMM CUDA-graph',
-        'times (do_bench medians) the choice was made by."""'
-        if not checked
-        else "times (do_bench medians) the choice was made by; the shapes of the last run were",
-        *(
-            [f'also checked in decode (--confirm-in-place): {", ".join(checked)}."""']
-            if checked
-            else []
-        ),
+        *tail,
         "",
         f"FIELDS = {FIELDS!r}",
         "TABLE: dict = {",

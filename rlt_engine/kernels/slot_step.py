@@ -195,7 +195,7 @@ def prepare(
             embedding,
             hidden,
             block_tables,
-            *out[:7],
+            *out[:7],  # the outputs but rope, whose [b, 2, D] buffer rope_args carries
             *rope_args,
             embedding.stride(0),
             hidden.stride(0),

@@ -24,7 +24,7 @@ from rlt_engine.kernels.small_gemm import GemmConfig, gemm, lookup
 from rlt_engine.kernels.swiglu import silu_mul
 from rlt_engine.kernels.ws_gemm import available, check
 
-from .test_small_gemm import ACC_TOL_GPU, make
+from .test_small_gemm import ACC_TOL_GPU, assert_deterministic_under_contention, make
 from .test_small_gemm import check as check_product
 
 CUDA = torch.cuda.is_available()
@@ -185,13 +185,7 @@ def test_gpu_fp16_lead_dims_and_views():
 @gpu
 @needs_ws
 def test_gpu_split_k_deterministic_under_contention():
-    x, w = make(8, 2048, 5632, torch.bfloat16, device="cuda", seed=4)
-    for config in (ws(64, 128, 4), ws(64, 128, 11, 2)):
-        first = gemm(x, w, config)
-        check_product(first, x, w, ACC_TOL_GPU)
-        for _ in range(50):
-            assert torch.equal(gemm(x, w, config), first)
-    assert int(small_gemm._counters(x.device).abs().sum()) == 0
+    assert_deterministic_under_contention((ws(64, 128, 4), ws(64, 128, 11, 2)))
 
 
 @gpu
