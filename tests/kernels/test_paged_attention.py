@@ -346,6 +346,7 @@ def test_probe_is_for_compiled_builds_of_the_right_shape():
     with pytest.raises(ValueError, match="probe"):
         case.run(kernel="mma", probe=probe[:3])
 
+
 def test_no_tokens():
     case = Case([(0, 5)], 2, 2, head_dim=16, block_size=4)
     assert case.run().shape == (0, 2, 16)
