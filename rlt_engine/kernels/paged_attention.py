@@ -44,6 +44,7 @@ triton = tl = None  # set by _import_triton(); the kernels' bodies read the modu
 # the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines, set by _prefetch_helpers (PDL only)
 prefetch_kv_l2 = prefetch_lines = None
 rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
+clocks = None  # pdl's @jit _clocks, set by _launch for a `probe`
 
 
 class RopeWrite(NamedTuple):
@@ -181,10 +182,14 @@ def _launch(
     long_context: bool = False,
     prefetch_kv: bool = False,
     rope_write: RopeWrite | None = None,
+    probe: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
     `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
-    where it was measured faster: `_rows_wins`)."""
+    where it was measured faster: `_rows_wins`). `probe` (benchmarks, tensor-core kernel,
+    compiled only): int64 [programs, 6] receiving each program's (%globaltimer ns, %clock64)
+    at its start, after its PDL wait and at its end (programs in launch-grid order; padding
+    programs that return early leave their row as it was)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, max_query_len)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -317,12 +322,19 @@ def _launch(
                 **_pdl.launch_options(pdl),
             )
         else:
-            _kernel(_paged_attention_kernel, interpret)[
-                (num_seqs * q_tiles, num_kv_heads, num_splits)
-            ](
+            grid = (num_seqs * q_tiles, num_kv_heads, num_splits)
+            if probe is not None:
+                global clocks
+                if interpret or probe.shape != (grid[0] * grid[1] * grid[2], 6):
+                    raise ValueError(f"probe: int64 [{grid[0] * grid[1] * grid[2]}, 6], compiled")
+                _pdl._import_triton()
+                clocks = _pdl.clocks
+            _kernel(_paged_attention_kernel, interpret)[grid](
                 *args,
                 q_tiles,
+                q if probe is None else probe,
                 **shapes,
+                PROBE=probe is not None,
                 GROUP=group,
                 BLOCK_Q=block_q,
                 BLOCK_M=block_m,
@@ -574,6 +586,7 @@ def _paged_attention_kernel(
     num_heads,
     prefetch_tiles,  # PREFETCH_KV: key tiles of its split a program asks L2 for
     q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
+    probe_ptr,  # PROBE: int64 [programs, 6]: (ns, cycles) at start, after the wait, at the end
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -588,7 +601,10 @@ def _paged_attention_kernel(
     PREFETCH_KV: tl.constexpr,  # decode under PDL: K/V rows asked of L2 before the wait
     ROW_LINES: tl.constexpr,
     LINE: tl.constexpr,
+    PROBE: tl.constexpr,  # benchmarks: timer stamps per program (pdl.clocks)
 ):
+    if PROBE:
+        ns0, cy0 = clocks()
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         if PREFETCH_KV:
             prefetch_kv_l2(
@@ -598,6 +614,8 @@ def _paged_attention_kernel(
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if PROBE:
+        ns1, cy1 = clocks()
     seq = tl.program_id(0) // q_tiles
     q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
     kv_head = tl.program_id(1)
@@ -691,6 +709,16 @@ def _paged_attention_kernel(
         )
         tl.store(ws_m_ptr + part, m_i, mask=row_ok)
         tl.store(ws_l_ptr + part, l_i, mask=row_ok)
+    if PROBE:
+        ns2, cy2 = clocks()
+        pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+        row = probe_ptr + (pid + tl.program_id(2)).to(tl.int64) * 6
+        tl.store(row + 0, ns0)
+        tl.store(row + 1, ns1)
+        tl.store(row + 2, ns2)
+        tl.store(row + 3, cy0)
+        tl.store(row + 4, cy1)
+        tl.store(row + 5, cy2)
 
 
 def _decode_rows_kernel(

@@ -70,13 +70,14 @@ def prefetch_k(n_rows: int, programs_per_row: int, k_range: int, block_k: int, e
     return min(k_range, max(block_k, per_program // block_k * block_k))
 
 
-# the @jit forms of _prefetch_l2 and _prefetch_lines, set by _import_triton()
-prefetch_l2 = prefetch_lines = None
+# the @jit forms of _prefetch_l2, _prefetch_lines and _clocks, set by _import_triton()
+prefetch_l2 = prefetch_lines = clocks = None
 tl = None
+PROBE_CLOCKS = 2  # what `clocks` returns: the global ns timer, the SM's cycle counter
 
 
 def _import_triton() -> None:
-    global prefetch_l2, prefetch_lines, tl
+    global prefetch_l2, prefetch_lines, clocks, tl
     from rlt_engine.kernels import paged_attention as _pa
 
     _pa._import_triton()
@@ -84,6 +85,21 @@ def _import_triton() -> None:
     if prefetch_l2 is None:
         prefetch_lines = _pa._kernel(_prefetch_lines, _pa._interpreter_mode())
         prefetch_l2 = _pa._kernel(_prefetch_l2, _pa._interpreter_mode())
+        clocks = _pa._kernel(_clocks, _pa._interpreter_mode())
+
+
+def _clocks():
+    """(%globaltimer ns, %clock64 cycles) now: the global timer orders programs across SMs and
+    kernels, the SM's cycle counter times the phases within a program. Reads no memory (the
+    PDL protocol allows it before the wait). For PROBE builds only: compiled, never
+    interpreted."""
+    ns = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+    cycles = tl.inline_asm_elementwise(
+        "mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+    return ns, cycles
 
 
 def _prefetch_l2(tile_ptr, rows, row_ok, K, k_lo, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):

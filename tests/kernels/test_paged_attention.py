@@ -336,6 +336,17 @@ def test_prefetch_kv_is_a_hint_only():
     assert torch.equal(case.run(kernel="auto", prefetch_kv=True)[:2], plain[:2])
 
 
+def test_probe_is_for_compiled_builds_of_the_right_shape():
+    """`probe` (benchmarks' timer stamps) needs the compiled kernel: refused under the
+    interpreter, and a buffer of the launch's programs x 6."""
+    case = Case([(1, 9), (1, 5)], 2, 2, head_dim=16, block_size=4)
+    probe = torch.zeros((4, 6), dtype=torch.int64)
+    with pytest.raises(ValueError, match="probe"):
+        case.run(kernel="mma", probe=probe)
+    with pytest.raises(ValueError, match="probe"):
+        case.run(kernel="mma", probe=probe[:3])
+
+
 def test_no_tokens():
     case = Case([(0, 5)], 2, 2, head_dim=16, block_size=4)
     assert case.run().shape == (0, 2, 16)
