@@ -13,8 +13,9 @@ cycle counter at its start, after its PDL wait and at its end. Per layer and rep
   launch), wait_spread: the spread of the programs' wait returns (when the launch before and
   its memory were done, as each program saw it), own: each program's wait -> end (the work
   after its wait, ns and SM cycles), end_after_last_wait: the launch's last end after its last
-  wait return, and gap: this launch's first wait return after the previous attention's last
-  end (the layer's kernels between them).
+  wait return, gap: this launch's first wait return after the previous attention's last
+  end (the layer's kernels between them), and layer: this launch's last end after the
+  previous attention's (a whole layer, a split-K merge launch included).
 
 Reported as medians over layers and replays, at 1 and 8 rows.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -43,14 +45,18 @@ HIDDEN, HEADS, D, INTER, BLOCK = 2048, 16, 128, 5632, 16
 
 
 class Chain:
-    def __init__(self, rows: int, keys: int, layers: int) -> None:
+    def __init__(self, rows: int, keys: int, layers: int, tiles: dict | None = None) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
         def rnd(*shape, scale=1.0):
             return (torch.randn(shape, device="cuda", generator=g) * scale).bfloat16()
 
+        self.rows, self.keys, self.tiles = rows, keys, dict(tiles or {})
+        if self.tiles.pop("merge", 0):  # split-K merged by the last split (no merge launch)
+            self.tiles["split_counters"] = torch.zeros(
+                rows * HEADS, dtype=torch.int32, device="cuda"
+            )
         h, d = HIDDEN, HEADS * D
-        self.rows, self.keys = rows, keys
         self.layers = [
             {
                 "qkv": rnd(3 * d, h, scale=h**-0.5),
@@ -59,7 +65,12 @@ class Chain:
                 "down": rnd(h, INTER, scale=INTER**-0.5),
                 "norms": [1 + rnd(h, scale=0.1) for _ in range(4)],
                 "pool": (rnd(rows * keys, HEADS, D), rnd(rows * keys, HEADS, D)),
-                "probe": torch.full((rows * HEADS, 6), -1, dtype=torch.int64, device="cuda"),
+                "probe": torch.full(
+                    (rows * HEADS * self.tiles.get("num_splits", 1), 6),
+                    -1,
+                    dtype=torch.int64,
+                    device="cuda",
+                ),
             }
             for _ in range(layers)
         ]
@@ -82,7 +93,7 @@ class Chain:
             rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
             attn = _launch(
                 q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
-                D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"],
+                D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"], **self.tiles,
             )  # fmt: skip
             o = linear(attn.reshape(self.rows, HEADS * D), layer["o"], prefetch_whole=True)
             n1, n2, n3, n4 = layer["norms"]
@@ -93,8 +104,8 @@ class Chain:
         return h
 
 
-def measure(rows: int, keys: int, layers: int, replays: int) -> dict:
-    chain = Chain(rows, keys, layers)
+def measure(rows: int, keys: int, layers: int, replays: int, tiles: dict | None = None) -> dict:
+    chain = Chain(rows, keys, layers, tiles)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -104,7 +115,7 @@ def measure(rows: int, keys: int, layers: int, replays: int) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain.run()
-    keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap")
+    keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap", "layer")
     stats: dict[str, list[float]] = {k: [] for k in keys_}
     for _ in range(replays):
         graph.replay()
@@ -116,6 +127,7 @@ def measure(rows: int, keys: int, layers: int, replays: int) -> dict:
             stats["early"].append(float(waited.min() - start.min()) / 1e3)
             if previous_end is not None:
                 stats["gap"].append(float(waited.min() - previous_end) / 1e3)
+                stats["layer"].append(float(end.max() - previous_end) / 1e3)
             stats["wait_spread"].append(float(waited.max() - waited.min()) / 1e3)
             stats["own"] += ((end - waited).double() / 1e3).tolist()
             stats["own_cycles"] += (p[:, 5] - p[:, 4]).double().tolist()
@@ -126,7 +138,7 @@ def measure(rows: int, keys: int, layers: int, replays: int) -> dict:
         for k, v in stats.items()
         if v
     }
-    return {"rows": rows, "keys": keys, "programs": rows * HEADS, **medians,
+    return {"rows": rows, "keys": keys, "programs": rows * HEADS, **(tiles or {}), **medians,
             "own_us_max": max(stats["own"])}  # fmt: skip
 
 
@@ -135,11 +147,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--keys", type=int, nargs="*", default=[96])
+    ap.add_argument(
+        "--tiles", nargs="*", default=[""],
+        help="attention launch overrides to compare, e.g. w4n64s1k2m1 (num_warps 4, block_n 64, "
+        "num_stages 1, num_splits 2, merged in the kernel); '' for the launch's own choice",
+    )  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [measure(rows, 96, args.layers, args.replays) for rows in (1, 8)]
-    for r in results:
-        print(json.dumps(r), flush=True)
+    names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
+    results = []
+    for spec in args.tiles:
+        tiles = {names[k]: int(v) for k, v in re.findall(r"([wnskm])(\d+)", spec)}
+        for keys in args.keys:
+            for rows in (1, 8):
+                results.append(measure(rows, keys, args.layers, args.replays, tiles))
+                print(json.dumps(results[-1]), flush=True)
     (args.out / "kernel_clock.json").write_text(json.dumps(results, indent=1) + "\n")
 
 

@@ -19,7 +19,9 @@ the same table walk, masking and split-K partials. `auto` picks between them by 
 Split-K (num_splits > 1): the key tiles of a program's range are cut into num_splits contiguous
 parts on the device (from seq_lens), each program writes its unnormalised partial (acc, max, sum)
 to a workspace and a second kernel merges them by log-sum-exp; a split with no keys writes
-(0, -inf, 0) and merges as empty.
+(0, -inf, 0) and merges as empty. Decode rows given `split_counters` need no second kernel:
+each split counts its arrival (acq_rel, per (sequence, kv head)) and the last one merges;
+those programs walk their few keys with the loads pipelined in registers (MERGE).
 
 CUDA-graph capturable: no host synchronisation, the grids depend only on num_seqs, num_heads,
 max_query_len, num_splits and static shapes.
@@ -106,6 +108,7 @@ def paged_attention(
     long_context: bool = False,
     prefetch_kv: bool = False,
     rope_write: RopeWrite | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q` over the paged cache; returns `out` [num_tokens, num_heads, d].
 
@@ -128,6 +131,9 @@ def paged_attention(
     one launch fewer (measured faster at 64 sequences); before the tensor-core kernel
     rope_write_kv_ runs as its own launch (rotating q and k in place), which measured faster at
     8 sequences than the same work inside it (2026-12-02-exit-copies-h200.md).
+    `split_counters` (decode split-K): int32 [>= sequences * kv heads], zero, owned by the
+    caller and reused by every launch: the split that finishes last merges the others'
+    partials itself (no merge launch) and leaves its counter at zero again.
     """
     return _launch(
         q,
@@ -144,6 +150,7 @@ def paged_attention(
         long_context=long_context,
         prefetch_kv=prefetch_kv,
         rope_write=rope_write,
+        split_counters=split_counters,
     )
 
 
@@ -153,12 +160,17 @@ LONG_CONTEXT = 1024  # keys from which a decode batch counts as long (another la
 KV_PREFETCH_BYTES = 8 << 20
 
 
+SPLIT_SEQS = 16  # decode batches up to this many sequences may split their keys
+
+
 def decode_splits(num_seqs: int, long_context: bool) -> int:
-    """Split-K for decode rows: few sequences over long contexts leave most SMs idle with one
-    program per (sequence, kv head). Measured on the H200 (Ouro shapes,
-    benchmarks/results/2026-12-01-paged-attention-h200.json): 4 splits are 1.3-1.9x faster at
-    8 sequences from 1k keys on, and no help at 64."""
-    return 4 if long_context and num_seqs <= 16 else 1
+    """Split-K for decode rows: few sequences leave most SMs idle with one program per
+    (sequence, kv head), each as slow as the keys it must keep in flight. Measured on the H200
+    (Ouro shapes): over long contexts 4 splits are 1.3-1.9x faster at 8 sequences from 1k keys
+    on and no help at 64 (2026-12-01-paged-attention-h200.json); at 96 keys, merged in the
+    kernel, 4 splits are 3% faster end to end at 1 sequence and 6% slower at 8
+    (2026-12-02-decode-attention-splits-h200.md): short contexts split one sequence only."""
+    return 4 if num_seqs == 1 or (long_context and num_seqs <= SPLIT_SEQS) else 1
 
 
 def _launch(
@@ -183,6 +195,7 @@ def _launch(
     prefetch_kv: bool = False,
     rope_write: RopeWrite | None = None,
     probe: torch.Tensor | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
     `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
@@ -251,6 +264,17 @@ def _launch(
     )
     if rows_kernel and (max_query_len != 1 or group != 1):
         raise ValueError("the rows kernel runs decode rows (max_query_len 1) of MHA (group 1)")
+    merge_in_kernel = (
+        split_counters is not None and num_splits > 1 and max_query_len == 1 and not rows_kernel
+    )
+    if merge_in_kernel and (
+        split_counters.dtype != torch.int32
+        or split_counters.numel() < num_seqs * num_kv_heads
+        or split_counters.device != q.device
+    ):
+        raise ValueError(
+            f"split_counters must be int32 [>= {num_seqs * num_kv_heads}] on {q.device}"
+        )
     rows_block_n, warps, stages = _rows_tiles(row_bytes)
     if rows_kernel:
         rows_block_n = block_n_override or rows_block_n
@@ -333,6 +357,7 @@ def _launch(
                 *args,
                 q_tiles,
                 q if probe is None else probe,
+                q if not merge_in_kernel else split_counters,
                 **shapes,
                 PROBE=probe is not None,
                 GROUP=group,
@@ -341,11 +366,13 @@ def _launch(
                 BLOCK_N=block_n,
                 PRECISION=precision,
                 UPCAST=interpret and q.dtype == torch.bfloat16,
+                MERGE=merge_in_kernel,
+                EARLY_META=merge_in_kernel and prefetch_kv and pdl,
                 num_warps=num_warps or 4,
-                num_stages=num_stages or 2,
+                num_stages=num_stages or (1 if merge_in_kernel else 2),
                 **_pdl.launch_options(pdl),
             )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_kernel:
         with _on_device(q.device):
             merge = _kernel(_merge_splits_kernel, interpret)
             merge[(num_seqs * max_query_len, num_heads)](
@@ -587,6 +614,7 @@ def _paged_attention_kernel(
     prefetch_tiles,  # PREFETCH_KV: key tiles of its split a program asks L2 for
     q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
     probe_ptr,  # PROBE: int64 [programs, 6]: (ns, cycles) at start, after the wait, at the end
+    count_ptr,  # MERGE: int32 [sequences * kv heads], zero between launches: splits arrived
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -602,10 +630,38 @@ def _paged_attention_kernel(
     ROW_LINES: tl.constexpr,
     LINE: tl.constexpr,
     PROBE: tl.constexpr,  # benchmarks: timer stamps per program (pdl.clocks)
+    MERGE: tl.constexpr,  # decode split-K: register-pipelined walk, the last split merges
+    EARLY_META: tl.constexpr,  # MERGE under PDL and prefetch_kv: metadata read before the wait
 ):
     if PROBE:
         ns0, cy0 = clocks()
-    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+    seq = tl.program_id(0) // q_tiles
+    q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if PDL and not EARLY_META:  # wait for the previous kernel, then release the next
+        if PREFETCH_KV:
+            prefetch_kv_l2(
+                block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, max_blocks,
+                prefetch_tiles, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, ROW_LINES, LINE,
+            )  # fmt: skip
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    # The sequence's metadata, loaded together (none depends on another). Under EARLY_META
+    # the kernel before writes none of it (the caller's word), so it is read before the wait.
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n = tl.arange(0, BLOCK_N)
+    if MERGE:  # the first two key tiles' table entries (for split 0; others reload them)
+        blk = n // BLOCK_SIZE
+        phys = tl.load(table + blk, mask=blk < max_blocks, other=0)
+        blk = (BLOCK_N + n) // BLOCK_SIZE
+        phys_next = tl.load(table + blk, mask=blk < max_blocks, other=0)
+    if PDL and EARLY_META:
         if PREFETCH_KV:
             prefetch_kv_l2(
                 block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
@@ -616,16 +672,8 @@ def _paged_attention_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if PROBE:
         ns1, cy1 = clocks()
-    seq = tl.program_id(0) // q_tiles
-    q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    q_begin = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     if q0 >= q_len:  # past this sequence's queries (or a padding sequence with none)
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len  # position of the sequence's first query
 
     rows = tl.arange(0, BLOCK_M)
@@ -637,14 +685,6 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
-
     # Keys this query tile can see: [0, kv_end); this program takes its split's share of tiles.
     kv_end = first_pos + tl.minimum(q_len, q0 + BLOCK_Q)
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
@@ -652,46 +692,115 @@ def _paged_attention_kernel(
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
 
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    for t in range(t_begin, t_end):
-        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end
-        blk = pos // BLOCK_SIZE
-        phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
+    if MERGE:
+        # Decode split-K (one query a program, few keys each): its time is the latency of
+        # its few loads, so the walk is pipelined by hand in registers (launched with
+        # num_stages 1): the next tile's K/V and the table entries of the one after are in
+        # flight while a tile is computed (bench_kernel_clock.py).
+        if split > 0:
+            blk = (t_begin * BLOCK_N + n) // BLOCK_SIZE
+            phys = tl.load(table + blk, mask=blk < max_blocks, other=0)
+            blk = blk + BLOCK_N // BLOCK_SIZE
+            phys_next = tl.load(table + blk, mask=blk < max_blocks, other=0)
+        q = tl.load(
+            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        pos = t_begin * BLOCK_N + n
+        pos_ok = (pos < kv_end) & (t_begin < t_end)
         slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # 64-bit: slot * stride > 2^31
-
         k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
             k_base + slot[None, :] * stride_ks + d[:, None],
             mask=d_ok[:, None] & pos_ok[None, :],
             other=0.0,
         )
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
         v = tl.load(
             v_base + slot[:, None] * stride_vs + d[None, :],
             mask=pos_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        p = p.to(v.dtype)  # P @ V in the cache dtype, as flash attention does
         if UPCAST:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m_i = m_new
+            q = q.to(tl.float32)
+        for t in range(t_begin, t_end):
+            pos_n = pos + BLOCK_N
+            ok_n = (pos_n < kv_end) & (t + 1 < t_end)
+            slot_n = phys_next.to(tl.int64) * BLOCK_SIZE + pos_n % BLOCK_SIZE
+            k_n = tl.load(
+                k_base + slot_n[None, :] * stride_ks + d[:, None],
+                mask=d_ok[:, None] & ok_n[None, :],
+                other=0.0,
+            )
+            v_n = tl.load(
+                v_base + slot_n[:, None] * stride_vs + d[None, :],
+                mask=ok_n[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            blk = (pos_n + BLOCK_N) // BLOCK_SIZE
+            phys_next = tl.load(table + blk, mask=(t + 2 < t_end) & (blk < max_blocks), other=0)
+
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+            p = tl.exp2(s - m_ref[:, None])
+            alpha = tl.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p = p.to(v.dtype)  # P @ V in the cache dtype, as flash attention does
+            if UPCAST:
+                p, v = p.to(tl.float32), v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+            k, v, pos, pos_ok = k_n, v_n, pos_n, ok_n
+    else:
+        q = tl.load(
+            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            q = q.to(tl.float32)
+        for t in range(t_begin, t_end):
+            pos = t * BLOCK_N + n
+            pos_ok = pos < kv_end
+            blk = pos // BLOCK_SIZE
+            phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
+            slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+
+            k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
+                k_base + slot[None, :] * stride_ks + d[:, None],
+                mask=d_ok[:, None] & pos_ok[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+            s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
+            p = tl.exp2(s - m_ref[:, None])
+            alpha = tl.exp2(m_i - m_ref)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+
+            v = tl.load(
+                v_base + slot[:, None] * stride_vs + d[None, :],
+                mask=pos_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            p = p.to(v.dtype)  # P @ V in the cache dtype, as flash attention does
+            if UPCAST:
+                p, v = p.to(tl.float32), v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -709,6 +818,43 @@ def _paged_attention_kernel(
         )
         tl.store(ws_m_ptr + part, m_i, mask=row_ok)
         tl.store(ws_l_ptr + part, l_i, mask=row_ok)
+        if MERGE:
+            # Every thread's partial is stored (the barrier) before the one release of the
+            # arrival; the split that arrives last reads all of them through L2 and merges.
+            tl.debug_barrier()
+            counter = count_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                tl.store(counter, 0)  # every split has arrived: ready for the next launch
+                base = (token * num_heads + head) * NUM_SPLITS
+                m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for i in tl.static_range(NUM_SPLITS):
+                    m_s = tl.load(ws_m_ptr + base + i, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg")  # fmt: skip
+                    m_max = tl.maximum(m_max, m_s)
+                m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # all empty: weights 0
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for i in tl.static_range(NUM_SPLITS):
+                    m_s = tl.load(ws_m_ptr + base + i, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg")  # fmt: skip
+                    w = tl.exp2(m_s - m_ref)
+                    l_s = tl.load(ws_l_ptr + base + i, mask=row_ok, other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+                    a_s = tl.load(
+                        ws_acc_ptr + (base + i)[:, None] * HEAD_DIM + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    total += w * l_s
+                    o += w[:, None] * a_s
+                o = o / tl.where(total == 0.0, 1.0, total)[:, None]
+                tl.store(
+                    out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=row_ok[:, None] & d_ok[None, :],
+                )
     if PROBE:
         ns2, cy2 = clocks()
         pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)

@@ -166,6 +166,33 @@ def test_decode_split_k(heads):
     check(one, four.float().cpu(), FP32_TOL)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 6])
+@pytest.mark.parametrize("heads", [(8, 1), (4, 2), (2, 2)], ids=["gqa8", "gqa2", "mha"])
+def test_decode_split_k_merged_in_the_kernel(heads, num_splits):
+    """With `split_counters` the split that arrives last merges (no merge launch): the same
+    attention as the merge kernel's, empty splits and padding sequences included, and the
+    counters are back to zero after each launch (the next launch reuses them)."""
+    specs = [(1, n) for n in (1, 15, 16, 17, 64, 100, 3)] + [(0, 9)]
+    case = Case(specs, *heads, head_dim=32, block_size=16, seed=4, pad_rows=1)
+    counters = torch.zeros(len(specs) * heads[1] + 3, dtype=torch.int32)
+    sentinel = torch.full_like(case.q, 7.0)
+    ref = case.reference()
+    for block_n in (16, 32):
+        merged = case.run(num_splits, sentinel.clone(), block_n=block_n, split_counters=counters)
+        assert not counters.any()
+        two_launches = case.run(num_splits, block_n=block_n)
+        check(merged, ref, FP32_TOL, rows=7)
+        check(merged, two_launches.float().cpu(), FP32_TOL, rows=7)
+        assert torch.equal(merged[7:], sentinel[7:])  # rows of no sequence: untouched
+
+
+def test_split_counters_are_checked():
+    case = Case([(1, 20), (1, 5)], 2, 2, head_dim=16, block_size=16)
+    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="split_counters must be int32"):
+            case.run(2, block_n=16, split_counters=bad)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("block_size", "block_n"), [(16, None), (5, 16), (1, 32)])
 def test_decode_rows_kernel_matches_reference_and_mma(block_size, block_n, num_splits):
@@ -273,6 +300,7 @@ def test_auto_takes_the_rows_kernel_for_many_short_decode_rows_only(monkeypatch)
     assert torch.equal(paged_attention(*args, case.scale, 1, long_context=True), mma)
     assert seen == [(8, 1, False), (8, 1, True)]  # programs = 4 sequences x 2 heads
     assert decode_splits(8, True) == 4 and decode_splits(8, False) == decode_splits(64, True) == 1
+    assert decode_splits(1, False) == 4 and decode_splits(2, False) == 1
 
 
 def test_decode_rows_kernel_refuses_what_it_cannot_run():
@@ -447,6 +475,32 @@ def test_gpu_ouro_decode_split_1_vs_4(num_seqs):
     check(one, ref, BF16_TOL)
     check(four, ref, BF16_TOL)
     check(one, four.float().cpu(), BF16_TOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_seqs", [1, 8])
+def test_gpu_decode_split_k_merged_in_the_kernel_under_graph_replays(num_seqs):
+    """Ouro's shape, bf16, the last split merging (split_counters) inside a CUDA graph replayed
+    many times: the same output as the merge launch on every replay (a missed arrival or a
+    partial read before it was written would show), counters back to zero."""
+    case = Case(_decode_specs(num_seqs, 700, num_seqs), 16, 16, 128, 16, torch.bfloat16, "cuda")
+    counters = torch.zeros(num_seqs * 16, dtype=torch.int32, device="cuda")
+    want = case.run(4, block_n=32)
+    check(want, case.reference(), BF16_TOL)
+    out = torch.empty_like(case.q)
+    case.run(4, out, block_n=32, split_counters=counters)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.run(4, out, block_n=32, split_counters=counters)
+    graph.replay()
+    check(out, want.float().cpu(), BF16_TOL)
+    first = out.clone()
+    for _ in range(50):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, first)
+    assert not counters.any()
 
 
 @gpu

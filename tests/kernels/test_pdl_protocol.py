@@ -3,7 +3,9 @@ with a `PDL` constexpr, nothing before its `if PDL:` block reads or writes memor
 and that block waits (`gdc_wait`) before it releases the next kernel (`gdc_launch_dependents`),
 touching memory only through `prefetch_l2` (weights) and `prefetch_kv_l2` (K/V rows, through
 the block table and seq_lens, which the kernel before a decode attention launch never writes)
-before the wait. A kernel that broke this
+before the wait. A kernel whose caller vouches for what the kernel before never writes (X, such
+as paged attention's EARLY_META) may instead have `if PDL and not X:` then `if PDL and X:`,
+and between them only load that memory (EARLY_READS). A kernel that broke this
 would race with its predecessor only on sm_90+ GPUs, and only sometimes; this test fails on
 any machine the moment such a kernel is written. Also: every launch that passes
 `launch_options(pdl)` passes `PDL=pdl` too (launched with PDL <=> compiled with the wait)."""
@@ -40,7 +42,38 @@ def _calls(node: ast.AST) -> list[str]:
 
 
 def _is_pdl_block(stmt: ast.stmt) -> bool:
-    return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and stmt.test.id == "PDL"
+    """`if PDL:`, or `if PDL and [not] X:` (X a constexpr: the wait placed by X)."""
+    if not isinstance(stmt, ast.If):
+        return False
+    test = stmt.test
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        test = test.values[0]
+    return isinstance(test, ast.Name) and test.id == "PDL"
+
+
+def _condition(stmt: ast.If) -> str:
+    """'' for `if PDL:`, 'X' for `if PDL and X:`, 'not X' for `if PDL and not X:`."""
+    if not isinstance(stmt.test, ast.BoolOp):
+        return ""
+    x = stmt.test.values[1]
+    if isinstance(x, ast.UnaryOp) and isinstance(x.op, ast.Not):
+        return f"not {x.operand.id}"
+    return x.id
+
+
+# Memory a kernel may read between `if PDL and not X:` and `if PDL and X:` (before the wait
+# when X holds): X is its caller's word that the kernel before writes none of it.
+# paged_attention's EARLY_META (prefetch_kv's word): the sequences' metadata (query_start,
+# seq_lens, the block table).
+EARLY_READS = {"EARLY_META": {"query_start_ptr", "seq_lens_ptr", "table"}}
+
+
+def _pointers(node: ast.AST) -> set[str]:
+    return {
+        n.id
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and (n.id.endswith("_ptr") or n.id == "table")
+    }
 
 
 def _partitions(fn: ast.FunctionDef) -> list[str] | None:
@@ -77,18 +110,34 @@ def test_the_pdl_kernels_are_found():
 def test_nothing_touches_memory_before_the_wait(name, fn):
     body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
     blocks = [i for i, s in enumerate(body) if _is_pdl_block(s)]
-    assert len(blocks) == 1, f"{name}: one `if PDL:` block expected"
+    conditions = [_condition(body[i]) for i in blocks]
+    forms = [[""]] + [[f"not {x}", x] for x in EARLY_READS]
+    assert conditions in forms, (
+        f"{name}: one `if PDL:` block, or `if PDL and not X:` then `if PDL and X:` expected"
+    )
     for stmt in body[: blocks[0]]:
         assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
         impure = [c for c in _calls(stmt) if c not in PURE]
         assert not impure, f"{name}: {impure} before the wait (line {stmt.lineno})"
-    block = body[blocks[0]].body
-    calls = [c for stmt in block for c in _calls(stmt)]
-    assert "gdc_wait" in calls and "gdc_launch_dependents" in calls, name
-    assert calls.index("gdc_wait") < calls.index("gdc_launch_dependents"), name
-    before = calls[: calls.index("gdc_wait")]
-    allowed = PURE | {"prefetch_l2", "prefetch_kv_l2"}
-    assert set(before) <= allowed, f"{name}: {before} before the wait"
+    if len(blocks) == 2:  # between them: loads of what the kernel before never writes (X)
+        early = EARLY_READS[conditions[1]]
+        for stmt in body[blocks[0] + 1 : blocks[1]]:
+            assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
+            for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
+                callee = _calls(call)[0]
+                if callee == "load":
+                    read = _pointers(call.args[0])
+                    assert read and read <= early, f"{name}: loads {read} before the wait"
+                else:
+                    assert callee in PURE, f"{name}: {callee} before the wait (line {stmt.lineno})"
+    for i in blocks:
+        block = body[i].body
+        calls = [c for stmt in block for c in _calls(stmt)]
+        assert "gdc_wait" in calls and "gdc_launch_dependents" in calls, name
+        assert calls.index("gdc_wait") < calls.index("gdc_launch_dependents"), name
+        before = calls[: calls.index("gdc_wait")]
+        allowed = PURE | {"prefetch_l2", "prefetch_kv_l2"}
+        assert set(before) <= allowed, f"{name}: {before} before the wait"
 
 
 def test_warp_specialised_kernels_are_found():
