@@ -171,6 +171,15 @@ class TorchPagedAttention(PagedKVCache):
 class TritonPagedAttention(PagedKVCache):
     """The Triton kernel: reads K/V through the tables on the device, capturable."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        from rlt_engine.kernels.paged_attention import SPLIT_SEQS
+
+        super().__init__(*args, **kwargs)
+        # decode split-K's arrival counters (zero between launches; the kernel resets them)
+        self.split_counters = torch.zeros(
+            SPLIT_SEQS * self.k.shape[2], dtype=torch.int32, device=self.k.device
+        )
+
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata | MixedMetadata
     ) -> None:
@@ -248,6 +257,7 @@ class TritonPagedAttention(PagedKVCache):
             long_context=self.long_context,
             prefetch_kv=prefetch_kv,
             rope_write=rope_write,
+            split_counters=self.split_counters,
         )
 
 
