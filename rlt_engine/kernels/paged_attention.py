@@ -699,10 +699,11 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if MERGE:
-        # Decode split-K (one query a program, few keys each): its time is the latency of
-        # its few loads, so the walk is pipelined by hand in registers (launched with
-        # num_stages 1): the next tile's K/V and the table entries of the one after are in
-        # flight while a tile is computed (bench_kernel_clock.py).
+        # Decode split-K (one query a program, few keys each): the walk is pipelined by hand
+        # in registers (launched with num_stages 1), the next tile's K/V and the table
+        # entries of the one after in flight while a tile is computed. The form the merged
+        # split was measured in (2026-12-02-decode-attention-splits-h200.md); alone, for
+        # every decode batch, it was no faster than the loop below.
         if split > 0:
             blk = (t_begin * BLOCK_N + n) // BLOCK_SIZE
             phys = tl.load(table + blk, mask=blk < max_blocks, other=0)
