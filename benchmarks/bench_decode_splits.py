@@ -1,0 +1,64 @@
+"""Which decode batches should split their keys (paged_attention.decode_splits), end to end.
+
+    PYTHONPATH=. python benchmarks/bench_decode_splits.py --out $OUT [--upto 0 1 2 4 8]
+
+One engine per rule (Ouro-1.4B dummy bf16, 8 slots, 64-token prompts, 32 outputs, depth 4):
+short-context decode batches of at most `upto` sequences split four ways, merged in the
+attention kernel (0: none split), long contexts as committed. Committed decode tok/s at
+c = 1, 2, 4, 8 (h200_decode._median_rate), the rule patched before the engine is built so its
+CUDA graphs capture it. The committed rule is upto 1 (2026-12-02-decode-attention-splits-h200.md:
+measured at 1 and at 16; 2, 4 and 8 sequences in between are what this decides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from rlt_engine.kernels import paged_attention  # noqa: E402
+
+
+def rule(upto: int, splits: int = 4) -> Callable[[int, bool], int]:
+    """decode_splits with short contexts splitting batches of at most `upto` sequences."""
+
+    def decode_splits(num_seqs: int, long_context: bool) -> int:
+        if num_seqs <= upto or (long_context and num_seqs <= paged_attention.SPLIT_SEQS):
+            return splits
+        return 1
+
+    return decode_splits
+
+
+def main() -> None:
+    import h200_decode  # the device's benchmark helpers (imports torch, CUDA)
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--upto", type=int, nargs="*", default=[0, 1, 2, 4, 8])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 4, 8])
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    committed = paged_attention.decode_splits
+    rows = []
+    try:
+        for upto in args.upto:
+            paged_attention.decode_splits = rule(upto)
+            llm = h200_decode._engine(h200_decode.OURO, max_num_seqs=8)
+            for c in args.concurrency:
+                r = h200_decode._median_rate(llm, c, repeats=5)
+                rows.append({"upto": upto, **r})
+                print(json.dumps(rows[-1]), flush=True)
+            del llm
+    finally:
+        paged_attention.decode_splits = committed
+    (args.out / "decode_splits.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
