@@ -6,8 +6,8 @@ One engine per rule (Ouro-1.4B dummy bf16, 8 slots, 64-token prompts, 32 outputs
 short-context decode batches of at most `upto` sequences split four ways, merged in the
 attention kernel (0: none split), long contexts as committed. Committed decode tok/s at
 c = 1, 2, 4, 8 (h200_decode._median_rate), the rule patched before the engine is built so its
-CUDA graphs capture it. The committed rule is upto 1 (2026-12-02-decode-attention-splits-h200.md:
-measured at 1 and at 16; 2, 4 and 8 sequences in between are what this decides).
+CUDA graphs capture it. The committed rule is upto paged_attention.SHORT_SPLIT_SEQS = 2
+(2026-12-02-l2-ahead-h200.md: c=2 +1.6% against upto 1, c=4 -0.1% to -0.4% with 2 or 4).
 """
 
 from __future__ import annotations

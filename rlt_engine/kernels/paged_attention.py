@@ -161,6 +161,7 @@ KV_PREFETCH_BYTES = 8 << 20
 
 
 SPLIT_SEQS = 16  # decode batches up to this many sequences may split their keys
+SHORT_SPLIT_SEQS = 2  # short-context decode batches up to this many sequences split theirs
 
 
 def decode_splits(num_seqs: int, long_context: bool) -> int:
@@ -169,8 +170,11 @@ def decode_splits(num_seqs: int, long_context: bool) -> int:
     (Ouro shapes): over long contexts 4 splits are 1.3-1.9x faster at 8 sequences from 1k keys
     on and no help at 64 (2026-12-01-paged-attention-h200.json); at 96 keys, merged in the
     kernel, 4 splits are 3% faster end to end at 1 sequence and 6% slower at 8
-    (2026-12-02-decode-attention-splits-h200.md): short contexts split one sequence only."""
-    return 4 if num_seqs == 1 or (long_context and num_seqs <= SPLIT_SEQS) else 1
+    (2026-12-02-decode-attention-splits-h200.md), 1.6% faster at 2 and even at 4
+    (2026-12-02-l2-ahead-h200.md): short contexts split up to SHORT_SPLIT_SEQS sequences."""
+    if num_seqs <= SHORT_SPLIT_SEQS or (long_context and num_seqs <= SPLIT_SEQS):
+        return 4
+    return 1
 
 
 def _launch(

@@ -1,18 +1,18 @@
-"""benchmarks/bench_decode_splits.py: the rules it compares, and that `upto 1` is the one
-committed (its docstring says so; a change to decode_splits must show up here)."""
+"""benchmarks/bench_decode_splits.py: the rules it compares, and that `upto SHORT_SPLIT_SEQS`
+is the one committed (a change to decode_splits must show up here)."""
 
 from __future__ import annotations
 
 import benchmark_scripts
 
-from rlt_engine.kernels.paged_attention import SPLIT_SEQS, decode_splits
+from rlt_engine.kernels.paged_attention import SHORT_SPLIT_SEQS, SPLIT_SEQS, decode_splits
 
 
-def test_upto_one_is_the_committed_rule():
-    rule = benchmark_scripts.load("bench_decode_splits").rule
+def test_upto_short_split_seqs_is_the_committed_rule():
+    rule = benchmark_scripts.load("bench_decode_splits").rule(SHORT_SPLIT_SEQS)
     for long_context in (False, True):
         for n in range(1, 300):
-            assert rule(1)(n, long_context) == decode_splits(n, long_context), (n, long_context)
+            assert rule(n, long_context) == decode_splits(n, long_context), (n, long_context)
 
 
 def test_rules_split_short_batches_up_to_their_bound_and_long_ones_as_committed():

@@ -300,7 +300,7 @@ def test_auto_takes_the_rows_kernel_for_many_short_decode_rows_only(monkeypatch)
     assert torch.equal(paged_attention(*args, case.scale, 1, long_context=True), mma)
     assert seen == [(8, 1, False), (8, 1, True)]  # programs = 4 sequences x 2 heads
     assert decode_splits(8, True) == 4 and decode_splits(8, False) == decode_splits(64, True) == 1
-    assert decode_splits(1, False) == 4 and decode_splits(2, False) == 1
+    assert decode_splits(1, False) == decode_splits(2, False) == 4 and decode_splits(3, False) == 1
 
 
 def test_decode_rows_kernel_refuses_what_it_cannot_run():
