@@ -77,7 +77,7 @@ def _patch(removed: tuple[str, ...]):
     real_attend_rope, real_project = TritonPagedAttention.attend_rope, layers.project
     real_gate_up = gate_up_swiglu.gate_up_silu
 
-    def attend_rope(self, layer, q, k, v, rope, meta, next_weight=None):
+    def attend_rope(self, layer, q, k, v, rope, meta):
         if "old_kv" in removed:
             from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 
@@ -87,7 +87,7 @@ def _patch(removed: tuple[str, ...]):
             return blank(q.shape[0], q.shape[1] * q.shape[2], q).view(q.shape)
         if "rope_kv" in removed:
             return self.attend(layer, q, k, v, meta, kv_written=True)
-        return real_attend_rope(self, layer, q, k, v, rope, meta, next_weight=next_weight)
+        return real_attend_rope(self, layer, q, k, v, rope, meta)
 
     def project(x, weight, small_gemm, prefetch_whole=False):
         n, k = weight.shape

@@ -43,9 +43,8 @@ import torch
 from rlt_engine.kernels import pdl as _pdl
 
 triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
-# the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines / prefetch_ahead, set by
-# _prefetch_helpers (PDL only)
-prefetch_kv_l2 = prefetch_lines = prefetch_ahead = None
+# the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines, set by _prefetch_helpers (PDL only)
+prefetch_kv_l2 = prefetch_lines = None
 rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
 clocks = None  # pdl's @jit _clocks, set by _launch for a `probe`
 
@@ -110,7 +109,6 @@ def paged_attention(
     prefetch_kv: bool = False,
     rope_write: RopeWrite | None = None,
     split_counters: torch.Tensor | None = None,
-    ahead: _pdl.Ahead | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q` over the paged cache; returns `out` [num_tokens, num_heads, d].
 
@@ -136,9 +134,6 @@ def paged_attention(
     `split_counters` (decode split-K): int32 [>= sequences * kv heads], zero, owned by the
     caller and reused by every launch: the split that finishes last merges the others'
     partials itself (no merge launch) and leaves its counter at zero again.
-    `ahead` (decode under PDL, tensor-core kernel): a weight slice the launch's programs ask L2
-    for before their wait, on behalf of a GEMM after the next launch (kernels/pdl.py's
-    `Ahead`); a hint, no value changes. Ignored where it does not apply.
     """
     return _launch(
         q,
@@ -156,7 +151,6 @@ def paged_attention(
         prefetch_kv=prefetch_kv,
         rope_write=rope_write,
         split_counters=split_counters,
-        ahead=ahead,
     )
 
 
@@ -206,7 +200,6 @@ def _launch(
     rope_write: RopeWrite | None = None,
     probe: torch.Tensor | None = None,
     split_counters: torch.Tensor | None = None,
-    ahead: _pdl.Ahead | None = None,
 ) -> torch.Tensor:
     """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
     `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
@@ -295,12 +288,6 @@ def _launch(
         prefetch_tiles = kv_prefetch_tiles(num_seqs * num_kv_heads * num_splits, tile, row_bytes)
         if prefetch_tiles:
             _prefetch_helpers()
-    if ahead is not None and not (pdl and max_query_len == 1 and not rows_kernel):
-        ahead = None
-    if ahead is not None:
-        if ahead.weight.device != q.device:
-            raise ValueError(f"ahead's weight must be on {q.device}")
-        _prefetch_helpers()
     rw = rope_write
     if rw is not None:
         _check_rope_write(rw, q, k_cache, max_query_len)
@@ -375,7 +362,6 @@ def _launch(
                 q_tiles,
                 q if probe is None else probe,
                 q if not merge_in_kernel else split_counters,
-                *_ahead_args(ahead, q),
                 **shapes,
                 PROBE=probe is not None,
                 GROUP=group,
@@ -386,8 +372,6 @@ def _launch(
                 UPCAST=interpret and q.dtype == torch.bfloat16,
                 MERGE=merge_in_kernel,
                 EARLY_META=merge_in_kernel and prefetch_kv and pdl,
-                AHEAD=ahead is not None,
-                AHEAD_LINE=ahead.line if ahead is not None else 1,
                 num_warps=num_warps or 4,
                 num_stages=num_stages or (1 if merge_in_kernel else 2),
                 **_pdl.launch_options(pdl),
@@ -421,18 +405,11 @@ def kv_prefetch_tiles(programs: int, block_n: int, row_bytes: int) -> int:
 
 
 def _prefetch_helpers() -> None:
-    global prefetch_kv_l2, prefetch_lines, prefetch_ahead
+    global prefetch_kv_l2, prefetch_lines
     if prefetch_kv_l2 is None:
         _pdl._import_triton()
-        prefetch_lines, prefetch_ahead = _pdl.prefetch_lines, _pdl.prefetch_ahead
+        prefetch_lines = _pdl.prefetch_lines
         prefetch_kv_l2 = _kernel(_prefetch_kv_l2, False)
-
-
-def _ahead_args(ahead: _pdl.Ahead | None, q: torch.Tensor) -> tuple:
-    """The tensor-core kernel's `ahead` arguments (placeholders without one: AHEAD is off)."""
-    if ahead is None:
-        return (q, 0, 0, 0, 0)
-    return (ahead.weight, ahead.weight.stride(0), ahead.col_lo, ahead.row_lines, ahead.lines)
 
 
 def _rope_helpers() -> None:
@@ -642,11 +619,6 @@ def _paged_attention_kernel(
     q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
     probe_ptr,  # PROBE: int64 [programs, 6]: (ns, cycles) at start, after the wait, at the end
     count_ptr,  # MERGE: int32 [sequences * kv heads], zero between launches: splits arrived
-    ahead_ptr,  # AHEAD: a weight [N, ahead_stride]; lines of its slice asked of L2 (pdl.Ahead)
-    ahead_stride,
-    ahead_lo,
-    ahead_row_lines,
-    ahead_lines,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -664,8 +636,6 @@ def _paged_attention_kernel(
     PROBE: tl.constexpr,  # benchmarks: timer stamps per program (pdl.clocks)
     MERGE: tl.constexpr,  # decode split-K: register-pipelined walk, the last split merges
     EARLY_META: tl.constexpr,  # MERGE under PDL and prefetch_kv: metadata read before the wait
-    AHEAD: tl.constexpr,  # decode under PDL: a later GEMM's weight slice asked of L2 first
-    AHEAD_LINE: tl.constexpr,  # the weight's elements per 128-byte line
 ):
     if PROBE:
         ns0, cy0 = clocks()
@@ -681,9 +651,6 @@ def _paged_attention_kernel(
                 stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, max_blocks,
                 prefetch_tiles, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, ROW_LINES, LINE,
             )  # fmt: skip
-        if AHEAD:  # for a GEMM after the next launch: HBM is idle meanwhile
-            prefetch_ahead(ahead_ptr, ahead_stride, ahead_lo, ahead_row_lines, ahead_lines,
-                           AHEAD_LINE, 512)  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -705,9 +672,6 @@ def _paged_attention_kernel(
                 stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, max_blocks,
                 prefetch_tiles, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, ROW_LINES, LINE,
             )  # fmt: skip
-        if AHEAD:  # for a GEMM after the next launch: HBM is idle meanwhile
-            prefetch_ahead(ahead_ptr, ahead_stride, ahead_lo, ahead_row_lines, ahead_lines,
-                           AHEAD_LINE, 512)  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if PROBE:

@@ -23,25 +23,18 @@ The protocol every kernel launched with PDL keeps, which is what keeps it exact:
 Kernels launched without PDL (cuBLAS, torch's) keep full stream order on both sides. The
 arithmetic is unchanged, so outputs are the same bits with PDL on or off.
 
-One launch looks further ahead (`Ahead`): decode attention, which leaves HBM idle for several
-microseconds, asks L2 for a slice of the MLP's gate/up weight, two launches later (only the
-o_proj's 8 MB stream in between), so that GEMM reads that slice from L2. A hint like the others:
-weights are written by no kernel, and L2 is coherent.
-
 On CUDA devices of compute capability >= 9 only (never under the interpreter, which runs on
 CPU tensors); RLT_PDL=0 turns it off for A/B runs. CUDA-graph capture keeps the programmatic
-edges (CUDA >= 12.3). RLT_PDL_PREFETCH_MB sets the L2 prefetch budget of one GEMM launch,
-RLT_L2_AHEAD_MB the bytes an `Ahead` slice asks for.
+edges (CUDA >= 12.3). RLT_PDL_PREFETCH_MB sets the L2 prefetch budget of one GEMM launch.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Ahead", "ahead", "ahead_slice", "enabled", "launch_options", "prefetch_k"]
+__all__ = ["enabled", "launch_options", "prefetch_k"]
 
 _DISABLED = os.environ.get("RLT_PDL", "1") == "0"
 # bytes of weight one GEMM launch prefetches into L2 before its wait. Measured on the H200
@@ -49,9 +42,6 @@ _DISABLED = os.environ.get("RLT_PDL", "1") == "0"
 # predecessor's own weight stream evicts the lines before they are used)
 PREFETCH_BYTES = int(float(os.environ.get("RLT_PDL_PREFETCH_MB", "2")) * (1 << 20))
 LINE_BYTES = 128  # one L2 prefetch request per 128-byte line
-# bytes of a weight that decode attention asks L2 for on behalf of the GEMM two launches later
-# (`Ahead`); measured on the H200 in benchmarks/results/2026-12-02-l2-ahead-h200.md
-AHEAD_BYTES = int(float(os.environ.get("RLT_L2_AHEAD_MB", "16")) * (1 << 20))
 
 _CAPABLE: dict[int, bool] = {}
 
@@ -80,65 +70,22 @@ def prefetch_k(n_rows: int, programs_per_row: int, k_range: int, block_k: int, e
     return min(k_range, max(block_k, per_program // block_k * block_k))
 
 
-@dataclass(frozen=True)
-class Ahead:
-    """Columns [col_lo, col_lo + row_lines * line) of every row of `weight` [N, K] (row-major,
-    contiguous; `line` elements to a 128-byte line), for a launch that leaves HBM idle to ask L2
-    for on behalf of a later GEMM over `weight`."""
-
-    weight: torch.Tensor
-    col_lo: int
-    row_lines: int
-    line: int
-
-    @property
-    def lines(self) -> int:
-        return self.weight.shape[0] * self.row_lines
-
-
-def ahead(weight: torch.Tensor, own_cols: int, budget: int | None = None) -> Ahead | None:
-    """The `Ahead` slice of `weight` [N, K] worth `budget` bytes (AHEAD_BYTES), starting past
-    the `own_cols` columns of every row that the GEMM's own launch fetches before its PDL wait;
-    the same columns of every row, so each of the GEMM's programs finds the same share in L2.
-    None where PDL is off, the weight is not a contiguous matrix or nothing is left."""
-    if weight.dim() != 2 or not weight.is_contiguous() or not enabled(weight.device):
-        return None
-    budget = AHEAD_BYTES if budget is None else budget
-    lo, row_lines, line = ahead_slice(*weight.shape, weight.element_size(), own_cols, budget)
-    return Ahead(weight, lo, row_lines, line) if row_lines > 0 else None
-
-
-def ahead_slice(n: int, k: int, elt: int, own_cols: int, budget: int) -> tuple[int, int, int]:
-    """(first column, lines per row, elements per line) of `ahead`'s slice of an [n, k] weight
-    of `elt`-byte elements: whole lines from the first line boundary at or past own_cols, as
-    many per row as `budget` bytes over the n rows allow, none past column k."""
-    line = max(1, LINE_BYTES // elt)
-    lo = -(-own_cols // line) * line
-    row_lines = max(0, min(k - lo, budget // max(1, n * elt)) // line)
-    return lo, row_lines, line
-
-
-# the @jit forms of _prefetch_l2, _prefetch_lines, _prefetch_ahead, _ahead_share, _ahead_offsets
-# and _clocks, set by _import_triton()
-prefetch_l2 = prefetch_lines = prefetch_ahead = ahead_share = ahead_offsets = clocks = None
+# the @jit forms of _prefetch_l2, _prefetch_lines and _clocks, set by _import_triton()
+prefetch_l2 = prefetch_lines = clocks = None
 tl = None
 PROBE_CLOCKS = 2  # what `clocks` returns: the global ns timer, the SM's cycle counter
 
 
 def _import_triton() -> None:
-    global prefetch_l2, prefetch_lines, prefetch_ahead, ahead_share, ahead_offsets, clocks, tl
+    global prefetch_l2, prefetch_lines, clocks, tl
     from rlt_engine.kernels import paged_attention as _pa
 
     _pa._import_triton()
     tl = _pa.tl
     if prefetch_l2 is None:
-        interpret = _pa._interpreter_mode()
-        prefetch_lines = _pa._kernel(_prefetch_lines, interpret)
-        prefetch_l2 = _pa._kernel(_prefetch_l2, interpret)
-        ahead_share = _pa._kernel(_ahead_share, interpret)
-        ahead_offsets = _pa._kernel(_ahead_offsets, interpret)
-        prefetch_ahead = _pa._kernel(_prefetch_ahead, interpret)
-        clocks = _pa._kernel(_clocks, interpret)
+        prefetch_lines = _pa._kernel(_prefetch_lines, _pa._interpreter_mode())
+        prefetch_l2 = _pa._kernel(_prefetch_l2, _pa._interpreter_mode())
+        clocks = _pa._kernel(_clocks, _pa._interpreter_mode())
 
 
 def _clocks():
@@ -171,35 +118,3 @@ def _prefetch_lines(ptrs):
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
     )
-
-
-def _ahead_share(total):
-    """[lo, hi): this program's share of `total` lines, the launch's programs (any grid of up to
-    three axes) taking consecutive equal shares in flat program order."""
-    pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
-    pid += tl.program_id(0)
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    per = tl.cdiv(total, programs)
-    lo = pid * per
-    return lo, tl.minimum(lo + per, total)
-
-
-def _ahead_offsets(i, row_stride, col_lo, row_lines, LINE: tl.constexpr):
-    """Element offsets of lines `i` of an `Ahead` slice: line i is line i % row_lines of the
-    slice's part of row i // row_lines."""
-    row = (i // row_lines).to(tl.int64)
-    return row * row_stride + col_lo + (i % row_lines) * LINE
-
-
-def _prefetch_ahead(
-    w_ptr, row_stride, col_lo, row_lines, total, LINE: tl.constexpr, BLOCK: tl.constexpr
-):
-    """Ask L2 for this program's share of the `total` lines of an `Ahead` slice of the weight
-    at `w_ptr` [N, row_stride]: BLOCK fire-and-forget line requests at a time. Reads nothing,
-    so it may run before the PDL wait. Compiled (PDL) only: the interpreter has no inline
-    assembly."""
-    lo, hi = ahead_share(total)
-    for start in range(lo, hi, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        offs = ahead_offsets(i, row_stride, col_lo, row_lines, LINE)
-        prefetch_lines(tl.where(i < hi, w_ptr + offs, w_ptr))

@@ -170,22 +170,6 @@ def lookup(
     return GemmConfig(*row[1:6], kernel="ws" if row[0] == "ws" else "triton")
 
 
-def l2_ahead(w: torch.Tensor, m: int) -> _pdl.Ahead | None:
-    """The slice of `w` [N, K] that a launch leaving HBM idle before the GEMM of m rows over it
-    may ask L2 for (kernels/pdl.py's `Ahead`): the columns past those the GEMM's own launch
-    fetches before its wait (the warp-specialised kernel's ring, the Triton kernel's first
-    tile; none for cuBLAS)."""
-    if _DISABLED or m > MAX_M or w.device.type != "cuda" or w.dim() != 2:
-        return None
-    entries = _table_for(w.device)
-    n, k = w.shape
-    config = None if entries is None else lookup(entries, n, k, m, w.dtype, gated=True)
-    own = 0
-    if config is not None:
-        own = config.block_k * (config.num_stages if config.kernel == "ws" else 1)
-    return _pdl.ahead(w, own)
-
-
 def linear(
     x: torch.Tensor,
     w: torch.Tensor,

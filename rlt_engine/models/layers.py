@@ -176,10 +176,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        next_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`next_weight`: a weight the layer reads soon after (the MLP's packed gate/up), which
-        a backend whose attention leaves HBM idle may ask L2 for meanwhile."""
         rows, d = x.shape[0], self.head_dim
         if self.qkv is None:
             q = self.q_proj(x).view(rows, self.num_heads, d)
@@ -191,7 +188,7 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         attend_rope = getattr(backend, "attend_rope", None) if self.fused_rope else None
         if attend_rope is not None:  # RoPE and the K/V write in one launch (Triton backend)
-            out = attend_rope(self.layer, q, k, v, rope, meta, next_weight=next_weight)
+            out = attend_rope(self.layer, q, k, v, rope, meta)
         else:
             if self.fused_rope:
                 from rlt_engine.kernels.rope import apply_rope_

@@ -40,8 +40,7 @@ class NanbeigeDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fast path's form of `forward` (see OuroDecoderLayer.forward_chained): each
         residual add and the norm after it in one launch."""
-        attn = self.self_attn(h, rope, meta, backend, next_weight=self.mlp.gate_up)
-        x, h = add_norm(attn, x, self.post_attention_layernorm)
+        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
         out = self.mlp(h)
         if next_norm is None:
             return x + out, None

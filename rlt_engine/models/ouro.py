@@ -48,7 +48,7 @@ class OuroDecoderLayer(nn.Module):
         returns (the layer's output, next_norm of it) with every add-and-norm pair in one
         launch (layers.add_norm), or (output, None) without next_norm. Bit-identical to
         `forward` with fused norms."""
-        attn = self.self_attn(h, rope, meta, backend, next_weight=self.mlp.gate_up)
+        attn = self.self_attn(h, rope, meta, backend)
         x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
         out = self.mlp(h)
         if next_norm is None:

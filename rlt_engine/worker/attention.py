@@ -24,7 +24,6 @@ from rlt_engine.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels are imported where they are used
     from rlt_engine.kernels.paged_attention import RopeWrite
-    from rlt_engine.kernels.pdl import Ahead
 
 
 @dataclass
@@ -196,13 +195,10 @@ class TritonPagedAttention(PagedKVCache):
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        next_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attend` for q and k before RoPE, the same values as apply_rope_ then `attend`:
         one launch rotates them and writes K/V (kernels/rope_kv_write), or for decode rows
-        on the rows kernel the attention launch itself (paged_attention's `rope_write`).
-        `next_weight` (decode): the weight of the GEMM after the o_proj, part of which the
-        attention launch asks L2 for (small_gemm.l2_ahead)."""
+        on the rows kernel the attention launch itself (paged_attention's `rope_write`)."""
         from rlt_engine.kernels.paged_attention import RopeWrite
         from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 
@@ -210,11 +206,8 @@ class TritonPagedAttention(PagedKVCache):
         if isinstance(meta, PagedMetadata) and meta.max_query_len == 1:
             # no launch before attention (the qkv GEMM, or RoPE + the K/V write before the
             # tensor-core kernel) writes metadata: its K/V prefetch is safe
-            from rlt_engine.kernels.small_gemm import l2_ahead
-
             new = RopeWrite(*rope, k, v, meta.slot_mapping)
-            ahead = None if next_weight is None else l2_ahead(next_weight, q.shape[0])
-            return self._read(layer, q, meta, prefetch_kv=True, rope_write=new, ahead=ahead)
+            return self._read(layer, q, meta, prefetch_kv=True, rope_write=new)
         rope_write_kv_(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
         if isinstance(meta, PagedMetadata):  # the K/V write just before writes no metadata
             return self._read(layer, q, meta, prefetch_kv=True)
@@ -243,7 +236,6 @@ class TritonPagedAttention(PagedKVCache):
         meta: PagedMetadata,
         prefetch_kv: bool = False,
         rope_write: RopeWrite | None = None,
-        ahead: Ahead | None = None,
     ) -> torch.Tensor:
         from rlt_engine.kernels.paged_attention import decode_splits, paged_attention
 
@@ -266,7 +258,6 @@ class TritonPagedAttention(PagedKVCache):
             prefetch_kv=prefetch_kv,
             rope_write=rope_write,
             split_counters=self.split_counters,
-            ahead=ahead,
         )
 
 

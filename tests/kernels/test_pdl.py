@@ -5,8 +5,7 @@ A kernel that read its predecessor's output before `griddepcontrol.wait`, wrote 
 let a program exit without it would race with the kernel before it; in a chain of layers at
 Ouro's shapes (norm -> qkv GEMM -> RoPE + KV write -> paged attention -> o_proj with split-K ->
 residual + norm -> gate/up + SwiGLU -> down with split-K -> residual + norm), with the GEMMs
-prefetching their weights while the predecessor runs and attention asking L2 for part of the
-gate/up's (pdl.Ahead), such a race shows up as changed values.
+prefetching their weights while the predecessor runs, such a race shows up as changed values.
 On CPU (interpreter) PDL is never on; only the switch itself is tested there.
 """
 
@@ -106,7 +105,6 @@ class _Layers:
             attn = paged_attention(
                 q, k_pool, v_pool, self.block_tables, self.seq_lens, self.query_start,
                 self.block, dim**-0.5, 1, prefetch_kv=True,
-                ahead=pdl.ahead(layer["gate_up"], wide.block_k),  # None without PDL
             )  # fmt: skip
             o = gemm(attn.reshape(self.rows, heads * dim), layer["o"], split, prefetch_whole=True)
             n1, n2, n3, n4 = layer["norms"]

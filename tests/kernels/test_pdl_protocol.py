@@ -1,12 +1,12 @@
 """The PDL protocol (kernels/pdl.py), checked on the kernels' source: in every Triton kernel
 with a `PDL` constexpr, nothing before its `if PDL:` block reads or writes memory or returns,
 and that block waits (`gdc_wait`) before it releases the next kernel (`gdc_launch_dependents`),
-touching memory only through `prefetch_l2` and `prefetch_ahead` (weights) and `prefetch_kv_l2`
-(K/V rows, through the block table and seq_lens, which the kernel before a decode attention
-launch never writes) before the wait. A kernel whose caller vouches for what the kernel before
-never writes (X, such as paged attention's EARLY_META) may instead have `if PDL and not X:`
-then `if PDL and X:`, and between them only load that memory (EARLY_READS). A kernel that broke
-this would race with its predecessor only on sm_90+ GPUs, and only sometimes; this test fails on
+touching memory only through `prefetch_l2` (weights) and `prefetch_kv_l2` (K/V rows, through
+the block table and seq_lens, which the kernel before a decode attention launch never writes)
+before the wait. A kernel whose caller vouches for what the kernel before never writes (X, such
+as paged attention's EARLY_META) may instead have `if PDL and not X:` then `if PDL and X:`,
+and between them only load that memory (EARLY_READS). A kernel that broke this
+would race with its predecessor only on sm_90+ GPUs, and only sometimes; this test fails on
 any machine the moment such a kernel is written. Also: every launch that passes
 `launch_options(pdl)` passes `PDL=pdl` too (launched with PDL <=> compiled with the wait)."""
 
@@ -136,7 +136,7 @@ def test_nothing_touches_memory_before_the_wait(name, fn):
         assert "gdc_wait" in calls and "gdc_launch_dependents" in calls, name
         assert calls.index("gdc_wait") < calls.index("gdc_launch_dependents"), name
         before = calls[: calls.index("gdc_wait")]
-        allowed = PURE | {"prefetch_l2", "prefetch_ahead", "prefetch_kv_l2"}
+        allowed = PURE | {"prefetch_l2", "prefetch_kv_l2"}
         assert set(before) <= allowed, f"{name}: {before} before the wait"
 
 
