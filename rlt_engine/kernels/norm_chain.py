@@ -13,6 +13,13 @@ the same reduction tree and x and h equal the two-launch results bit for bit in 
 (the add `residual + y` is torch's: fp32 sum rounded once to the dtype). `h` is computed from x
 as rounded to the dtype, exactly what the second launch would read.
 
+`add_rms_norm_hazard` also returns Ouro's exit hazard of h, sigmoid(h . w + b) in fp32 (the
+learned gate after the last layer's final norm), from the row the program already holds, where
+the model otherwise runs four more launches (a cast, cuBLAS's gemv and its reduction, the
+sigmoid) outside the PDL chain. Its dot sums in the norm's reduction tree instead of cuBLAS's
+order, so it agrees with `torch.sigmoid(F.linear(h.float(), w, b))` to a few fp32 ulps, not
+bit for bit; sigmoid itself is torch's CUDA formula (libdevice expf, an IEEE division).
+
 Rows are independent (batch invariant). CUDA-graph capturable: no host synchronisation, the
 grid depends only on the shapes. triton is imported lazily (see paged_attention).
 """
@@ -26,10 +33,10 @@ from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels.norm import rms_norm_reference, supported
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "supported"]
+__all__ = ["add_rms_norm", "add_rms_norm_hazard", "add_rms_norm_reference", "supported"]
 
-# set by _import_triton(); the kernel's body reads `tl`, `round_bf16` and `normed_row`
-triton = tl = round_bf16 = normed_row = None
+# set by _import_triton(); the kernel's body reads `tl`, `libdevice`, `round_bf16`, `normed_row`
+triton = tl = libdevice = round_bf16 = normed_row = None
 
 
 def add_rms_norm_reference(
@@ -60,6 +67,35 @@ def add_rms_norm(
     y_weight: [H] (any float dtype, read in fp32). Returns new tensors (x, h), both [rows, H] in
     y's dtype: x = residual + norm(y; y_weight, y_eps) (or residual + y without y_weight) and
     h = norm(x; weight, eps)."""
+    return _launch(y, residual, weight, eps, y_weight, y_eps)[:2]
+
+
+def add_rms_norm_hazard(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor,
+    y_weight: torch.Tensor | None = None,
+    y_eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm`'s (x, h) and hazard = sigmoid(h . gate_weight + gate_bias) fp32 [rows]:
+    gate_weight fp32 [H] (or [1, H]), gate_bias fp32 [1] (an nn.Linear(H, 1)'s, converted)."""
+    hidden = y.shape[-1]
+    if gate_weight.numel() != hidden or gate_bias.numel() != 1:
+        raise ValueError(
+            f"the gate must be [{hidden}] weights and one bias, got "
+            f"{tuple(gate_weight.shape)} and {tuple(gate_bias.shape)}"
+        )
+    for name, t in (("gate_weight", gate_weight), ("gate_bias", gate_bias)):
+        if t.dtype != torch.float32 or t.device != y.device:
+            raise ValueError(f"{name} must be fp32 on {y.device}, got {t.dtype} on {t.device}")
+    return _launch(y, residual, weight, eps, y_weight, y_eps, (gate_weight, gate_bias))
+
+
+def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
+    """(x, h, hazard or None); `gate`: (weight, bias) fp32."""
     if y.dim() != 2 or y.dtype not in _norm._DTYPES:
         raise ValueError(f"y must be [rows, H] of {_norm._DTYPES}, got {y.dtype} {tuple(y.shape)}")
     if residual.shape != y.shape or residual.dtype != y.dtype or residual.device != y.device:
@@ -83,8 +119,10 @@ def add_rms_norm(
     y_weight = weight if y_weight is None else y_weight.contiguous()
     x = torch.empty_like(y, memory_format=torch.contiguous_format)
     h = torch.empty_like(x)
+    hazard = None if gate is None else torch.empty(rows, dtype=torch.float32, device=y.device)
     if rows == 0:
-        return x, h
+        return x, h, hazard
+    gate_w, gate_b = (weight, weight) if gate is None else (gate[0].contiguous(), gate[1])
     ok, why = supported(y.device)
     if not ok:
         raise RuntimeError(f"Triton add_rms_norm cannot run on {y.device}: {why}")
@@ -101,6 +139,9 @@ def add_rms_norm(
             weight,
             x,
             h,
+            gate_w,
+            gate_b,
+            h if hazard is None else hazard,
             y.stride(0),
             residual.stride(0),
             float(eps if y_eps is None else y_eps),
@@ -109,19 +150,23 @@ def add_rms_norm(
             BLOCK=block,
             INV_H=1.0 / hidden,
             NORM_Y=len(weights) == 2,
+            GATE=gate is not None,
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
             **_pdl.launch_options(pdl),
         )
-    return x, h
+    return x, h, hazard
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16, normed_row
+    global triton, tl, libdevice, round_bf16, normed_row
+    from rlt_engine.kernels import swiglu as _swiglu
+
     _norm._import_triton()
-    triton, tl = _norm.triton, _norm.tl
+    _swiglu._import_triton()
+    triton, tl, libdevice = _norm.triton, _norm.tl, _swiglu.libdevice
     round_bf16, normed_row = _norm.round_bf16, _norm.normed_row
 
 
@@ -137,6 +182,9 @@ def _add_rms_norm_kernel(
     w_ptr,
     x_ptr,  # out: residual + norm(y) (or + y), [rows, H] contiguous
     h_ptr,  # out: norm(x), [rows, H] contiguous
+    gw_ptr,  # GATE: the exit gate's fp32 weights [H]
+    gb_ptr,  # GATE: its fp32 bias [1]
+    hazard_ptr,  # GATE: out, fp32 [rows]
     stride_y,
     stride_r,
     eps_y,
@@ -145,6 +193,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,  # next power of two of H
     INV_H: tl.constexpr,  # fp32(1 / H)
     NORM_Y: tl.constexpr,  # x = residual + norm(y) (else residual + y)
+    GATE: tl.constexpr,  # also the exit hazard sigmoid(h . gw + gb)
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
@@ -169,3 +218,11 @@ def _add_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = normed_row(x, w, eps, INV_H, EXACT_MUL, ROUND_BF16)
     tl.store(h_ptr + row * H + cols, h.to(y.dtype), mask=mask)
+    if GATE:  # the gate reads h as stored (exact for the interpreter once rounded)
+        gw = tl.load(gw_ptr + cols, mask=mask, other=0.0)
+        logit = tl.sum(h.to(y.dtype).to(tl.float32) * gw, axis=0) + tl.load(gb_ptr)
+        if EXACT_MUL:  # torch's CUDA sigmoid: libdevice expf, an IEEE division
+            hazard = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-logit))
+        else:  # the interpreter has no libdevice
+            hazard = 1.0 / (1.0 + tl.exp(-logit))
+        tl.store(hazard_ptr + row, hazard)

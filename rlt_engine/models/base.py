@@ -108,7 +108,9 @@ class LoopedCausalLM(nn.Module):
         if rope is None:
             rope = self.model.rotary_emb(meta.positions, hidden.dtype)
         if getattr(self, "chained_norms", False):  # set by use_fast_path
-            hidden = self._chained_layers(hidden, rope, meta, backend)
+            hidden, hazard = self._chained_layers(hidden, rope, meta, backend)
+            if hazard is not None:
+                return RecurrentOutput(hidden, hazard)
         else:
             for layer in self.model.layers:
                 hidden = layer(hidden, rope, meta, backend)
@@ -122,19 +124,26 @@ class LoopedCausalLM(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer loop of the fast path: each layer also returns the first norm of the next
         layer (after the last, the final norm when it runs every loop), computed in the same
-        launch as its last residual add. The same values as the plain loop bit for bit."""
+        launch as its last residual add. The same values as the plain loop bit for bit.
+        Returns (hidden, the exit hazard or None): with the final norm every loop, the last
+        launch also computes the exit gate's hazard (to a few ulps of `exit_hazard`'s)."""
         layers = self.model.layers
         h = layers[0].input_layernorm(hidden)
+        hazard = None
         for i, layer in enumerate(layers):
+            gate = None
             if i + 1 < len(layers):
                 next_norm = layers[i + 1].input_layernorm
             else:
                 next_norm = self.model.norm if self.config.norm_every_loop else None
-            hidden, h = layer.forward_chained(hidden, h, next_norm, rope, meta, backend)
-        return hidden if h is None else h
+                gate = self.exit_gate_fp32 if next_norm is not None else None
+            hidden, h, hazard = layer.forward_chained(
+                hidden, h, next_norm, rope, meta, backend, exit_gate=gate
+            )
+        return (hidden, None) if h is None else (h, hazard)
 
     def exit_hazard(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if not self.config.has_exit_gate:

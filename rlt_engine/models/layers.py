@@ -43,6 +43,21 @@ def add_norm(
     return add_rms_norm(y, residual, norm.weight, norm.eps, y_norm.weight, y_norm.eps)
 
 
+def add_norm_hazard(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    norm: RMSNorm,
+    y_norm: RMSNorm | None,
+    exit_gate: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_norm`, and the exit hazard sigmoid(norm(x) . w + b) of the fp32 gate (w, b) from
+    the same launch (kernels/norm_chain.add_rms_norm_hazard: to a few ulps of torch's)."""
+    from rlt_engine.kernels.norm_chain import add_rms_norm_hazard
+
+    y_weight, y_eps = (None, None) if y_norm is None else (y_norm.weight, y_norm.eps)
+    return add_rms_norm_hazard(y, residual, norm.weight, norm.eps, *exit_gate, y_weight, y_eps)
+
+
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     return 1.0 / (theta**exponents)

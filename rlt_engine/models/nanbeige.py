@@ -37,14 +37,17 @@ class NanbeigeDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        exit_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The fast path's form of `forward` (see OuroDecoderLayer.forward_chained): each
         residual add and the norm after it in one launch."""
+        if exit_gate is not None:
+            raise ValueError("Nanbeige has no exit gate")
         x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
         out = self.mlp(h)
         if next_norm is None:
-            return x + out, None
-        return add_norm(out, x, next_norm)
+            return x + out, None, None
+        return *add_norm(out, x, next_norm), None
 
 
 class NanbeigeForCausalLM(LoopedCausalLM):

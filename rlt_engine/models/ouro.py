@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, add_norm_hazard
 
 
 class OuroDecoderLayer(nn.Module):
@@ -43,17 +43,21 @@ class OuroDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        exit_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The fast path's form of `forward`: h = input_layernorm(x) comes in already computed;
-        returns (the layer's output, next_norm of it) with every add-and-norm pair in one
-        launch (layers.add_norm), or (output, None) without next_norm. Bit-identical to
-        `forward` with fused norms."""
+        returns (the layer's output, next_norm of it, None) with every add-and-norm pair in one
+        launch (layers.add_norm), or (output, None, None) without next_norm. Bit-identical to
+        `forward` with fused norms. `exit_gate` (fp32 weight and bias, with next_norm): the
+        last launch also computes the exit hazard of next_norm's output, returned third."""
         attn = self.self_attn(h, rope, meta, backend)
         x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
         out = self.mlp(h)
         if next_norm is None:
-            return self.post_attention_layernorm_2(out, residual=x), None
-        return add_norm(out, x, next_norm, self.post_attention_layernorm_2)
+            return self.post_attention_layernorm_2(out, residual=x), None, None
+        if exit_gate is not None:
+            return add_norm_hazard(out, x, next_norm, self.post_attention_layernorm_2, exit_gate)
+        return *add_norm(out, x, next_norm, self.post_attention_layernorm_2), None
 
 
 class OuroForCausalLM(LoopedCausalLM):

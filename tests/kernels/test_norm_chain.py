@@ -1,7 +1,8 @@
 """The fused add + RMSNorm chain (kernels/norm_chain.py) against its unfused form: two launches
 of kernels/norm.rms_norm (Ouro's sandwich: x = residual + norm_a(y), h = norm_b(x)) or a torch
 add and one rms_norm (pre-norm: x = residual + y). Both results must be bit-identical
-(atol = rtol = 0) in every dtype, on the interpreter and on the GPU.
+(atol = rtol = 0) in every dtype, on the interpreter and on the GPU; the exit hazard the same
+launch can add, within a few fp32 ulps of torch's gate.
 
 GPU tests (Ouro / Nanbeige shapes, CUDA graphs): pytest tests/kernels/test_norm_chain.py -m gpu
 """
@@ -14,7 +15,7 @@ import torch
 pytest.importorskip("triton")
 
 from rlt_engine.kernels.norm import rms_norm
-from rlt_engine.kernels.norm_chain import add_rms_norm, add_rms_norm_reference
+from rlt_engine.kernels.norm_chain import add_rms_norm, add_rms_norm_hazard, add_rms_norm_reference
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -122,3 +123,50 @@ def test_gpu_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         exact(out, unfused(ny, nres, wb, 1e-6, wa, 1e-6))
+
+
+# -- the exit hazard from the same launch (add_rms_norm_hazard) ----------------------------------
+
+
+def gate_of(hidden: int, device: str = "cpu", seed: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(1, hidden, generator=gen) * hidden**-0.5
+    return w.to(device), torch.randn(1, generator=gen).to(device)
+
+
+def check_hazard(y, res, wa, wb, gw, gb) -> None:
+    """x and h bit for bit the plain chain's; the hazard within a few fp32 ulps of the model's
+    torch form (the dot sums in another order: measured <= 2 ulps; a wrong row or a missing
+    bias is orders of magnitude off)."""
+    x, h, hazard = add_rms_norm_hazard(y, res, wb, 1e-6, gw, gb, y_weight=wa, y_eps=1e-5)
+    exact((x, h), add_rms_norm(y, res, wb, 1e-6, y_weight=wa, y_eps=1e-5))
+    want = torch.sigmoid(torch.nn.functional.linear(h.float(), gw, gb)).squeeze(-1)
+    assert hazard.dtype == torch.float32 and hazard.shape == (y.shape[0],)
+    torch.testing.assert_close(hazard, want, atol=1e-6, rtol=4e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 256])
+def test_hazard_within_ulps_of_the_torch_gate(dtype, hidden):
+    y, res, wa, wb = make(7, hidden, dtype, seed=2)
+    check_hazard(y, res, wa, wb, *gate_of(hidden))
+
+
+def test_hazard_rejects_a_bad_gate():
+    y, res, _, wb = make(3, 48, torch.float32)
+    gw, gb = gate_of(48)
+    with pytest.raises(ValueError, match="the gate must be"):
+        add_rms_norm_hazard(y, res, wb, 1e-6, gw[:, :40], gb)
+    with pytest.raises(ValueError, match="gate_weight must be fp32"):
+        add_rms_norm_hazard(y, res, wb, 1e-6, gw.bfloat16(), gb)
+    _, _, empty = add_rms_norm_hazard(y[:0], res[:0], wb, 1e-6, gw, gb)
+    assert empty.shape == (0,)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_gpu_hazard_within_ulps_of_the_torch_gate(rows, dtype):
+    y, res, wa, wb = make(rows, 2048, dtype, device="cuda", seed=rows)
+    check_hazard(y, res, wa, wb, *gate_of(2048, "cuda"))

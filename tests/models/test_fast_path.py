@@ -10,7 +10,7 @@ from rlt_engine.checkpoints.loader import load_model
 from rlt_engine.oracle.contiguous_kv import ContiguousKVCache, ContiguousMetadata
 
 
-def _loops(model, ids: list[int]) -> torch.Tensor:
+def _loops(model, ids: list[int], hazards: list | None = None) -> torch.Tensor:
     dtype = model.lm_head.weight.dtype
     cache = ContiguousKVCache(model.config, 1, len(ids), dtype=dtype)
     positions = torch.arange(len(ids))
@@ -22,8 +22,11 @@ def _loops(model, ids: list[int]) -> torch.Tensor:
             loop_indices=torch.full_like(positions, loop),
             seq_ids=torch.zeros_like(positions),
         )
-        hidden = model.recurrent(hidden, meta, cache).hidden
+        out = model.recurrent(hidden, meta, cache)
+        hidden = out.hidden
         states.append(model.coda(hidden))
+        if hazards is not None:
+            hazards.append(out.hazard)
     return torch.stack(states)
 
 
@@ -61,7 +64,8 @@ def _tiny(kind: str, root) -> object:
 def test_chained_norms_bit_identical_to_the_layer_loop(tmp_path):
     """The fast path's chained layer loop (each residual add with the next norm in one launch,
     kernels/norm_chain) equals the fast path's plain layer loop bit for bit, fp32 and bf16,
-    for Ouro (sandwich norms; with and without the final norm every loop) and Nanbeige."""
+    for Ouro (sandwich norms; with and without the final norm every loop) and Nanbeige; the
+    exit hazard its last launch computes is within a few ulps of the torch gate's."""
     ids = [3, 17, 9, 30, 2, 11]
     for kind in ("ouro", "ouro-no-final-norm", "nanbeige"):
         path = _tiny(kind, tmp_path)
@@ -69,7 +73,13 @@ def test_chained_norms_bit_identical_to_the_layer_loop(tmp_path):
             model = load_model(path, dtype=dtype, device="cpu")
             model.use_fast_path()
             assert model.chained_norms
-            chained = _loops(model, ids)
+            fused, torch_gate = [], []
+            chained = _loops(model, ids, fused)
             model.chained_norms = False
-            plain = _loops(model, ids)
+            plain = _loops(model, ids, torch_gate)
             assert torch.equal(chained, plain), (kind, dtype)
+            for got, want in zip(fused, torch_gate, strict=True):
+                if want is None:  # no exit gate (Nanbeige)
+                    assert got is None
+                else:  # the last add + norm launch's hazard: a few ulps from torch's gate
+                    torch.testing.assert_close(got, want, atol=1e-6, rtol=4e-7)
