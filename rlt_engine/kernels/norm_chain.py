@@ -154,6 +154,7 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
+            EARLY=pdl and gate is None and _pdl.early_release("norm"),
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
             **_pdl.launch_options(pdl),
         )
@@ -197,11 +198,15 @@ def _add_rms_norm_kernel(
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    EARLY: tl.constexpr,  # PDL: release the next kernel before the wait (pdl.early_release)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
