@@ -62,12 +62,13 @@ def add_rms_norm(
     eps: float,
     y_weight: torch.Tensor | None = None,
     y_eps: float | None = None,
+    release: str = "norm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """y, residual: [rows, H] of one float dtype (last dimension contiguous); weight and
     y_weight: [H] (any float dtype, read in fp32). Returns new tensors (x, h), both [rows, H] in
     y's dtype: x = residual + norm(y; y_weight, y_eps) (or residual + y without y_weight) and
-    h = norm(x; weight, eps)."""
-    return _launch(y, residual, weight, eps, y_weight, y_eps)[:2]
+    h = norm(x; weight, eps). `release`: the launch's kind for pdl.early_release."""
+    return _launch(y, residual, weight, eps, y_weight, y_eps, release=release)[:2]
 
 
 def add_rms_norm_hazard(
@@ -94,7 +95,7 @@ def add_rms_norm_hazard(
     return _launch(y, residual, weight, eps, y_weight, y_eps, (gate_weight, gate_bias))
 
 
-def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
+def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None, release=None):
     """(x, h, hazard or None); `gate`: (weight, bias) fp32."""
     if y.dim() != 2 or y.dtype not in _norm._DTYPES:
         raise ValueError(f"y must be [rows, H] of {_norm._DTYPES}, got {y.dtype} {tuple(y.shape)}")
@@ -154,7 +155,7 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
-            EARLY=pdl and gate is None and _pdl.early_release("norm"),
+            EARLY=pdl and release is not None and _pdl.early_release(release),
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
             **_pdl.launch_options(pdl),
         )

@@ -43,7 +43,8 @@ class NanbeigeDecoderLayer(nn.Module):
         residual add and the norm after it in one launch."""
         if exit_gate is not None:
             raise ValueError("Nanbeige has no exit gate")
-        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
+        attn = self.self_attn(h, rope, meta, backend)
+        x, h = add_norm(attn, x, self.post_attention_layernorm, release="norm_mlp")
         out = self.mlp(h)
         if next_norm is None:
             return x + out, None, None
