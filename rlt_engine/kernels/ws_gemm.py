@@ -45,6 +45,9 @@ MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
 # A/B switch while measured: weight shapes ("NxK") whose producer waits like the consumers
 # (no ring filled ahead of the wait), RLT_WS_LATE="2048x2048"
 LATE = frozenset(os.environ.get("RLT_WS_LATE", "").split(",")) - {""}
+# A/B switch while measured: weight shapes whose consumers release the next kernel before
+# their wait (pdl.early_release's idea for a GEMM), RLT_WS_EARLY="2048x2048"
+EARLY = frozenset(os.environ.get("RLT_WS_EARLY", "").split(",")) - {""}
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -139,7 +142,8 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config, swiglu: bool = False) -> t
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, LATE=pdl and f"{n}x{k}" in LATE, num_warps=4,
+        PARTS=parts, PDL=pdl, LATE=pdl and f"{n}x{k}" in LATE,
+        EARLY=pdl and f"{n}x{k}" in EARLY, num_warps=4,
         **_pdl.launch_options(pdl),
     )  # fmt: skip
     return out.view(*lead, n_out)
@@ -202,8 +206,11 @@ def _build():
     def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty, xbar,
                  KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
-                 PDL: gl.constexpr):  # fmt: skip
-        if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
+                 PDL: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+        if PDL and EARLY:  # A/B: the next kernel released before the wait
+            gdc_launch_dependents()
+            gdc_wait()
+        elif PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
             gdc_wait()
             gdc_launch_dependents()
         k0 = gl.program_id(1) * (KT * BK)
@@ -256,7 +263,8 @@ def _build():
     def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, KT: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
-                       PDL: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
+                       PDL: gl.constexpr, LATE: gl.constexpr,
+                       EARLY: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -271,7 +279,7 @@ def _build():
         gl.warp_specialize(
             [
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty,
-                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL)),
+                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, EARLY)),
                 (producer, (w_desc, ring, full, empty, N, KT, BN, BK, STAGES, PARTS, LATE)),
             ],
             [1],  # one producer warp
