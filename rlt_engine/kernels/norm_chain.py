@@ -62,13 +62,12 @@ def add_rms_norm(
     eps: float,
     y_weight: torch.Tensor | None = None,
     y_eps: float | None = None,
-    release: str = "norm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """y, residual: [rows, H] of one float dtype (last dimension contiguous); weight and
     y_weight: [H] (any float dtype, read in fp32). Returns new tensors (x, h), both [rows, H] in
     y's dtype: x = residual + norm(y; y_weight, y_eps) (or residual + y without y_weight) and
-    h = norm(x; weight, eps). `release`: the launch's kind for pdl.early_release."""
-    return _launch(y, residual, weight, eps, y_weight, y_eps, release=release)[:2]
+    h = norm(x; weight, eps)."""
+    return _launch(y, residual, weight, eps, y_weight, y_eps)[:2]
 
 
 def add_rms_norm_hazard(
@@ -95,7 +94,7 @@ def add_rms_norm_hazard(
     return _launch(y, residual, weight, eps, y_weight, y_eps, (gate_weight, gate_bias))
 
 
-def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None, release=None):
+def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
     """(x, h, hazard or None); `gate`: (weight, bias) fp32."""
     if y.dim() != 2 or y.dtype not in _norm._DTYPES:
         raise ValueError(f"y must be [rows, H] of {_norm._DTYPES}, got {y.dtype} {tuple(y.shape)}")
@@ -155,7 +154,6 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None, release=None):
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
-            EARLY=pdl and release is not None and _pdl.early_release(release),
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
             **_pdl.launch_options(pdl),
         )
@@ -199,15 +197,11 @@ def _add_rms_norm_kernel(
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
-    EARLY: tl.constexpr,  # PDL: release the next kernel before the wait (pdl.early_release)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    if PDL and EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)

@@ -34,12 +34,9 @@ import os
 
 import torch
 
-__all__ = ["early_release", "enabled", "launch_options", "prefetch_k"]
+__all__ = ["enabled", "launch_options", "prefetch_k"]
 
 _DISABLED = os.environ.get("RLT_PDL", "1") == "0"
-# kernel kinds that release their successor before their own wait (see early_release); an A/B
-# switch while it is measured: RLT_PDL_EARLY="norm,rope"
-EARLY_RELEASE = frozenset(os.environ.get("RLT_PDL_EARLY", "").split(",")) - {""}
 # bytes of weight one GEMM launch prefetches into L2 before its wait. Measured on the H200
 # (benchmarks/results/2026-12-01-pdl-h200.md): 2 MB is best; 16-40 MB lose to none at all (the
 # predecessor's own weight stream evicts the lines before they are used)
@@ -57,16 +54,6 @@ def enabled(device: torch.device) -> bool:
     if index not in _CAPABLE:
         _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _CAPABLE[index]
-
-
-def early_release(kind: str) -> bool:
-    """Whether a kernel of `kind` ("norm": the layers' residual add + norm, "rope": RoPE + the
-    K/V write) releases its successor before its own wait. Such a kernel reads and writes only
-    after its wait, so its successor still waits for it; what changes is that the successor's
-    programs are placed (and a ws GEMM's weight ring fills) while the kernel before this one
-    still runs. Only for kernels whose successor reads nothing before its wait that the two
-    kernels before it write."""
-    return kind in EARLY_RELEASE
 
 
 def launch_options(on: bool) -> dict[str, bool]:

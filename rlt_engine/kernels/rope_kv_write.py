@@ -105,7 +105,6 @@ def _launch(
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and q.dtype == torch.bfloat16,
             PDL=pdl,
-            EARLY=pdl and _pdl.early_release("rope"),
             num_warps=num_warps,
             **_pdl.launch_options(pdl),
         )
@@ -188,12 +187,8 @@ def _rope_kv_write_kernel(
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
-    EARLY: tl.constexpr,  # PDL: release the next kernel before the wait (pdl.early_release)
 ):
-    if PDL and EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    elif PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)

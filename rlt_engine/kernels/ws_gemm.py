@@ -33,8 +33,6 @@ no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first u
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from rlt_engine.kernels import pdl as _pdl
@@ -42,12 +40,6 @@ from rlt_engine.kernels import pdl as _pdl
 __all__ = ["available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
-# A/B switch while measured: weight shapes ("NxK") whose producer waits like the consumers
-# (no ring filled ahead of the wait), RLT_WS_LATE="2048x2048"
-LATE = frozenset(os.environ.get("RLT_WS_LATE", "").split(",")) - {""}
-# A/B switch while measured: weight shapes whose consumers release the next kernel before
-# their wait (pdl.early_release's idea for a GEMM), RLT_WS_EARLY="2048x2048"
-EARLY = frozenset(os.environ.get("RLT_WS_EARLY", "").split(",")) - {""}
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -142,9 +134,7 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config, swiglu: bool = False) -> t
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, LATE=pdl and f"{n}x{k}" in LATE,
-        EARLY=pdl and f"{n}x{k}" in EARLY, num_warps=4,
-        **_pdl.launch_options(pdl),
+        PARTS=parts, PDL=pdl, num_warps=4, **_pdl.launch_options(pdl),
     )  # fmt: skip
     return out.view(*lead, n_out)
 
@@ -187,10 +177,7 @@ def _build():
 
     @gluon.jit
     def producer(w_desc, ring, full, empty, N, KT: gl.constexpr, BN: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
-                 LATE: gl.constexpr):  # fmt: skip
-        if LATE:  # A/B: stream only once the kernel before has completed
-            gdc_wait()
+                 BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
         n0 = gl.program_id(0) * BN
         k0 = gl.program_id(1) * (KT * BK)
         for i in range(KT):  # no PDL wait: the weights depend on no kernel
@@ -206,11 +193,8 @@ def _build():
     def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty, xbar,
                  KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
-                 PDL: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
-        if PDL and EARLY:  # A/B: the next kernel released before the wait
-            gdc_launch_dependents()
-            gdc_wait()
-        elif PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
+                 PDL: gl.constexpr):  # fmt: skip
+        if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
             gdc_wait()
             gdc_launch_dependents()
         k0 = gl.program_id(1) * (KT * BK)
@@ -263,8 +247,7 @@ def _build():
     def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, KT: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
-                       PDL: gl.constexpr, LATE: gl.constexpr,
-                       EARLY: gl.constexpr):  # fmt: skip
+                       PDL: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -279,8 +262,8 @@ def _build():
         gl.warp_specialize(
             [
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty,
-                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, EARLY)),
-                (producer, (w_desc, ring, full, empty, N, KT, BN, BK, STAGES, PARTS, LATE)),
+                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL)),
+                (producer, (w_desc, ring, full, empty, N, KT, BN, BK, STAGES, PARTS)),
             ],
             [1],  # one producer warp
             [40],  # its registers: it only issues copies

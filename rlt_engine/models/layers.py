@@ -31,20 +31,16 @@ class RMSNorm(nn.Module):
 
 
 def add_norm(
-    y: torch.Tensor,
-    residual: torch.Tensor,
-    norm: RMSNorm,
-    y_norm: RMSNorm | None = None,
-    release: str = "norm",
+    y: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, y_norm: RMSNorm | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, norm(x)) with x = residual + y_norm(y), or residual + y without y_norm: the residual
     add and the next norm in one launch (kernels/norm_chain; fast path only), bit-identical to
-    `y_norm(y, residual=residual)` (or `residual + y`) followed by `norm(x)` with fused norms.
-    `release`: the launch's kind for pdl.early_release ("norm_mlp": the norm before the MLP)."""
+    `y_norm(y, residual=residual)` (or `residual + y`) followed by `norm(x)` with fused norms."""
     from rlt_engine.kernels.norm_chain import add_rms_norm
 
-    y_weight, y_eps = (None, None) if y_norm is None else (y_norm.weight, y_norm.eps)
-    return add_rms_norm(y, residual, norm.weight, norm.eps, y_weight, y_eps, release=release)
+    if y_norm is None:
+        return add_rms_norm(y, residual, norm.weight, norm.eps)
+    return add_rms_norm(y, residual, norm.weight, norm.eps, y_norm.weight, y_norm.eps)
 
 
 def add_norm_hazard(

@@ -43,8 +43,7 @@ class NanbeigeDecoderLayer(nn.Module):
         residual add and the norm after it in one launch."""
         if exit_gate is not None:
             raise ValueError("Nanbeige has no exit gate")
-        attn = self.self_attn(h, rope, meta, backend)
-        x, h = add_norm(attn, x, self.post_attention_layernorm, release="norm_mlp")
+        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
         out = self.mlp(h)
         if next_norm is None:
             return x + out, None, None

@@ -51,9 +51,7 @@ class OuroDecoderLayer(nn.Module):
         `forward` with fused norms. `exit_gate` (fp32 weight and bias, with next_norm): the
         last launch also computes the exit hazard of next_norm's output, returned third."""
         attn = self.self_attn(h, rope, meta, backend)
-        x, h = add_norm(
-            attn, x, self.post_attention_layernorm, self.input_layernorm_2, release="norm_mlp"
-        )
+        x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
         out = self.mlp(h)
         if next_norm is None:
             return self.post_attention_layernorm_2(out, residual=x), None, None

@@ -38,11 +38,6 @@ def test_off_on_cpu_and_launch_options():
     assert pdl.launch_options(True) == {"launch_pdl": True}
 
 
-def test_early_release_names_kernel_kinds(monkeypatch):
-    monkeypatch.setattr(pdl, "EARLY_RELEASE", frozenset({"norm"}))
-    assert pdl.early_release("norm") and not pdl.early_release("rope")
-
-
 def test_prefetch_columns_stay_in_the_range_and_the_budget(monkeypatch):
     monkeypatch.setattr(pdl, "PREFETCH_BYTES", 16 << 20)
     # Ouro o_proj, 4 splits of 512 columns: 8 MB fits, every program prefetches its range
@@ -127,13 +122,10 @@ class _Layers:
 
 @gpu
 @needs_hopper
-@pytest.mark.parametrize("early", ["", "norm,rope"])
 @pytest.mark.parametrize("kernel", ["triton", "ws"])
-def test_gpu_pdl_chain_equals_no_pdl_eager_and_graphed(monkeypatch, kernel, early):
-    """`early`: the kernel kinds that release their successor before their wait."""
+def test_gpu_pdl_chain_equals_no_pdl_eager_and_graphed(monkeypatch, kernel):
     if kernel == "ws" and not ws_available(torch.device("cuda")):
         pytest.skip("the warp-specialised GEMM needs compute capability 9.0 and Gluon")
-    monkeypatch.setattr(pdl, "EARLY_RELEASE", frozenset(early.split(",")) - {""})
     case = _Layers()
     saved = [(k.clone(), v.clone()) for k, v in case.pools]
     monkeypatch.setattr(pdl, "_DISABLED", True)

@@ -114,7 +114,7 @@ for bm, bn, bk, stages, split, parts, dt in configs:
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True, LATE=False, EARLY=False)
+                 PARTS=parts, PDL=True)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
         "tick_ptr": "*i32"}
