@@ -19,6 +19,12 @@ silu_mul; checked against silu_mul of the rounded fp32 product):
 Reports us, TB/s of weight bytes and their share of a device-to-device copy's bandwidth (read +
 written bytes, measured here).
 
+--rank-in-place K: decode in place ranks the tuned shapes' configs too: per shape, the K
+fastest configs alone at M = 8 (the c=8 bucket) each take the shape's decode rows (M <= 16,
+where the table runs a kernel of ours) and decode in place (as below); a runner-up replaces the
+tuned choice only if it decodes RANK_MARGIN faster, and again in a second, alternated
+measurement (the best of K noisy rates is biased up). Applied before --confirm-in-place.
+
 --confirm-in-place: isolated times do not always rank configs as decode does (a kernel's
 shared memory decides whether the next kernel's programs start under it with PDL: the ws
 SwiGLU form on Nanbeige's gate/up won alone and lost 4% in decode,
@@ -59,6 +65,8 @@ MODELS = {
 MS = (1, 2, 4, 8, 16, 32, 64)
 IN_PLACE_CS = (1, 8)  # concurrencies --confirm-in-place decodes at
 IN_PLACE_MARGIN = 0.01  # what the old rows must gain in place to come back (drift: ~0.6%)
+RANK_MARGIN = 0.005  # what a runner-up must gain in place, twice, to replace the tuned choice
+DECODE_MS = (1, 2, 4, 8, 16)  # the M buckets decode batches of up to 16 rows use
 MARGIN = 0.03  # the kernel must beat cuBLAS by 3% (do_bench noise is ~1%) to replace it
 # (block_n, block_k, num_warps, num_stages): shared memory per stage is block_n * block_k * 2 B
 TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4), (32, 256, 4, 4))
@@ -67,7 +75,7 @@ SPLITS = (1, 2, 4, 6, 8, 16)
 # memory holds the ring and the program's x rows) and the GEMMs it may take: those the model
 # calls without a gate (the lm_head's skip needs the Triton kernel)
 WS_TILES = ((64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 256, 2), (64, 128, 2), (64, 256, 5),
-            (128, 128, 6))  # fmt: skip
+            (128, 128, 6), (64, 256, 2))  # fmt: skip
 WS_SPLITS = (1, 2, 4, 6, 8)
 WS_GEMMS = ("qkv", "o_proj", "down_proj")
 # the packed gate/up runs fused with SwiGLU (kernels/gate_up_swiglu): timed in that form, the
@@ -245,12 +253,20 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
     # the shapes --confirm-in-place tried: its report's entries with a verdict
     reports = meta.get("in_place", {}).values()
     checked = sorted({k for r in reports for k, v in r.items() if "kept" in v})
-    tail = ['times (do_bench medians) the choice was made by."""']
+    ranked = sorted({k for r in meta.get("in_place_rank", {}).values() for k in r})
+    notes = []
+    if ranked:
+        notes.append(
+            f"decode in place ranked the configs of (--rank-in-place): {', '.join(ranked)}"
+        )
     if checked:
-        tail = [
-            "times (do_bench medians) the choice was made by; the shapes of the last run were",
-            f'also checked in decode (--confirm-in-place): {", ".join(checked)}."""',
-        ]
+        notes.append(f"the shapes checked in decode (--confirm-in-place): {', '.join(checked)}")
+    tail = ["times (do_bench medians) the choice was made by; in the last run"] + [
+        f"{note}{';' if i < len(notes) - 1 else '.'}" for i, note in enumerate(notes)
+    ]
+    if not notes:
+        tail = ["times (do_bench medians) the choice was made by."]
+    tail[-1] += '"""'
     lines = [
         '"""Small-GEMM dispatch table (kernels/small_gemm.py): written by',
         "benchmarks/bench_small_gemm.py on the GPU named below; do not edit by hand. Keys are",
@@ -307,6 +323,69 @@ def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple
     return entries, report
 
 
+def rank_in_place(
+    entries: dict, results: list[dict], shapes_by_model: dict, rate, k: int
+) -> tuple[dict, dict]:
+    """`entries` with each shape's decode rows (DECODE_MS, where not cuBLAS) set to the config
+    of its K fastest at M = 8 (`results`: tune()'s, with "top") that decodes fastest in place,
+    if that beats the tuned choice by RANK_MARGIN in two measurements. rate: see
+    confirm_in_place."""
+    entries, report = dict(entries), {}
+    by_key = {(r["n"], r["k"], r["m"]): r for r in results}
+    for model, shapes in shapes_by_model.items():
+        for n, kd in shapes:
+            decode = [
+                table_key(n, kd, m, torch.bfloat16)
+                for m in DECODE_MS
+                if entries.get(table_key(n, kd, m, torch.bfloat16), ("cublas",))[0] != "cublas"
+            ]
+            r8 = by_key.get((n, kd, 8))
+            if not decode or r8 is None:
+                continue
+            key8 = table_key(n, kd, 8, torch.bfloat16)
+            tuned = GemmConfig(*_config_fields(entries[key8 if key8 in decode else decode[0]]))
+            configs = [GemmConfig(**t["config"]) for t in r8["top"][:k]]
+            configs = [c for c in dict.fromkeys(configs) if c != tuned]
+            if not configs:
+                continue
+            base = rate(model, entries)
+            shape_report: dict = {"tuned": tuned.as_dict(), "tuned_rates": base, "tried": []}
+            best, best_gain, best_entries = None, 1.0, entries
+            for config in configs:
+                trial = dict(entries)
+                for key in decode:
+                    m = int(key.split(":m")[1].split(":")[0])
+                    times = by_key.get((n, kd, m), {}).get("top", [])
+                    us = next((t["graph_us"] for t in times if t["config"] == config.as_dict()),
+                              float("nan"))  # fmt: skip
+                    trial[key] = (config.kernel, config.block_n, config.block_k, config.split_k,
+                                  config.num_warps, config.num_stages, round(us, 2),
+                                  entries[key][7])  # fmt: skip
+                rates = rate(model, trial)
+                gain = mean_speedup(rates, base)
+                shape_report["tried"].append(
+                    {"config": config.as_dict(), "rates": rates, "speedup": gain}
+                )
+                if gain > best_gain:
+                    best, best_gain, best_entries = config, gain, trial
+            if best is not None and best_gain > 1 + RANK_MARGIN:
+                again = rate(model, best_entries)  # alternated: the winner, then the tuned
+                again_base = rate(model, entries)
+                shape_report["again"] = {"best": again, "tuned": again_base}
+                if mean_speedup(again, again_base) > 1 + RANK_MARGIN:
+                    entries = best_entries
+                    shape_report["chosen"] = best.as_dict()
+            report.setdefault(model, {})[f"{n}x{kd}"] = shape_report
+    return entries, report
+
+
+def _config_fields(row: tuple) -> tuple:
+    """A table row's GemmConfig fields (block_n, block_k, split_k, num_warps, num_stages,
+    kernel)."""
+    backend, bn, bk, split, warps, stages = row[:6]
+    return bn, bk, split, warps, stages, backend
+
+
 def decode_rates(model: str, entries: dict) -> dict[int, float]:
     """Committed decode tok/s of `model` (dummy bf16 weights) with the table `entries`."""
     from h200_decode import _engine, _median_rate
@@ -331,6 +410,7 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=20, help="do_bench repetitions, ms")
     ap.add_argument("--only", nargs="*", help="shape names (e.g. ouro-1.4b/qkv)")
     ap.add_argument("--confirm-in-place", action="store_true", help="see the module docstring")
+    ap.add_argument("--rank-in-place", type=int, default=0, metavar="K", help="see the docstring")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -404,11 +484,17 @@ def main() -> None:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         save(entries)  # after every shape: a run cut short still leaves what it measured
+    shapes_by_model: dict[str, list[tuple[int, int]]] = {}
+    for nk, names in by_nk.items():
+        for name in names:
+            shapes_by_model.setdefault(name.split("/")[0], []).append(nk)
+    if args.rank_in_place:
+        entries, ranked = rank_in_place(
+            entries, results, shapes_by_model, decode_rates, args.rank_in_place
+        )
+        meta["in_place_rank"] = ranked
+        save(entries)
     if args.confirm_in_place:
-        shapes_by_model: dict[str, list[tuple[int, int]]] = {}
-        for nk, names in by_nk.items():
-            for name in names:
-                shapes_by_model.setdefault(name.split("/")[0], []).append(nk)
         entries, report = confirm_in_place(old, entries, shapes_by_model, decode_rates)
         meta["in_place"] = report
         save(entries)

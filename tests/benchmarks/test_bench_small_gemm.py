@@ -91,6 +91,68 @@ def test_the_table_names_the_shapes_checked_in_decode(tmp_path):
     bench.write_table(tmp_path / "checked.py", {**meta, "in_place": report}, NEW)
     text = (tmp_path / "checked.py").read_text()
     assert "checked in decode (--confirm-in-place): 64x32, 96x32." in text
+    ranked = {"m": {"64x32": {"tried": []}}}
+    bench.write_table(tmp_path / "ranked.py", {**meta, "in_place_rank": ranked}, NEW)
+    assert "ranked the configs of (--rank-in-place): 64x32." in (tmp_path / "ranked.py").read_text()
     namespace: dict = {}
     exec(compile(text, "checked.py", "exec"), namespace)  # a module that imports as written
     assert namespace["TABLE"]["entries"] == NEW
+
+
+def _ranked_results(n: int, k: int, tops: dict[int, list[tuple[tuple, float]]]) -> list[dict]:
+    """tune()'s results for one shape: per M, its fastest configs alone (fields, us)."""
+    keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "kernel")
+
+    def top(ranked):
+        return [{"config": dict(zip(keys, c, strict=True)), "graph_us": us} for c, us in ranked]
+
+    return [{"n": n, "k": k, "m": m, "top": top(ranked)} for m, ranked in tops.items()]
+
+
+TUNED = {  # the shape's decode rows as tuned alone (the fastest at each M); m32 on cuBLAS
+    "64x32:m1:bfloat16": ("ws", 64, 32, 4, 4, 2, 4.0, 6.0),
+    "64x32:m8:bfloat16": ("ws", 64, 32, 4, 4, 2, 4.1, 6.0),
+    "64x32:m32:bfloat16": ("cublas", 64, 32, 1, 4, 4, 6.5, 6.0),
+}
+FAST = (64, 32, 2, 4, 3, "ws")  # second alone, fastest in place
+SLOW = (32, 32, 1, 4, 4, "triton")  # third alone, slower in place
+
+
+def _rate(gain_fast: float, calls: list):
+    def rate(model, entries):
+        calls.append(dict(entries))
+        row = entries["64x32:m8:bfloat16"]
+        speed = 100.0 * (gain_fast if row[:6] == ("ws", 64, 32, 2, 4, 3) else 1.0)
+        speed *= 0.97 if row[0] == "triton" else 1.0
+        return {1: speed, 8: 8 * speed}
+
+    return rate
+
+
+def test_rank_in_place_takes_the_runner_up_that_decodes_faster_twice():
+    bench = _module()
+    results = _ranked_results(
+        64, 32,
+        {1: [((64, 32, 4, 4, 2, "ws"), 4.0), (FAST, 4.2)],
+         8: [((64, 32, 4, 4, 2, "ws"), 4.1), (FAST, 4.3), (SLOW, 4.5)]},
+    )  # fmt: skip
+    calls: list = []
+    entries, report = bench.rank_in_place(TUNED, results, {"m": [(64, 32)]}, _rate(1.02, calls), 3)
+    # both decode rows take the config, with its own time alone at each M; cuBLAS's row stays
+    assert entries["64x32:m1:bfloat16"] == ("ws", 64, 32, 2, 4, 3, 4.2, 6.0)
+    assert entries["64x32:m8:bfloat16"] == ("ws", 64, 32, 2, 4, 3, 4.3, 6.0)
+    assert entries["64x32:m32:bfloat16"] == TUNED["64x32:m32:bfloat16"]
+    shape = report["m"]["64x32"]
+    assert shape["chosen"]["split_k"] == 2 and len(shape["tried"]) == 2
+    assert shape["tried"][0]["speedup"] == pytest.approx(1.02)
+    # the tuned table, each runner-up, then the winner and the tuned table again
+    assert len(calls) == 5 and calls[-1] == TUNED
+
+
+def test_rank_in_place_keeps_the_tuned_rows_within_the_margin():
+    bench = _module()
+    results = _ranked_results(64, 32, {8: [((64, 32, 4, 4, 2, "ws"), 4.1), (FAST, 4.3)]})
+    calls: list = []
+    entries, report = bench.rank_in_place(TUNED, results, {"m": [(64, 32)]}, _rate(1.004, calls), 2)
+    assert entries == TUNED and "chosen" not in report["m"]["64x32"]
+    assert len(calls) == 2  # no second measurement below the margin

@@ -151,7 +151,7 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
 
 SHAPES = {  # (N, K) -> configs the table may choose
     "ouro_qkv": ((6144, 2048), [ws(64, 256, 1, 3), ws(64, 128, 1, 4), ws(128, 128, 2, 3)]),
-    "ouro_o": ((2048, 2048), [ws(64, 128, 4, 4), ws(64, 256, 2, 3)]),
+    "ouro_o": ((2048, 2048), [ws(64, 128, 4, 4), ws(64, 256, 2, 3), ws(64, 256, 4, 2)]),
     "ouro_down": ((2048, 5632), [ws(64, 128, 4, 4), ws(64, 128, 2, 4)]),
     "nanbeige_down": ((3072, 10752), [ws(64, 128, 4, 3), ws(64, 128, 6, 2)]),
 }
