@@ -547,6 +547,9 @@ def _result(
         "concurrency": r["concurrency"],
         "decode_tokens_per_s": rate,
         "decode_tokens_per_s_all": r["decode_tokens_per_s_all"],
+        # the tokens committed while the clock ran, and their rate (run_once's docstring)
+        "window_tokens": r["window_tokens_median"],
+        "window_tokens_per_s": r["window_tokens_per_s_median"],
         "ttft_ms_p50": r["ttft_ms_p50"],
         "ttft_ms_p90": r["ttft_ms_p90"],
         "tpot_ms_p50": r["tpot_ms_p50"],

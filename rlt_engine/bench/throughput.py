@@ -2,7 +2,11 @@
 
 Committed decode tokens/s = (output_len - 1) x concurrency / decode seconds, where decode time
 runs from the moment every request has its first token to the last completion, with the device
-synchronized at both ends. Prefill, the first token and HTTP are excluded. Per-request latency
+synchronized at both ends (DESIGN section 9). Prefill, the first token and HTTP are excluded.
+That formula assumes each request has exactly its first token when the clock starts; where
+prefill takes several steps (high concurrency, small token budgets) the requests prefilled
+first have decoded more by then, and it counts those tokens too. So each run also reports the
+tokens committed while the clock ran (`window_tokens`) and their rate. Per-request latency
 (TTFT, TPOT, E2E) percentiles, the exit-depth histogram of every output token and, on CUDA, the
 peak memory allocated while the runs of one concurrency were going come with it.
 """
@@ -35,6 +39,10 @@ class DecodeRun:
     e2e_ms: list[float] = field(default_factory=list)  # arrival to finish, per request
     request_tpot_ms: list[float] = field(default_factory=list)  # (finish - first) / (n - 1)
     exit_depths: dict[int, int] = field(default_factory=dict)  # loops run -> output tokens
+    # output tokens committed while the decode clock ran (the formula's count is
+    # (output_len - 1) x concurrency) and their rate
+    window_tokens: int = 0
+    window_tokens_per_s: float = 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -59,18 +67,21 @@ def run_once(
         for _ in range(concurrency)
     ]
     started: set[str] = set()
-    steps, t_decode = 0, None
+    steps, t_decode, at_start = 0, None, 0
     done: dict[str, object] = {}
+    counts: dict[str, int] = {}
     while len(done) < len(ids):
         for out in engine.step():
             if out.num_tokens:
                 started.add(out.request_id)
+            counts[out.request_id] = out.num_tokens
             if out.finished:
                 done[out.request_id] = out
         steps += 1
         if t_decode is None and len(started) == len(ids):
             _sync(engine.device)
             t_decode = time.perf_counter()
+            at_start = sum(counts.values())
     _sync(engine.device)
     decode_s = time.perf_counter() - (t_decode or time.perf_counter())
     outs = [done[i] for i in ids]
@@ -95,6 +106,10 @@ def run_once(
         e2e_ms=e2e,
         request_tpot_ms=request_tpot,
         exit_depths=dict(sorted(depths.items())),
+        window_tokens=output_len * concurrency - at_start,
+        window_tokens_per_s=(output_len * concurrency - at_start) / decode_s
+        if decode_s > 0
+        else 0.0,
     )
 
 
@@ -146,6 +161,8 @@ def benchmark(
         "repeats": repeats,
         "decode_tokens_per_s_median": statistics.median(rates),
         "decode_tokens_per_s_all": rates,
+        "window_tokens_per_s_median": statistics.median(r.window_tokens_per_s for r in runs),
+        "window_tokens_median": statistics.median(r.window_tokens for r in runs),
         "ttft_ms_median": statistics.median(ttfts),
         "tpot_ms_median": statistics.median(r.tpot_ms for r in runs),
         "ttft_ms_p50": percentile(ttfts, 50),
