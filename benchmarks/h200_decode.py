@@ -113,9 +113,7 @@ def agree() -> dict:
 
 def decode_rate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
     """Committed decode tok/s: from every request's first token to the last completion, the
-    tokens committed in between (`num_tokens`: an unfinished output's `token_ids` is empty, so
-    counting those counted each request's first token too, 3% high at 32 outputs; fixed
-    2026-12-03)."""
+    tokens committed in between (`num_tokens`: an unfinished output's `token_ids` is empty)."""
     engine = llm.engine
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(prompt, p, request_id=f"b{i}")
