@@ -18,6 +18,15 @@ cycle counter at its start, after its PDL wait and at its end. Per layer and rep
   previous attention's (a whole layer, a split-K merge launch included).
 
 Reported as medians over layers and replays, at 1 and 8 rows.
+
+--timeline: the chain's warp-specialised GEMMs (qkv, o_proj, gate/up + SwiGLU, down_proj, as
+the table configures them) carry probes too (`ws_gemm(..., probe=...)`, its PROBE_FIELDS), and
+each kernel of a layer is placed on one time line whose zero is the layer's qkv wait return:
+when its first program started (placed under PDL), when its producers' first ring of weight
+tiles had landed (median over programs), when its waits returned (median), its activation
+rows landed, its last MMA retired, and its last program ended. What it answers: how full each
+GEMM's ring is when its wait returns, what a GEMM does between its wait and its end, and
+where in the layer the weight stream stops.
 """
 
 from __future__ import annotations
@@ -39,13 +48,19 @@ from rlt_engine.kernels.norm import rms_norm  # noqa: E402
 from rlt_engine.kernels.norm_chain import add_rms_norm  # noqa: E402
 from rlt_engine.kernels.paged_attention import _launch  # noqa: E402
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
-from rlt_engine.kernels.small_gemm import linear  # noqa: E402
+from rlt_engine.kernels.small_gemm import choose, linear  # noqa: E402
+from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, ws_gemm  # noqa: E402
 
 HIDDEN, HEADS, D, INTER, BLOCK = 2048, 16, 128, 5632, 16
 
 
+GEMMS = ("qkv", "o", "gate_up", "down")
+
+
 class Chain:
-    def __init__(self, rows: int, keys: int, layers: int, tiles: dict | None = None) -> None:
+    def __init__(
+        self, rows: int, keys: int, layers: int, tiles: dict | None = None, gemms: bool = False
+    ) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
         def rnd(*shape, scale=1.0):
@@ -74,7 +89,22 @@ class Chain:
             }
             for _ in range(layers)
         ]
+        self.gemm_probes = gemms
         self.x = rnd(rows, h)
+        if gemms:  # one probe per ws GEMM launch, sized by the table's config for these rows
+            for layer in self.layers:
+                for name in GEMMS:
+                    w = layer[name]
+                    config = choose(self.x.new_empty(rows, w.shape[1]), w)
+                    if config is None or config.kernel != "ws":
+                        raise SystemExit(f"--timeline: the table runs no ws kernel for {name}")
+                    n = layer[name].shape[0] // (2 if name == "gate_up" else 1)
+                    programs = n // (config.block_n // (2 if name == "gate_up" else 1))
+                    layer[f"{name}_config"] = config
+                    layer[f"{name}_probe"] = torch.full(
+                        (programs * config.split_k, len(PROBE_FIELDS)), -1,
+                        dtype=torch.int64, device="cuda",
+                    )  # fmt: skip
         blocks = keys // BLOCK
         self.tables = torch.arange(rows * blocks, dtype=torch.int32, device="cuda").view(rows, -1)
         self.seq_lens = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
@@ -83,29 +113,71 @@ class Chain:
         angles = rnd(rows, D).float()
         self.cos, self.sin = angles.cos().bfloat16(), angles.sin().bfloat16()
 
+    def gemm(self, layer: dict, name: str, x: torch.Tensor, **kw) -> torch.Tensor:
+        if not self.gemm_probes:
+            if name == "gate_up":
+                return gate_up_silu(x, layer[name])
+            return linear(x, layer[name], **kw)
+        return ws_gemm(x, layer[name], layer[f"{name}_config"], swiglu=name == "gate_up",
+                       probe=layer[f"{name}_probe"])  # fmt: skip
+
     def run(self) -> torch.Tensor:
         x = self.x
         h = rms_norm(x, self.layers[0]["norms"][0], 1e-6)
         for layer in self.layers:
             k_pool, v_pool = layer["pool"]
-            qkv = linear(h, layer["qkv"]).view(self.rows, 3 * HEADS, D)
+            qkv = self.gemm(layer, "qkv", h).view(self.rows, 3 * HEADS, D)
             q, k, v = qkv[:, :HEADS], qkv[:, HEADS : 2 * HEADS], qkv[:, 2 * HEADS :]
             rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
             attn = _launch(
                 q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
                 D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"], **self.tiles,
             )  # fmt: skip
-            o = linear(attn.reshape(self.rows, HEADS * D), layer["o"], prefetch_whole=True)
+            o = self.gemm(layer, "o", attn.reshape(self.rows, HEADS * D), prefetch_whole=True)
             n1, n2, n3, n4 = layer["norms"]
             x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
-            act = gate_up_silu(h, layer["gate_up"])
-            down = linear(act, layer["down"])
+            act = self.gemm(layer, "gate_up", h)
+            down = self.gemm(layer, "down", act)
             x, h = add_rms_norm(down, x, n4, 1e-6, y_weight=n3)
         return h
 
 
-def measure(rows: int, keys: int, layers: int, replays: int, tiles: dict | None = None) -> dict:
-    chain = Chain(rows, keys, layers, tiles)
+def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
+    """One layer's kernels on one time line (us), zero at the qkv GEMM's median wait return:
+    per kernel its first start, median ring-full (GEMMs), median wait return, median
+    activation rows landed and last MMA (GEMMs), last end. Probes read back to the host."""
+    marks: dict[str, dict[str, float]] = {}
+    fields = {f: i for i, f in enumerate(PROBE_FIELDS)}
+    for name in GEMMS:
+        p = layer[f"{name}_probe"].cpu().double()
+        marks[name] = {
+            "start": float(p[:, [fields["start"], fields["producer_start"]]].min()),
+            "ring_full": float(p[:, fields["ring_full"]].median()),
+            "waited": float(p[:, fields["waited"]].median()),
+            "x_ready": float(p[:, fields["x_ready"]].median()),
+            "mma_done": float(p[:, fields["mma_done"]].median()),
+            "end": float(p[:, fields["end"]].max()),
+        }
+    a = layer["probe"].cpu().double()  # attention: start, waited, end (ns), then cycles
+    marks["attention"] = {
+        "start": float(a[:, 0].min()),
+        "waited": float(a[:, 1].median()),
+        "end": float(a[:, 2].max()),
+    }
+    zero = marks["qkv"]["waited"]
+    order = ("qkv", "attention", "o", "gate_up", "down")
+    return {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order}
+
+
+def measure(
+    rows: int,
+    keys: int,
+    layers: int,
+    replays: int,
+    tiles: dict | None = None,
+    timeline: bool = False,
+) -> dict:
+    chain = Chain(rows, keys, layers, tiles, gemms=timeline)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -117,11 +189,14 @@ def measure(rows: int, keys: int, layers: int, replays: int, tiles: dict | None 
         chain.run()
     keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap", "layer")
     stats: dict[str, list[float]] = {k: [] for k in keys_}
+    lines: list[dict] = []
     for _ in range(replays):
         graph.replay()
         torch.cuda.synchronize()
         previous_end = None
-        for layer in chain.layers:
+        for i, layer in enumerate(chain.layers):
+            if timeline and i > 0:  # the first layer starts after a plain norm, not a down_proj
+                lines.append(layer_timeline(layer))
             p = layer["probe"].cpu()
             start, waited, end = p[:, 0], p[:, 1], p[:, 2]
             stats["early"].append(float(waited.min() - start.min()) / 1e3)
@@ -138,8 +213,14 @@ def measure(rows: int, keys: int, layers: int, replays: int, tiles: dict | None 
         for k, v in stats.items()
         if v
     }
-    return {"rows": rows, "keys": keys, "programs": rows * HEADS, **(tiles or {}), **medians,
-            "own_us_max": max(stats["own"])}  # fmt: skip
+    out = {"rows": rows, "keys": keys, "programs": rows * HEADS, **(tiles or {}), **medians,
+           "own_us_max": max(stats["own"])}  # fmt: skip
+    if timeline:
+        out["timeline_us"] = {
+            k: {f: statistics.median(line[k][f] for line in lines) for f in lines[0][k]}
+            for k in lines[0]
+        }
+    return out
 
 
 def main() -> None:
@@ -153,6 +234,7 @@ def main() -> None:
         help="attention launch overrides to compare, e.g. w4n64s1k2m1 (num_warps 4, block_n 64, "
         "num_stages 1, num_splits 2, merged in the kernel); '' for the launch's own choice",
     )  # fmt: skip
+    ap.add_argument("--timeline", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
@@ -161,7 +243,7 @@ def main() -> None:
         tiles = {names[k]: int(v) for k, v in re.findall(r"([wnskm])(\d+)", spec)}
         for keys in args.keys:
             for rows in (1, 8):
-                results.append(measure(rows, keys, args.layers, args.replays, tiles))
+                results.append(measure(rows, keys, args.layers, args.replays, tiles, args.timeline))
                 print(json.dumps(results[-1]), flush=True)
     (args.out / "kernel_clock.json").write_text(json.dumps(results, indent=1) + "\n")
 

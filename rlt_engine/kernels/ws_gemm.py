@@ -87,12 +87,31 @@ def check(
     return None
 
 
-def ws_gemm(x: torch.Tensor, w: torch.Tensor, config, swiglu: bool = False) -> torch.Tensor:
+PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in this order
+    "start",  # the consumer warps begin (before the PDL wait)
+    "waited",  # their PDL wait returned
+    "x_ready",  # the program's activation rows landed in shared memory
+    "mma_done",  # the last MMA retired
+    "end",  # output (or partial and, for the last split, the sum) stored
+    "producer_start",  # the producer warp begins
+    "ring_full",  # the ring's first min(STAGES, K tiles) weight tiles landed
+    "last_issued",  # the producer issued its last weight tile
+)
+
+
+def ws_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config,
+    swiglu: bool = False,
+    probe: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
     num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
     [..., I] with kernels/gate_up_swiglu's roundings (block_n / 2 rows of each a program, no
-    split-K)."""
+    split-K). `probe` (benchmarks): int64 [programs, len(PROBE_FIELDS)], programs in grid
+    order (N tile major, then split): a PROBE build stamps each program's PROBE_FIELDS."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -129,12 +148,14 @@ def ws_gemm(x: torch.Tensor, w: torch.Tensor, config, swiglu: bool = False) -> t
     from rlt_engine.kernels.small_gemm import split_buffers
 
     n_tiles = n_out // bn
+    if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
+        raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
-        x_desc, w_desc, out, partials, counters, m, n_out,
+        x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, num_warps=4, **_pdl.launch_options(pdl),
+        PARTS=parts, PDL=pdl, PROBE=probe is not None, num_warps=4, **_pdl.launch_options(pdl),
     )  # fmt: skip
     return out.view(*lead, n_out)
 
@@ -168,6 +189,16 @@ def _build():
                                   dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
+    def now():  # %globaltimer, ns (PROBE builds): reads no memory
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                         is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def stamp(probe_ptr, field: gl.constexpr, value):
+        row = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+        gl.store(probe_ptr + row * 8 + field, value)
+
+    @gluon.jit
     def swiglu(gate, up, dtype: gl.constexpr):
         """kernels/gate_up_swiglu's roundings: each projection rounded as stored, silu in fp32
         as torch's CUDA kernel computes it (expf, an IEEE division) and rounded, times up."""
@@ -176,27 +207,43 @@ def _build():
         return (silu.to(dtype).to(gl.float32) * up.to(dtype).to(gl.float32)).to(dtype)
 
     @gluon.jit
-    def producer(w_desc, ring, full, empty, N, KT: gl.constexpr, BN: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
+    def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
+                 PROBE: gl.constexpr):  # fmt: skip
+        if PROBE:
+            stamp(probe_ptr, 5, now())
         n0 = gl.program_id(0) * BN
         k0 = gl.program_id(1) * (KT * BK)
+        FIRST: gl.constexpr = STAGES if STAGES < KT else KT
         for i in range(KT):  # no PDL wait: the weights depend on no kernel
             s = i % STAGES
+            if PROBE and i == FIRST:  # the first lap landed (this wait delays nothing the
+                mbarrier.wait(full.index(FIRST - 1), 0)  # consumers have freed)
+                stamp(probe_ptr, 6, now())
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap passes
             mbarrier.expect(full.index(s), PARTS * w_desc.block_type.nbytes)
             for p in gl.static_range(PARTS):  # SwiGLU: the gate rows, then the up rows
                 tma.async_copy_global_to_shared(
                     w_desc, [p * N + n0, k0 + i * BK], full.index(s), ring.index(s * PARTS + p)
                 )
+        if PROBE:
+            stamp(probe_ptr, 7, now())
+            if FIRST == KT:  # the whole K range fits the ring: it is full when it lands
+                mbarrier.wait(full.index(FIRST - 1), 0)
+                stamp(probe_ptr, 6, now())
 
     @gluon.jit
-    def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty, xbar,
-                 KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+    def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs, full, empty,
+                 xbar, KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
-                 PDL: gl.constexpr):  # fmt: skip
+                 PDL: gl.constexpr, PROBE: gl.constexpr):  # fmt: skip
+        if PROBE:
+            stamp(probe_ptr, 0, now())
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
             gdc_wait()
             gdc_launch_dependents()
+        if PROBE:
+            stamp(probe_ptr, 1, now())
         k0 = gl.program_id(1) * (KT * BK)
         mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
         for i in gl.static_range(KT):
@@ -207,6 +254,8 @@ def _build():
         acc = gl.zeros([BN, BM], gl.float32, mma)
         acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
         mbarrier.wait(xbar, 0)
+        if PROBE:
+            stamp(probe_ptr, 2, now())
         for i in range(KT):
             s = i % STAGES
             xt = xs.index(i).permute([1, 0])
@@ -218,6 +267,8 @@ def _build():
             else:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(s))
+        if PROBE:
+            stamp(probe_ptr, 3, now())
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))  # weight rows = output columns
         cols = gl.arange(0, BM, layout=gl.SliceLayout(0, mma))  # x rows = output rows
         out = out_ptr + cols[None, :] * N + (gl.program_id(0) * BN + rows)[:, None]
@@ -242,12 +293,14 @@ def _build():
                                      cache_modifier=".cg")  # fmt: skip
                 gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
+        if PROBE:
+            stamp(probe_ptr, 4, now())
 
     @gluon.jit
-    def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, KT: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+    def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr,
+                       KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
-                       PDL: gl.constexpr):  # fmt: skip
+                       PDL: gl.constexpr, PROBE: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -261,9 +314,10 @@ def _build():
         # fmt: off
         gl.warp_specialize(
             [
-                (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, ring, xs, full, empty,
-                            xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL)),
-                (producer, (w_desc, ring, full, empty, N, KT, BN, BK, STAGES, PARTS)),
+                (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs, full,
+                            empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE)),
+                (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
+                            PROBE)),
             ],
             [1],  # one producer warp
             [40],  # its registers: it only issues copies

@@ -105,24 +105,26 @@ from rlt_engine.kernels import ws_gemm
 fn = ws_gemm._build()
 names = fn.arg_names
 out = {}
-configs = ((8, 64, 256, 3, 1, 1, "bf16"), (16, 64, 128, 4, 4, 1, "fp16"),
-           (8, 64, 128, 3, 1, 2, "bf16"))
-for bm, bn, bk, stages, split, parts, dt in configs:
+configs = ((8, 64, 256, 3, 1, 1, "bf16", False), (16, 64, 128, 4, 4, 1, "fp16", False),
+           (8, 64, 128, 3, 1, 2, "bf16", False), (8, 64, 256, 2, 4, 1, "bf16", True),
+           (8, 64, 128, 4, 1, 1, "bf16", True))
+for bm, bn, bk, stages, split, parts, dt, probe in configs:
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True)
+                 PARTS=parts, PDL=True, PROBE=probe)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
-        "tick_ptr": "*i32"}
+        "tick_ptr": "*i32", "probe_ptr": "*i64"}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    out[f"split{split}" + ("_swiglu" if parts == 2 else "")] = kernel.asm["ptx"]
+    name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
+    out[name] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
 
@@ -145,6 +147,9 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
+    # PROBE builds read the global timer; the others never do
+    for name, code in ptx.items():
+        assert ("%globaltimer" in code) == name.endswith("_probe"), name
 
 
 # -- GPU -----------------------------------------------------------------------------------------

@@ -1,0 +1,39 @@
+"""benchmarks/bench_kernel_clock.py's layer time line (--timeline), from made-up probe stamps."""
+
+from __future__ import annotations
+
+import benchmark_scripts
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
+    bench = benchmark_scripts.load("bench_kernel_clock")
+    fields = bench.PROBE_FIELDS
+    layer = {}
+    for i, name in enumerate(bench.GEMMS):  # two programs each, the kernels 10 us apart (ns)
+        base = 10_000 * i
+        stamps = {
+            "start": 0,
+            "waited": 2_000,
+            "x_ready": 2_500,
+            "mma_done": 6_000,
+            "end": 7_000,
+            "producer_start": -500,
+            "ring_full": 1_000,
+            "last_issued": 5_000,
+        }
+        rows = [[base + stamps[f] + j * 100 for f in fields] for j in range(2)]  # fmt: skip
+        layer[f"{name}_probe"] = torch.tensor(rows, dtype=torch.int64)
+    # attention between the qkv and the o_proj: start, waited, end, then cycles
+    layer["probe"] = torch.tensor([[7_000, 8_000, 9_000, 0, 0, 0]] * 3, dtype=torch.int64)
+    line = bench.layer_timeline(layer)
+    assert list(line) == ["qkv", "attention", "o", "gate_up", "down"]
+    # the zero: the qkv's median wait return (torch's median: the lower middle value, 2 us)
+    assert line["qkv"]["waited"] == 0.0
+    assert line["qkv"]["start"] == pytest.approx(-2.5)  # its producers began first
+    assert line["qkv"]["end"] == pytest.approx(5.1)  # the last program's end
+    assert line["attention"] == pytest.approx({"start": 5.0, "waited": 6.0, "end": 7.0})
+    assert line["down"]["ring_full"] == pytest.approx(29.0)
