@@ -195,6 +195,8 @@ def _build():
 
     @gluon.jit
     def stamp(probe_ptr, field: gl.constexpr, value):
+        """PROBE builds: one stamp into this launch's own probe row (no other kernel reads or
+        writes the probe, so the producer, which never waits, may write it)."""
         row = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
         gl.store(probe_ptr + row * 8 + field, value)
 
@@ -237,12 +239,13 @@ def _build():
                  xbar, KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                  STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
                  PDL: gl.constexpr, PROBE: gl.constexpr):  # fmt: skip
-        if PROBE:
-            stamp(probe_ptr, 0, now())
+        if PROBE:  # the start is stored after the wait: nothing is written before it
+            started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
             gdc_wait()
             gdc_launch_dependents()
         if PROBE:
+            stamp(probe_ptr, 0, started)
             stamp(probe_ptr, 1, now())
         k0 = gl.program_id(1) * (KT * BK)
         mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)

@@ -20,7 +20,8 @@ import pytest
 KERNELS = Path(__file__).resolve().parents[2] / "rlt_engine" / "kernels"
 # calls allowed before the wait: index arithmetic, no memory access
 PURE = {"program_id", "num_programs", "arange", "minimum", "maximum", "zeros", "to", "where"}
-PURE |= {"clocks"}  # pdl.clocks: reads the timers (a PROBE build's stamps), no memory
+# pdl.clocks, ws_gemm's now: read the timers (a PROBE build's stamps), no memory
+PURE |= {"clocks", "now"}
 
 
 def _kernels_with_pdl() -> list[tuple[str, ast.FunctionDef]]:
@@ -99,6 +100,9 @@ WEIGHT_STREAM = {
     "index",
     "async_copy_global_to_shared",
 }
+# and, in a PROBE build, its timer stamps: `stamp` writes the launch's own probe row, which no
+# other kernel reads or writes (checked below)
+PROBE_STAMPS = {"now", "stamp"}
 
 
 def test_the_pdl_kernels_are_found():
@@ -159,7 +163,14 @@ def test_warp_specialised_partitions_wait_or_only_stream_weights(name, fn):
     for part in parts:
         if part is waiting[0]:
             continue
-        assert set(_calls(part)) <= WEIGHT_STREAM, f"{name}: {part.name} {set(_calls(part))}"
+        calls = set(_calls(part))
+        assert calls <= WEIGHT_STREAM | PROBE_STAMPS, f"{name}: {part.name} {calls}"
+        if "stamp" in calls:
+            stores = [
+                c for c in ast.walk(defs["stamp"])
+                if isinstance(c, ast.Call) and _calls(c)[:1] == ["store"]
+            ]  # fmt: skip
+            assert stores and all(_pointers(c.args[0]) == {"probe_ptr"} for c in stores)
         copies = [c for c in ast.walk(part) if isinstance(c, ast.Call) and
                   _calls(c)[:1] == ["async_copy_global_to_shared"]]  # fmt: skip
         assert copies and all(c.args[0].id == "w_desc" for c in copies), part.name
