@@ -98,8 +98,7 @@ class Chain:
                     config = choose(self.x.new_empty(rows, w.shape[1]), w)
                     if config is None or config.kernel != "ws":
                         raise SystemExit(f"--timeline: the table runs no ws kernel for {name}")
-                    n = layer[name].shape[0] // (2 if name == "gate_up" else 1)
-                    programs = n // (config.block_n // (2 if name == "gate_up" else 1))
+                    programs = w.shape[0] // config.block_n  # SwiGLU: half of each a program
                     layer[f"{name}_config"] = config
                     layer[f"{name}_probe"] = torch.full(
                         (programs * config.split_k, len(PROBE_FIELDS)), -1,

@@ -334,16 +334,14 @@ def rank_in_place(
     by_key = {(r["n"], r["k"], r["m"]): r for r in results}
     for model, shapes in shapes_by_model.items():
         for n, kd in shapes:
-            decode = [
-                table_key(n, kd, m, torch.bfloat16)
-                for m in DECODE_MS
-                if entries.get(table_key(n, kd, m, torch.bfloat16), ("cublas",))[0] != "cublas"
-            ]
+            keys = {m: table_key(n, kd, m, torch.bfloat16) for m in DECODE_MS}
+            decode = {m: key for m, key in keys.items()
+                      if entries.get(key, ("cublas",))[0] != "cublas"}  # fmt: skip
             r8 = by_key.get((n, kd, 8))
             if not decode or r8 is None:
                 continue
-            key8 = table_key(n, kd, 8, torch.bfloat16)
-            tuned = GemmConfig(*_config_fields(entries[key8 if key8 in decode else decode[0]]))
+            tuned_key = decode.get(8, next(iter(decode.values())))  # the c=8 bucket's row
+            tuned = GemmConfig(*_config_fields(entries[tuned_key]))
             configs = [GemmConfig(**t["config"]) for t in r8["top"][:k]]
             configs = [c for c in dict.fromkeys(configs) if c != tuned]
             if not configs:
@@ -353,8 +351,7 @@ def rank_in_place(
             best, best_gain, best_entries = None, 1.0, entries
             for config in configs:
                 trial = dict(entries)
-                for key in decode:
-                    m = int(key.split(":m")[1].split(":")[0])
+                for m, key in decode.items():
                     times = by_key.get((n, kd, m), {}).get("top", [])
                     us = next((t["graph_us"] for t in times if t["config"] == config.as_dict()),
                               float("nan"))  # fmt: skip

@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from weight_passes import weight_passes  # noqa: E402  (benchmarks/, the script's directory)
 
 from rlt_engine import LLM, SamplingParams  # noqa: E402
+from rlt_engine.bench.throughput import _sync  # noqa: E402
 
 OURO = ROOT / "tests" / "fixtures" / "ouro-1.4b"
 NANBEIGE = ROOT / "tests" / "fixtures" / "nanbeige4.2-3b"
@@ -126,10 +127,10 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
             tokens[out.request_id] = out.num_tokens
             done += out.finished
         if start is None and len(first) == len(prompts):
-            _sync(engine)
+            _sync(engine.device)
             start = time.perf_counter()
             at_start = sum(tokens.values())
-    _sync(engine)
+    _sync(engine.device)
     end = time.perf_counter()
     committed = sum(tokens.values()) - at_start
     return {
@@ -138,11 +139,6 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
         "ttft_ms_max": (max(first.values()) - t0) * 1e3,
         "e2e_s": end - t0,
     }
-
-
-def _sync(engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
 
 
 def _workload(c: int, prompt_len: int, out_len: int, seed: int = 2, max_loops=None):

@@ -66,19 +66,16 @@ def run_once(
         engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
         for _ in range(concurrency)
     ]
-    started: set[str] = set()
     steps, t_decode, at_start = 0, None, 0
     done: dict[str, object] = {}
-    counts: dict[str, int] = {}
+    counts: dict[str, int] = {}  # request -> output tokens so far
     while len(done) < len(ids):
         for out in engine.step():
-            if out.num_tokens:
-                started.add(out.request_id)
             counts[out.request_id] = out.num_tokens
             if out.finished:
                 done[out.request_id] = out
         steps += 1
-        if t_decode is None and len(started) == len(ids):
+        if t_decode is None and len(counts) == len(ids) and all(counts.values()):
             _sync(engine.device)
             t_decode = time.perf_counter()
             at_start = sum(counts.values())
