@@ -338,8 +338,9 @@ def _build():
         in xs (the MMA's operand), x stored by the first program. Rows >= M are zeros (the
         copies fill them so). Three passes over the K slices: y's sums of squares, x (in
         place of y) and its sums, h in place of x; each thread reads back only the elements
-        it wrote. A row lives in one warp (BK / 32 elements a lane): its sums take no shared
-        memory, in an order set by BK alone."""
+        it wrote. A row lives in one warp (BK / 32 elements a lane): each lane sums its
+        elements' squares over the slices, then one butterfly across the warp (an order set
+        by BK alone, no shared memory)."""
         L: gl.constexpr = gl.BlockedLayout([1, BK // 32], [1, 32], [4, 1], [1, 0])
         rows = gl.arange(0, BM, layout=gl.SliceLayout(1, L))
         cols = gl.arange(0, BK, layout=gl.SliceLayout(0, L))
@@ -349,12 +350,12 @@ def _build():
         keep = (rows < M)[:, None] & (cols >= 0)[None, :] & first
         dtype: gl.constexpr = xs.dtype
         if NORM_Y:
-            total = gl.zeros([BM], gl.float32, gl.SliceLayout(1, L))
+            squares = gl.zeros([BM, BK], gl.float32, L)
             for i in gl.static_range(KT):
                 y = xs.index(i).load(L).to(gl.float32)
-                total += gl.sum(mul_rn(y, y), axis=1)
-            inv_y = gl.rsqrt(mul_rn(total, INV_K) + eps_y)
-        total = gl.zeros([BM], gl.float32, gl.SliceLayout(1, L))
+                squares += mul_rn(y, y)
+            inv_y = gl.rsqrt(mul_rn(gl.sum(squares, axis=1), INV_K) + eps_y)
+        squares = gl.zeros([BM, BK], gl.float32, L)
         for i in gl.static_range(KT):
             y = xs.index(i).load(L).to(gl.float32)
             if NORM_Y:
@@ -365,8 +366,8 @@ def _build():
             gl.store(xo_ptr + offs + i * BK, x, mask=keep)
             xs.index(i).store(x)
             x32 = x.to(gl.float32)
-            total += gl.sum(mul_rn(x32, x32), axis=1)
-        inv = gl.rsqrt(mul_rn(total, INV_K) + eps)
+            squares += mul_rn(x32, x32)
+        inv = gl.rsqrt(mul_rn(gl.sum(squares, axis=1), INV_K) + eps)
         for i in gl.static_range(KT):
             hn = (xs.index(i).load(L).to(gl.float32) * inv[:, None]).to(dtype).to(gl.float32)
             w = ns.index(i).load(L).to(gl.float32)
