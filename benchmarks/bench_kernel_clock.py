@@ -185,6 +185,7 @@ def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
             "start": float(p[:, [fields["start"], fields["producer_start"]]].min()),
             "ring_full": float(p[:, fields["ring_full"]].median()),
             "waited": float(p[:, fields["waited"]].median()),
+            "rows_landed": float(p[:, fields["rows_landed"]].median()),
             "x_ready": float(p[:, fields["x_ready"]].median()),
             "mma_done": float(p[:, fields["mma_done"]].median()),
             "end": float(p[:, fields["end"]].max()),

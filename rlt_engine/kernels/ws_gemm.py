@@ -128,6 +128,7 @@ PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in 
     "producer_start",  # the producer warp begins
     "ring_full",  # the ring's first min(STAGES, K tiles) weight tiles landed
     "last_issued",  # the producer issued its last weight tile
+    "rows_landed",  # the copies of the activation rows (normed form: y and the residual) landed
 )
 
 
@@ -249,30 +250,6 @@ def _run(x, w, config, swiglu, probe, norm):
         **_pdl.launch_options(pdl),
     )  # fmt: skip
     return x_out.view(*lead, k), out.view(*lead, n_out)
-    gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    # descriptors are built per call (the launcher encodes them at every launch anyway): one
-    # kept would keep its tensor alive
-    w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
-    w_desc = TensorDescriptor.from_tensor(w, [bn, bk], w_layout)
-    bm = 8 if m <= 8 else 16
-    x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
-    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
-    from rlt_engine.kernels.small_gemm import split_buffers
-
-    n_tiles = n_out // bn
-    if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
-        raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
-    partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
-    pdl = _pdl.enabled(x.device)
-    _kernel()[(n_tiles, splits)](
-        x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
-        x2, res, nw_y, nw, x_out, float(eps_y), float(eps),
-        KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, PROBE=probe is not None, NORM=norm is not None,
-        NORM_Y=norm is not None and norm[3] is not None, INV_K=1.0 / k, num_warps=4,
-        **_pdl.launch_options(pdl),
-    )  # fmt: skip
-    return x_out.view(*lead, k), out.view(*lead, n_out)
 
 
 def _kernel():
@@ -314,7 +291,7 @@ def _build():
         """PROBE builds: one stamp into this launch's own probe row (no other kernel reads or
         writes the probe, so the producer, which never waits, may write it)."""
         row = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
-        gl.store(probe_ptr + row * 8 + field, value)
+        gl.store(probe_ptr + row * 9 + field, value)
 
     @gluon.jit
     def swiglu(gate, up, dtype: gl.constexpr):
@@ -437,6 +414,8 @@ def _build():
         acc = gl.zeros([BN, BM], gl.float32, mma)
         acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
         mbarrier.wait(xbar, 0)
+        if PROBE:
+            stamp(probe_ptr, 8, now())
         if NORM:  # no split-K: this program's K range is all of K
             mbarrier.wait(nbar, 0)
             normed_rows(xs, rs, ns, xo_ptr, eps_y, eps, M, KT, BM, BK, NORM_Y, INV_K)
