@@ -27,9 +27,6 @@ tiles had landed (median over programs), when its waits returned (median), its a
 rows landed, its last MMA retired, and its last program ended. What it answers: how full each
 GEMM's ring is when its wait returns, what a GEMM does between its wait and its end, and
 where in the layer the weight stream stops.
-
---normed: the add + norm before the gate/up and before the next layer's qkv run inside those
-GEMMs (`ws_gemm_normed`), as the chained layers run them on the H200.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ from rlt_engine.kernels.norm_chain import add_rms_norm  # noqa: E402
 from rlt_engine.kernels.paged_attention import _launch  # noqa: E402
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
 from rlt_engine.kernels.small_gemm import choose, linear  # noqa: E402
-from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, ws_gemm, ws_gemm_normed  # noqa: E402
+from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, ws_gemm  # noqa: E402
 
 HIDDEN, HEADS, D, INTER, BLOCK = 2048, 16, 128, 5632, 16
 
@@ -62,13 +59,7 @@ GEMMS = ("qkv", "o", "gate_up", "down")
 
 class Chain:
     def __init__(
-        self,
-        rows: int,
-        keys: int,
-        layers: int,
-        tiles: dict | None = None,
-        gemms: bool = False,
-        normed: bool = False,
+        self, rows: int, keys: int, layers: int, tiles: dict | None = None, gemms: bool = False
     ) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -98,7 +89,7 @@ class Chain:
             }
             for _ in range(layers)
         ]
-        self.gemm_probes, self.normed = gemms, normed
+        self.gemm_probes = gemms
         self.x = rnd(rows, h)
         if gemms:  # one probe per ws GEMM launch, sized by the table's config for these rows
             for layer in self.layers:
@@ -121,35 +112,20 @@ class Chain:
         angles = rnd(rows, D).float()
         self.cos, self.sin = angles.cos().bfloat16(), angles.sin().bfloat16()
 
-    def gemm(self, layer: dict, name: str, x: torch.Tensor, norm=None, **kw):
-        """The layer's GEMM `name` of x; `norm` (y, residual, weight, y_weight): x is the
-        residual + norm add's output still to compute, done inside the GEMM (returns x, out)."""
-        swiglu = name == "gate_up"
-        if norm is not None:
-            config = layer.get(f"{name}_config") or choose(norm[0], layer[name], gated=swiglu)
-            y, res, weight, y_weight = norm
-            return ws_gemm_normed(y, res, layer[name], config, weight, 1e-6, y_weight,
-                                  swiglu=swiglu, probe=layer.get(f"{name}_probe"))  # fmt: skip
+    def gemm(self, layer: dict, name: str, x: torch.Tensor, **kw) -> torch.Tensor:
         if not self.gemm_probes:
-            if swiglu:
+            if name == "gate_up":
                 return gate_up_silu(x, layer[name])
             return linear(x, layer[name], **kw)
-        return ws_gemm(x, layer[name], layer[f"{name}_config"], swiglu=swiglu,
+        return ws_gemm(x, layer[name], layer[f"{name}_config"], swiglu=name == "gate_up",
                        probe=layer[f"{name}_probe"])  # fmt: skip
 
     def run(self) -> torch.Tensor:
-        """--normed: the add + norm before the gate/up and before the next layer's qkv run
-        inside those GEMMs (ws_gemm_normed), as the chained layers run them."""
         x = self.x
         h = rms_norm(x, self.layers[0]["norms"][0], 1e-6)
-        pending = None  # the previous layer's add + norm, for this layer's qkv GEMM
         for layer in self.layers:
             k_pool, v_pool = layer["pool"]
-            if pending is None:
-                qkv = self.gemm(layer, "qkv", h)
-            else:
-                x, qkv = self.gemm(layer, "qkv", None, norm=pending)
-            qkv = qkv.view(self.rows, 3 * HEADS, D)
+            qkv = self.gemm(layer, "qkv", h).view(self.rows, 3 * HEADS, D)
             q, k, v = qkv[:, :HEADS], qkv[:, HEADS : 2 * HEADS], qkv[:, 2 * HEADS :]
             rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
             attn = _launch(
@@ -158,18 +134,10 @@ class Chain:
             )  # fmt: skip
             o = self.gemm(layer, "o", attn.reshape(self.rows, HEADS * D), prefetch_whole=True)
             n1, n2, n3, n4 = layer["norms"]
-            if self.normed:
-                x, act = self.gemm(layer, "gate_up", None, norm=(o, x, n2, n1))
-            else:
-                x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
-                act = self.gemm(layer, "gate_up", h)
+            x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
+            act = self.gemm(layer, "gate_up", h)
             down = self.gemm(layer, "down", act)
-            if self.normed:
-                pending = (down, x, n4, n3)
-            else:
-                x, h = add_rms_norm(down, x, n4, 1e-6, y_weight=n3)
-        if pending is not None:
-            x, h = add_rms_norm(pending[0], pending[1], pending[2], 1e-6, y_weight=pending[3])
+            x, h = add_rms_norm(down, x, n4, 1e-6, y_weight=n3)
         return h
 
 
@@ -185,7 +153,6 @@ def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
             "start": float(p[:, [fields["start"], fields["producer_start"]]].min()),
             "ring_full": float(p[:, fields["ring_full"]].median()),
             "waited": float(p[:, fields["waited"]].median()),
-            "rows_landed": float(p[:, fields["rows_landed"]].median()),
             "x_ready": float(p[:, fields["x_ready"]].median()),
             "mma_done": float(p[:, fields["mma_done"]].median()),
             "end": float(p[:, fields["end"]].max()),
@@ -208,9 +175,8 @@ def measure(
     replays: int,
     tiles: dict | None = None,
     timeline: bool = False,
-    normed: bool = False,
 ) -> dict:
-    chain = Chain(rows, keys, layers, tiles, gemms=timeline, normed=normed)
+    chain = Chain(rows, keys, layers, tiles, gemms=timeline)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -246,8 +212,7 @@ def measure(
         for k, v in stats.items()
         if v
     }
-    out = {"rows": rows, "keys": keys, "programs": rows * HEADS, "normed": normed,
-           **(tiles or {}), **medians,
+    out = {"rows": rows, "keys": keys, "programs": rows * HEADS, **(tiles or {}), **medians,
            "own_us_max": max(stats["own"])}  # fmt: skip
     if timeline:
         out["timeline_us"] = {
@@ -269,7 +234,6 @@ def main() -> None:
         "num_stages 1, num_splits 2, merged in the kernel); '' for the launch's own choice",
     )  # fmt: skip
     ap.add_argument("--timeline", action="store_true", help="see the module docstring")
-    ap.add_argument("--normed", action="store_true", help="norms inside the GEMMs (Chain.run)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
@@ -278,10 +242,7 @@ def main() -> None:
         tiles = {names[k]: int(v) for k, v in re.findall(r"([wnskm])(\d+)", spec)}
         for keys in args.keys:
             for rows in (1, 8):
-                results.append(
-                    measure(rows, keys, args.layers, args.replays, tiles, args.timeline,
-                            args.normed)
-                )  # fmt: skip
+                results.append(measure(rows, keys, args.layers, args.replays, tiles, args.timeline))
                 print(json.dumps(results[-1]), flush=True)
     (args.out / "kernel_clock.json").write_text(json.dumps(results, indent=1) + "\n")
 

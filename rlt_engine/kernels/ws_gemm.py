@@ -33,13 +33,11 @@ no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first u
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from rlt_engine.kernels import pdl as _pdl
 
-__all__ = ["available", "check", "ws_gemm", "ws_gemm_normed"]
+__all__ = ["available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -70,22 +68,12 @@ def available(device: torch.device) -> bool:
 
 
 def check(
-    n: int,
-    k: int,
-    m: int,
-    block_n: int,
-    block_k: int,
-    split_k: int,
-    swiglu: bool = False,
-    normed: bool = False,
+    n: int, k: int, m: int, block_n: int, block_k: int, split_k: int, swiglu: bool = False
 ) -> str | None:
     """Why the kernel cannot take this shape and config, or None. `swiglu`: n counts the
-    packed gate and up rows; a program takes block_n / 2 rows of each. `normed`: the form
-    with the norm in the launch (`ws_gemm_normed`)."""
+    packed gate and up rows; a program takes block_n / 2 rows of each."""
     if m > MAX_M:
         return f"at most {MAX_M} rows, got {m}"
-    if normed and split_k != 1:
-        return "the normed form needs the whole rows in every program: no split-K"
     rows, n_out = (block_n // 2, n // 2) if swiglu else (block_n, n)
     if swiglu and (n % 2 or split_k != 1):
         # split-K (the last split applying the activation) ran 13-42% slower on the H200
@@ -96,27 +84,7 @@ def check(
         return f"N = {n} must be a multiple of block_n (64 or 128 rows{part}), got {block_n}"
     if k % (split_k * block_k):
         return f"K = {k} must be a multiple of split_k * block_k = {split_k * block_k}"
-    if normed and normed_stages(k, m, _Tile(block_n, block_k), True) < 2:
-        return "the normed form's rows, residual and norm weights leave no room for a 2-stage ring"
     return None
-
-
-SMEM_BYTES = 227 * 1024 - 1024  # sm_90's shared memory a block, less the barriers' room
-
-
-class _Tile(NamedTuple):  # the GemmConfig fields normed_stages reads
-    block_n: int
-    block_k: int
-    num_stages: int = 1 << 30
-
-
-def normed_stages(k: int, m: int, config, norm_y: bool) -> int:
-    """The ring stages of the normed form: config's, or fewer where shared memory must also
-    hold the residual's rows and the norm weights (16-bit elements) beside y's."""
-    bm = 8 if m <= 8 else 16
-    fixed = 2 * (2 * bm * k + (1 + norm_y) * k)  # y (then x, h) and the residual; the weights
-    stage = 2 * config.block_n * config.block_k  # (SwiGLU: two halves of block_n / 2 rows)
-    return min(config.num_stages, (SMEM_BYTES - fixed) // stage)
 
 
 PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in this order
@@ -128,7 +96,6 @@ PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in 
     "producer_start",  # the producer warp begins
     "ring_full",  # the ring's first min(STAGES, K tiles) weight tiles landed
     "last_issued",  # the producer issued its last weight tile
-    "rows_landed",  # the copies of the activation rows (normed form: y and the residual) landed
 )
 
 
@@ -145,44 +112,6 @@ def ws_gemm(
     [..., I] with kernels/gate_up_swiglu's roundings (block_n / 2 rows of each a program, no
     split-K). `probe` (benchmarks): int64 [programs, len(PROBE_FIELDS)], programs in grid
     order (N tile major, then split): a PROBE build stamps each program's PROBE_FIELDS."""
-    return _run(x, w, config, swiglu, probe, None)[1]
-
-
-def ws_gemm_normed(
-    y: torch.Tensor,
-    residual: torch.Tensor,
-    w: torch.Tensor,
-    config,
-    weight: torch.Tensor,
-    eps: float,
-    y_weight: torch.Tensor | None = None,
-    y_eps: float | None = None,
-    swiglu: bool = False,
-    probe: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add and norm before a GEMM in the GEMM's own launch: returns (x, out) with
-    x = residual + rms_norm(y; y_weight, y_eps) (residual + y without y_weight) and out =
-    `ws_gemm(rms_norm(x; weight, eps), w, config, swiglu)`: kernels/norm_chain.add_rms_norm
-    followed by the GEMM, one launch fewer. y, residual [rows, K]; the norm weights [K].
-
-    Every program computes the normed rows of its K range itself from y and the residual
-    (read through L2 after its PDL wait, in place of the activation rows' copy) and the first
-    program also stores x. The roundings are add_rms_norm's; the fp32 sums of squares add in
-    another order (each BLOCK_K slice reduced within a warp, the slices in order), so x
-    and h may differ from add_rms_norm's by an ulp where a sum rounds otherwise. No split-K
-    (each program needs the whole rows' sums). The caller checks `check(..., normed=True)`."""
-    if residual.shape != y.shape or residual.dtype != y.dtype or y.dim() != 2:
-        raise ValueError(
-            f"y and residual must be [rows, K] of one dtype, got {tuple(y.shape)} {y.dtype} and "
-            f"{tuple(residual.shape)} {residual.dtype}"
-        )
-    norm = (residual, weight, eps, y_weight, eps if y_eps is None else y_eps)
-    return _run(y, w, config, swiglu, probe, norm)
-
-
-def _run(x, w, config, swiglu, probe, norm):
-    """(x as stored, out): the launch of both forms; `norm` = (residual, weight, eps, y_weight,
-    y_eps) for the normed form (x is then y, and the returned x residual + its norm)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -198,7 +127,7 @@ def _run(x, w, config, swiglu, probe, norm):
         x2 = x2.contiguous()
     m = x2.shape[0]
     bk, splits = config.block_k, config.split_k
-    why = check(n, k, m, config.block_n, bk, splits, swiglu, normed=norm is not None)
+    why = check(n, k, m, config.block_n, bk, splits, swiglu)
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
@@ -206,17 +135,8 @@ def _run(x, w, config, swiglu, probe, norm):
     parts = 2 if swiglu else 1
     n_out, bn = n // parts, config.block_n // parts
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    x_out, eps, eps_y = x2, 0.0, 0.0
-    if norm is not None:
-        res, nw, eps, nw_y, eps_y = norm
-        res = res.reshape(-1, k).contiguous()
-        for t in (nw, nw_y):
-            if t is not None and (t.shape != (k,) or t.dtype != x.dtype or t.data_ptr() % 16):
-                raise ValueError(f"the norm weights must be [{k}] {x.dtype}, 16-byte aligned, "
-                                 f"got {tuple(t.shape)} {t.dtype}")  # fmt: skip
-        x_out = torch.empty_like(x2)
     if m == 0:
-        return x_out.view(*lead, k), out.view(*lead, n_out)
+        return out.view(*lead, n_out)
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
@@ -224,16 +144,7 @@ def _run(x, w, config, swiglu, probe, norm):
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk], w_layout)
     bm = 8 if m <= 8 else 16
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
-    x_desc = r_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
-    n_desc = y_desc = x_desc  # (not read without the norm)
-    stages = config.num_stages
-    if norm is not None:
-        r_desc = TensorDescriptor.from_tensor(res, [bm, bk], x_layout)
-        n_layout = gl.NVMMASharedLayout.get_default_for([1, bk], gl_dtype)
-        n_desc = TensorDescriptor.from_tensor(nw.view(1, k), [1, bk], n_layout)
-        if nw_y is not None:
-            y_desc = TensorDescriptor.from_tensor(nw_y.view(1, k), [1, bk], n_layout)
-        stages = normed_stages(k, m, config, nw_y is not None)
+    x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
     from rlt_engine.kernels.small_gemm import split_buffers
 
     n_tiles = n_out // bn
@@ -242,14 +153,11 @@ def _run(x, w, config, swiglu, probe, norm):
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
-        x_desc, w_desc, r_desc, n_desc, y_desc, out, partials, counters, x_out, m, n_out,
-        float(eps_y), float(eps), out if probe is None else probe,
-        KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=splits, PARTS=parts,
-        PDL=pdl, PROBE=probe is not None, NORM=norm is not None,
-        NORM_Y=norm is not None and norm[3] is not None, INV_K=1.0 / k, num_warps=4,
-        **_pdl.launch_options(pdl),
+        x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
+        KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
+        PARTS=parts, PDL=pdl, PROBE=probe is not None, num_warps=4, **_pdl.launch_options(pdl),
     )  # fmt: skip
-    return x_out.view(*lead, k), out.view(*lead, n_out)
+    return out.view(*lead, n_out)
 
 
 def _kernel():
@@ -263,7 +171,6 @@ def _build():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -291,7 +198,7 @@ def _build():
         """PROBE builds: one stamp into this launch's own probe row (no other kernel reads or
         writes the probe, so the producer, which never waits, may write it)."""
         row = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
-        gl.store(probe_ptr + row * 9 + field, value)
+        gl.store(probe_ptr + row * 8 + field, value)
 
     @gluon.jit
     def swiglu(gate, up, dtype: gl.constexpr):
@@ -302,70 +209,11 @@ def _build():
         return (silu.to(dtype).to(gl.float32) * up.to(dtype).to(gl.float32)).to(dtype)
 
     @gluon.jit
-    def mul_rn(a, b):  # a product rounded once: never contracted into an FMA (norm.py's)
-        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
-                                         dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def normed_rows(xs, rs, ns, xo_ptr, eps_y, eps, M, KT: gl.constexpr, BM: gl.constexpr,
-                    BK: gl.constexpr, NORM_Y: gl.constexpr, INV_K: gl.constexpr):  # fmt: skip
-        """The normed form's activation rows from y (in xs), the residual (rs) and the norm
-        weights (ns: the h norm's K slices, then y's), all landed in shared memory: x =
-        residual + norm(y) (or + y) and h = norm(x) with kernels/norm.py's roundings, h left
-        in xs (the MMA's operand), x stored by the first program. Rows >= M are zeros (the
-        copies fill them so). Three passes over the K slices: y's sums of squares, x (in
-        place of y) and its sums, h in place of x; each thread reads back only the elements
-        it wrote. A row lives in one warp (BK / 32 elements a lane): each lane sums its
-        elements' squares over the slices, then one butterfly across the warp (an order set
-        by BK alone, no shared memory)."""
-        L: gl.constexpr = gl.BlockedLayout([1, BK // 32], [1, 32], [4, 1], [1, 0])
-        rows = gl.arange(0, BM, layout=gl.SliceLayout(1, L))
-        cols = gl.arange(0, BK, layout=gl.SliceLayout(0, L))
-        K: gl.constexpr = KT * BK
-        offs = rows[:, None] * K + cols[None, :]
-        first = (gl.program_id(0) == 0) & (gl.program_id(1) == 0)
-        keep = (rows < M)[:, None] & (cols >= 0)[None, :] & first
-        dtype: gl.constexpr = xs.dtype
-        if NORM_Y:
-            squares = gl.zeros([BM, BK], gl.float32, L)
-            for i in gl.static_range(KT):
-                y = xs.index(i).load(L).to(gl.float32)
-                squares += mul_rn(y, y)
-            inv_y = gl.rsqrt(mul_rn(gl.sum(squares, axis=1), INV_K) + eps_y)
-        squares = gl.zeros([BM, BK], gl.float32, L)
-        for i in gl.static_range(KT):
-            y = xs.index(i).load(L).to(gl.float32)
-            if NORM_Y:
-                wy = ns.index(KT + i).load(L).to(gl.float32)
-                yn = (y * inv_y[:, None]).to(dtype).to(gl.float32)
-                y = mul_rn(wy, yn).to(dtype).to(gl.float32)
-            x = (rs.index(i).load(L).to(gl.float32) + y).to(dtype)
-            gl.store(xo_ptr + offs + i * BK, x, mask=keep)
-            xs.index(i).store(x)
-            x32 = x.to(gl.float32)
-            squares += mul_rn(x32, x32)
-        inv = gl.rsqrt(mul_rn(gl.sum(squares, axis=1), INV_K) + eps)
-        for i in gl.static_range(KT):
-            hn = (xs.index(i).load(L).to(gl.float32) * inv[:, None]).to(dtype).to(gl.float32)
-            w = ns.index(i).load(L).to(gl.float32)
-            xs.index(i).store(mul_rn(w, hn).to(dtype))
-        fence_async_shared()  # the generic-proxy stores, before wgmma reads them
-        gl.thread_barrier()
-
-    @gluon.jit
-    def producer(w_desc, wn_desc, wy_desc, ring, ns, full, empty, nbar, N, probe_ptr,
-                 KT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 PARTS: gl.constexpr, PROBE: gl.constexpr, NORM: gl.constexpr,
-                 NORM_Y: gl.constexpr):  # fmt: skip
+    def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
+                 PROBE: gl.constexpr):  # fmt: skip
         if PROBE:
             stamp(probe_ptr, 5, now())
-        if NORM:  # the norm weights (weights too: no wait), one slice a K tile
-            mbarrier.expect(nbar, (1 + NORM_Y) * KT * wn_desc.block_type.nbytes)
-            for i in gl.static_range(KT):
-                tma.async_copy_global_to_shared(wn_desc, [0, i * BK], nbar, ns.index(i))
-                if NORM_Y:
-                    tma.async_copy_global_to_shared(wy_desc, [0, i * BK], nbar,
-                                                    ns.index(KT + i))  # fmt: skip
         n0 = gl.program_id(0) * BN
         k0 = gl.program_id(1) * (KT * BK)
         FIRST: gl.constexpr = STAGES if STAGES < KT else KT
@@ -387,12 +235,10 @@ def _build():
                 stamp(probe_ptr, 6, now())
 
     @gluon.jit
-    def consumer(x_desc, r_desc, out_ptr, part_ptr, tick_ptr, xo_ptr, M, N, eps_y, eps,
-                 probe_ptr, ring, xs, rs, ns, full, empty, xbar, nbar, KT: gl.constexpr,
-                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                 SPLIT: gl.constexpr, PARTS: gl.constexpr, PDL: gl.constexpr,
-                 PROBE: gl.constexpr, NORM: gl.constexpr, NORM_Y: gl.constexpr,
-                 INV_K: gl.constexpr):  # fmt: skip
+    def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs, full, empty,
+                 xbar, KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                 STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
+                 PDL: gl.constexpr, PROBE: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
@@ -402,23 +248,15 @@ def _build():
             stamp(probe_ptr, 0, started)
             stamp(probe_ptr, 1, now())
         k0 = gl.program_id(1) * (KT * BK)
-        # the activation rows (NORM: y, and the residual beside it) in one round trip
-        mbarrier.expect(xbar, (1 + NORM) * KT * x_desc.block_type.nbytes)
+        mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
         for i in gl.static_range(KT):
             tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
-            if NORM:
-                tma.async_copy_global_to_shared(r_desc, [0, i * BK], xbar, rs.index(i))
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
         )
         acc = gl.zeros([BN, BM], gl.float32, mma)
         acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
         mbarrier.wait(xbar, 0)
-        if PROBE:
-            stamp(probe_ptr, 8, now())
-        if NORM:  # no split-K: this program's K range is all of K
-            mbarrier.wait(nbar, 0)
-            normed_rows(xs, rs, ns, xo_ptr, eps_y, eps, M, KT, BM, BK, NORM_Y, INV_K)
         if PROBE:
             stamp(probe_ptr, 2, now())
         for i in range(KT):
@@ -462,41 +300,27 @@ def _build():
             stamp(probe_ptr, 4, now())
 
     @gluon.jit
-    def ws_gemm_kernel(x_desc, w_desc, r_desc, wn_desc, wy_desc, out_ptr, part_ptr, tick_ptr,
-                       xo_ptr, M, N, eps_y, eps, probe_ptr, KT: gl.constexpr, BM: gl.constexpr,
-                       BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                       SPLIT: gl.constexpr, PARTS: gl.constexpr, PDL: gl.constexpr,
-                       PROBE: gl.constexpr, NORM: gl.constexpr, NORM_Y: gl.constexpr,
-                       INV_K: gl.constexpr):  # fmt: skip
-        # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight). NORM
-        # (ws_gemm_normed): x_desc describes y, r_desc the residual, wn_desc / wy_desc the
-        # norm weights as [1, K]; x stored to xo_ptr
+    def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr,
+                       KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                       STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
+                       PDL: gl.constexpr, PROBE: gl.constexpr):  # fmt: skip
+        # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
-        if NORM:
-            rs = gl.allocate_shared_memory(r_desc.dtype, [KT, BM, BK], r_desc.layout)
-            ns = gl.allocate_shared_memory(wn_desc.dtype, [(1 + NORM_Y) * KT, 1, BK],
-                                           wn_desc.layout)  # fmt: skip
-        else:
-            rs = xs
-            ns = xs
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        nbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(full.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         mbarrier.init(xbar, count=1)
-        mbarrier.init(nbar, count=1)
         # fmt: off
         gl.warp_specialize(
             [
-                (consumer, (x_desc, r_desc, out_ptr, part_ptr, tick_ptr, xo_ptr, M, N, eps_y,
-                            eps, probe_ptr, ring, xs, rs, ns, full, empty, xbar, nbar, KT, BM,
-                            BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE, NORM, NORM_Y, INV_K)),
-                (producer, (w_desc, wn_desc, wy_desc, ring, ns, full, empty, nbar, N,
-                            probe_ptr, KT, BN, BK, STAGES, PARTS, PROBE, NORM, NORM_Y)),
+                (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs, full,
+                            empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE)),
+                (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
+                            PROBE)),
             ],
             [1],  # one producer warp
             [40],  # its registers: it only issues copies

@@ -12,7 +12,7 @@ from torch import nn
 
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import PendingNorm, RMSNorm, RotaryEmbedding
+from rlt_engine.models.layers import RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -127,12 +127,9 @@ class LoopedCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer loop of the fast path: each layer also returns the first norm of the next
         layer (after the last, the final norm when it runs every loop), computed in the same
-        launch as its last residual add, or pending for the next layer's qkv GEMM to compute
-        (layers.PendingNorm). The same values as the plain loop, bit for bit where no norm
-        runs inside a GEMM (there to an ulp of the sums of squares, see
-        kernels/ws_gemm.ws_gemm_normed). Returns (hidden, the exit hazard or None): with the
-        final norm every loop, the last launch also computes the exit gate's hazard (to a few
-        ulps of `exit_hazard`'s)."""
+        launch as its last residual add. The same values as the plain loop bit for bit.
+        Returns (hidden, the exit hazard or None): with the final norm every loop, the last
+        launch also computes the exit gate's hazard (to a few ulps of `exit_hazard`'s)."""
         layers = self.model.layers
         h = layers[0].input_layernorm(hidden)
         hazard = None
@@ -146,8 +143,6 @@ class LoopedCausalLM(nn.Module):
             hidden, h, hazard = layer.forward_chained(
                 hidden, h, next_norm, rope, meta, backend, exit_gate=gate
             )
-        if isinstance(h, PendingNorm):  # no exit gate: the final norm runs on its own
-            h = h.resolve()
         return (hidden, None) if h is None else (h, hazard)
 
     def exit_hazard(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,50 +41,6 @@ def add_norm(
     if y_norm is None:
         return add_rms_norm(y, residual, norm.weight, norm.eps)
     return add_rms_norm(y, residual, norm.weight, norm.eps, y_norm.weight, y_norm.eps)
-
-
-@dataclass
-class PendingNorm:
-    """`add_norm(y, residual, norm, y_norm)` not yet run: the chained layers hand it to the
-    projection that reads h, whose GEMM computes x and h in its own launch where the
-    warp-specialised kernel takes the shape (kernels/ws_gemm.ws_gemm_normed: decode rows, one
-    launch fewer); elsewhere `resolve` runs add_norm. `x` is set by either."""
-
-    y: torch.Tensor
-    residual: torch.Tensor
-    norm: RMSNorm
-    y_norm: RMSNorm | None = None
-    x: torch.Tensor | None = None
-
-    def resolve(self) -> torch.Tensor:
-        """h, through add_norm's launch; sets x."""
-        self.x, h = add_norm(self.y, self.residual, self.norm, self.y_norm)
-        return h
-
-    def project(self, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor | None:
-        """`h @ weight.T` (`swiglu`: silu(h @ gate.T) * (h @ up.T) of a packed [gate; up]) with
-        the norm in the GEMM's launch, setting x; None where that kernel does not run (the
-        caller then resolves and projects)."""
-        from rlt_engine.kernels import small_gemm, ws_gemm
-
-        norms = [self.norm] if self.y_norm is None else [self.norm, self.y_norm]
-        if any(norm.weight.dtype != self.y.dtype for norm in norms):
-            return None
-        config = small_gemm.choose(self.y, weight, gated=swiglu)
-        if config is None or config.kernel != "ws" or not ws_gemm.available(self.y.device):
-            return None
-        n, k = weight.shape
-        rows = self.y.numel() // k
-        bn, bk, split = config.block_n, config.block_k, config.split_k
-        if ws_gemm.check(n, k, rows, bn, bk, split, swiglu, normed=True) is not None:
-            return None
-        y_weight, y_eps = (None, None) if self.y_norm is None else (
-            self.y_norm.weight, self.y_norm.eps)  # fmt: skip
-        self.x, out = ws_gemm.ws_gemm_normed(
-            self.y, self.residual, weight, config, self.norm.weight, self.norm.eps, y_weight,
-            y_eps, swiglu=swiglu,
-        )  # fmt: skip
-        return out
 
 
 def add_norm_hazard(
@@ -191,14 +145,7 @@ class SwiGLU(nn.Module):
     def pack(self) -> None:
         self.gate_up = pack_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        """x: the normed input, or (chained layers) the add + norm that makes it."""
-        if isinstance(x, PendingNorm):
-            fused = self.fused_act and self.small_gemm
-            act = x.project(self.gate_up, swiglu=True) if fused else None
-            if act is not None:  # the norm, the GEMM and the activation in one launch
-                return project(act, self.down_proj.weight, True)
-            x = x.resolve()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.fused_act and self.small_gemm:  # the GEMM and the activation in one launch
@@ -240,24 +187,18 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor | PendingNorm,
+        x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """x: the normed input, or (chained layers) the add + norm that makes it."""
-        qkv = None
-        if isinstance(x, PendingNorm):  # the norm in the qkv GEMM's launch where it can
-            qkv = x.project(self.qkv) if self.small_gemm and self.qkv is not None else None
-            x = x.y if qkv is not None else x.resolve()
         rows, d = x.shape[0], self.head_dim
         if self.qkv is None:
             q = self.q_proj(x).view(rows, self.num_heads, d)
             k = self.k_proj(x).view(rows, self.num_kv_heads, d)
             v = self.v_proj(x).view(rows, self.num_kv_heads, d)
         else:
-            if qkv is None:
-                qkv = project(x, self.qkv, self.small_gemm)
+            qkv = project(x, self.qkv, self.small_gemm)
             qkv = qkv.view(rows, self.num_heads + 2 * self.num_kv_heads, d)
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         attend_rope = getattr(backend, "attend_rope", None) if self.fused_rope else None

@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, PendingNorm, RMSNorm, SwiGLU
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -31,27 +31,23 @@ class NanbeigeDecoderLayer(nn.Module):
 
     def forward_chained(
         self,
-        x: torch.Tensor | None,
-        h: torch.Tensor | PendingNorm,
+        x: torch.Tensor,
+        h: torch.Tensor,
         next_norm: RMSNorm | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         exit_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | PendingNorm | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The fast path's form of `forward` (see OuroDecoderLayer.forward_chained): each
-        residual add and the norm after it in one launch, or inside the GEMM that reads it."""
+        residual add and the norm after it in one launch."""
         if exit_gate is not None:
             raise ValueError("Nanbeige has no exit gate")
-        attn = self.self_attn(h, rope, meta, backend)
-        if isinstance(h, PendingNorm):
-            x = h.x
-        mlp_in = PendingNorm(attn, x, self.post_attention_layernorm)
-        out = self.mlp(mlp_in)
-        x = mlp_in.x
+        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
+        out = self.mlp(h)
         if next_norm is None:
             return x + out, None, None
-        return None, PendingNorm(out, x, next_norm), None
+        return *add_norm(out, x, next_norm), None
 
 
 class NanbeigeForCausalLM(LoopedCausalLM):

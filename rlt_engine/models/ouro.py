@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, PendingNorm, RMSNorm, SwiGLU, add_norm_hazard
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, add_norm_hazard
 
 
 class OuroDecoderLayer(nn.Module):
@@ -37,32 +37,27 @@ class OuroDecoderLayer(nn.Module):
 
     def forward_chained(
         self,
-        x: torch.Tensor | None,
-        h: torch.Tensor | PendingNorm,
+        x: torch.Tensor,
+        h: torch.Tensor,
         next_norm: RMSNorm | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         exit_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | PendingNorm | None, torch.Tensor | None]:
-        """The fast path's form of `forward`. h = input_layernorm(x) comes in computed, or as
-        the previous layer's PendingNorm (x None: the norm's launch makes it). Each residual
-        add and the norm after it is one launch (layers.add_norm), or runs inside the GEMM
-        that reads it (layers.PendingNorm). Returns (None, next_norm of the output pending,
-        None); without next_norm (output, None, None); with `exit_gate` (fp32 weight and bias)
-        (output, next_norm of it, the exit hazard of that) from the last launch. Equal to
-        `forward` with fused norms (bit for bit where no norm runs inside a GEMM)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The fast path's form of `forward`: h = input_layernorm(x) comes in already computed;
+        returns (the layer's output, next_norm of it, None) with every add-and-norm pair in one
+        launch (layers.add_norm), or (output, None, None) without next_norm. Bit-identical to
+        `forward` with fused norms. `exit_gate` (fp32 weight and bias, with next_norm): the
+        last launch also computes the exit hazard of next_norm's output, returned third."""
         attn = self.self_attn(h, rope, meta, backend)
-        if isinstance(h, PendingNorm):
-            x = h.x
-        mlp_in = PendingNorm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
-        out = self.mlp(mlp_in)
-        x = mlp_in.x
+        x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
+        out = self.mlp(h)
         if next_norm is None:
             return self.post_attention_layernorm_2(out, residual=x), None, None
         if exit_gate is not None:
             return add_norm_hazard(out, x, next_norm, self.post_attention_layernorm_2, exit_gate)
-        return None, PendingNorm(out, x, next_norm, self.post_attention_layernorm_2), None
+        return *add_norm(out, x, next_norm, self.post_attention_layernorm_2), None
 
 
 class OuroForCausalLM(LoopedCausalLM):

@@ -24,7 +24,6 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
             "producer_start": -500,
             "ring_full": 1_000,
             "last_issued": 5_000,
-            "rows_landed": 2_400,
         }
         rows = [[base + stamps[f] + j * 100 for f in fields] for j in range(2)]  # fmt: skip
         layer[f"{name}_probe"] = torch.tensor(rows, dtype=torch.int64)

@@ -91,8 +91,6 @@ SPECIALISED = [(n, f) for n, f in _kernels_with_pdl() if _partitions(f) is not N
 # what a kernel body may do before handing over to its partitions, and all a partition without
 # the wait may do: stream weights (TMA copies of `w_desc`) through mbarriers
 SETUP = {"allocate_shared_memory", "MBarrierLayout", "init", "index", "static_range"}
-# what a non-waiting partition may copy: the GEMM's weight and the norm weights (ws_gemm_normed)
-WEIGHT_DESCS = {"w_desc", "wn_desc", "wy_desc"}
 WEIGHT_STREAM = {
     "program_id",
     "range",
@@ -175,7 +173,7 @@ def test_warp_specialised_partitions_wait_or_only_stream_weights(name, fn):
             assert stores and all(_pointers(c.args[0]) == {"probe_ptr"} for c in stores)
         copies = [c for c in ast.walk(part) if isinstance(c, ast.Call) and
                   _calls(c)[:1] == ["async_copy_global_to_shared"]]  # fmt: skip
-        assert copies and all(c.args[0].id in WEIGHT_DESCS for c in copies), part.name
+        assert copies and all(c.args[0].id == "w_desc" for c in copies), part.name
 
 
 def test_every_pdl_launch_compiles_the_wait():

@@ -20,10 +20,9 @@ pytest.importorskip("triton")
 
 from rlt_engine.kernels import small_gemm
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
-from rlt_engine.kernels.norm_chain import add_rms_norm
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, lookup
 from rlt_engine.kernels.swiglu import silu_mul
-from rlt_engine.kernels.ws_gemm import available, check, normed_stages, ws_gemm, ws_gemm_normed
+from rlt_engine.kernels.ws_gemm import available, check
 
 from .test_small_gemm import ACC_TOL_GPU, assert_deterministic_under_contention, make
 from .test_small_gemm import check as check_product
@@ -56,12 +55,6 @@ def test_shape_checks_name_the_constraint():
     assert "no split-K" in check(11264, 2048, 8, 128, 128, 4, swiglu=True)
     assert "128 rows a part" in check(11264, 2048, 8, 64, 256, 1, swiglu=True)
     assert "even N" in check(11265, 2048, 8, 128, 256, 1, swiglu=True)
-    assert check(6144, 2048, 8, 64, 256, 1, normed=True) is None
-    assert "no split-K" in check(2048, 2048, 8, 64, 256, 4, normed=True)
-    # shared memory: y's and the residual's rows and the norm weights beside the ring
-    assert normed_stages(2048, 8, ws(64, 256, 1, 5), norm_y=True) == 4  # 5 do not fit
-    assert normed_stages(2048, 8, ws(128, 128, 1, 3), norm_y=True) == 3
-    assert "no room" in check(11264, 2048, 16, 128, 256, 1, swiglu=True, normed=True)
     x, w = make(17, 64, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="at most 16 rows"):
         gemm(x, w, ws())
@@ -112,29 +105,25 @@ from rlt_engine.kernels import ws_gemm
 fn = ws_gemm._build()
 names = fn.arg_names
 out = {}
-configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0), (16, 64, 128, 4, 4, 1, "fp16", False, 0),
-           (8, 64, 128, 3, 1, 2, "bf16", False, 0), (8, 64, 256, 2, 4, 1, "bf16", True, 0),
-           (8, 64, 128, 4, 1, 1, "bf16", True, 0), (8, 64, 256, 4, 1, 1, "bf16", False, 2),
-           (16, 64, 128, 3, 1, 2, "bf16", False, 2), (8, 64, 256, 4, 1, 1, "fp16", False, 1))
-for bm, bn, bk, stages, split, parts, dt, probe, norm in configs:  # norm: 2 norms, 1 (add), 0
+configs = ((8, 64, 256, 3, 1, 1, "bf16", False), (16, 64, 128, 4, 4, 1, "fp16", False),
+           (8, 64, 128, 3, 1, 2, "bf16", False), (8, 64, 256, 2, 4, 1, "bf16", True),
+           (8, 64, 128, 4, 1, 1, "bf16", True))
+for bm, bn, bk, stages, split, parts, dt, probe in configs:
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True, PROBE=probe, NORM=norm > 0, NORM_Y=norm == 2,
-                 INV_K=1 / 2048)
+                 PARTS=parts, PDL=True, PROBE=probe)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
-        "x_desc": desc(bm), "w_desc": desc(bn), "r_desc": desc(bm), "wn_desc": desc(1),
-        "wy_desc": desc(1), "out_ptr": f"*{dt}", "part_ptr": "*fp32", "tick_ptr": "*i32",
-        "xo_ptr": f"*{dt}", "probe_ptr": "*i64", "eps_y": "fp32", "eps": "fp32"}
+        "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
+        "tick_ptr": "*i32", "probe_ptr": "*i64"}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    name = (f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
-            + ("_normed" * (norm == 2) + "_added" * (norm == 1)))
+    name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
     out[name] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
@@ -158,16 +147,6 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
-    # the normed forms: the rows computed by the consumers from copies landed in shared memory
-    # (generic-proxy stores fenced before the MMA reads them)
-    # one rsqrt per norm and row a thread holds (BM / 4 rows a warp)
-    for name, rsqrts in (("split1_normed", 2 * 2), ("split1_swiglu_normed", 2 * 4),
-                         ("split1_added", 2)):  # fmt: skip
-        code = ptx[name]
-        assert "fence.proxy.async.shared::cta" in code, name
-        assert "ld.global" not in code and "rsqrt.approx" in code, name
-        assert code.count("rsqrt.approx") == rsqrts, name
-    assert "fence.proxy.async" not in ptx["split1"] and "rsqrt" not in ptx["split1"]
     # PROBE builds read the global timer; the others never do
     for name, code in ptx.items():
         assert ("%globaltimer" in code) == name.endswith("_probe"), name
@@ -273,96 +252,3 @@ def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hi
         plain = silu_mul(gemm(x, w, ws(block_n // 2, block_k, 1, stages)))
         torch.testing.assert_close(fused, plain, rtol=2**-7, atol=1e-6)
         assert torch.equal(gate_up_silu(x, w, config), fused)
-
-
-NORMED = {  # (N, K, swiglu, y normed first, config): the shapes the chained layers hand it
-    "ouro_qkv": (6144, 2048, False, True, ws(64, 256, 1, 5)),
-    "ouro_gate_up": (11264, 2048, True, True, ws(128, 128, 1, 3)),
-    "ouro_gate_up_bk256": (11264, 2048, True, True, ws(128, 256, 1, 2)),
-    "nanbeige_qkv": (8192, 3072, False, False, ws(64, 256, 1, 3)),
-}
-
-
-def _normed_operands(m: int, k: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=gen) * scale + shift).bfloat16().cuda()
-
-    # y: an o_proj / down output (its own scale), the residual larger, weights around 1
-    return (
-        rnd(m, k, scale=0.3),
-        rnd(m, k, scale=4.0),
-        rnd(k, scale=0.2, shift=1.0),
-        rnd(k, scale=0.2, shift=1.0),
-    )
-
-
-@gpu
-@needs_ws
-@pytest.mark.parametrize("name", list(NORMED))
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
-def test_gpu_normed_form_equals_add_rms_norm_then_the_gemm(name, m):
-    """x and h are add_rms_norm's but for the fp32 sums' order (an ulp where a sum rounds
-    otherwise: few elements, never more); the output is the GEMM of that h; deterministic.
-    Wrong roundings, a wrong norm weight or a missed row would be far off everywhere."""
-    n, k, swiglu, norm_y, config = NORMED[name]
-    y, res, w_y, w_h = _normed_operands(m, k, seed=m)
-    w = make(1, n, k, torch.bfloat16, device="cuda", seed=m)[1] * k**-0.5
-    y_norm = (w_y, 1e-6) if norm_y else (None, None)
-    why = check(n, k, m, config.block_n, config.block_k, 1, swiglu, normed=True)
-    if why is not None:  # 16 rows of y and the residual beside the ring: the caller declines
-        assert "no room" in why
-        with pytest.raises(ValueError, match="no room"):
-            ws_gemm_normed(y, res, w, config, w_h, 1e-6, *y_norm, swiglu=swiglu)
-        return
-    x_ref, h_ref = add_rms_norm(y, res, w_h, 1e-6, *y_norm)
-    x, out = ws_gemm_normed(y, res, w, config, w_h, 1e-6, *y_norm, swiglu=swiglu)
-    assert x.shape == (m, k) and out.shape == (m, n // 2 if swiglu else n)
-    torch.testing.assert_close(x, x_ref, rtol=2**-7, atol=0)
-    assert (x != x_ref).float().mean() < 0.01
-    # the plain GEMM of the reference h: the same weights' accumulation, h off by an ulp in
-    # a few elements at most
-    plain = ws_gemm(h_ref, w, config, swiglu=swiglu)
-    torch.testing.assert_close(out, plain, rtol=2**-6, atol=2e-2)
-    assert (out != plain).float().mean() < 0.05
-    again = ws_gemm_normed(y, res, w, config, w_h, 1e-6, *y_norm, swiglu=swiglu)
-    assert torch.equal(again[0], x) and torch.equal(again[1], out)
-
-
-@gpu
-@needs_ws
-def test_gpu_normed_chain_cuda_graph_equals_eager():
-    """Decode layers' chain as the model runs it (qkv normed, o_proj, gate/up + SwiGLU normed,
-    down, the next qkv normed), each norm's x feeding the next residual: graph replay = eager."""
-    k = 2048
-    y, res, w_y, w_h = _normed_operands(8, k, seed=1)
-    weights = {
-        name: make(1, n, kk, torch.bfloat16, device="cuda", seed=i)[1] * kk**-0.5
-        for i, (name, n, kk) in enumerate(
-            [("qkv", 6144, k), ("o", 2048, 2048), ("gate_up", 11264, k), ("down", 2048, 5632)]
-        )
-    }
-
-    def chain() -> tuple[torch.Tensor, ...]:
-        x, qkv = ws_gemm_normed(y, res, weights["qkv"], NORMED["ouro_qkv"][4], w_h, 1e-6, w_y)
-        attn = ws_gemm(qkv[:, :2048].contiguous(), weights["o"], ws(64, 256, 4, 2))
-        gu = NORMED["ouro_gate_up"][4]
-        x, act = ws_gemm_normed(attn, x, weights["gate_up"], gu, w_h, 1e-6, w_y, swiglu=True)
-        down = ws_gemm(act, weights["down"], ws(64, 128, 4, 4))
-        x, qkv = ws_gemm_normed(down, x, weights["qkv"], NORMED["ouro_qkv"][4], w_h, 1e-6, w_y)
-        return x, qkv
-
-    eager = chain()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
