@@ -188,6 +188,8 @@ def _build():
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
+    STRIDE = gl.constexpr(len(PROBE_FIELDS))  # a probe row's stamps
+
     @gluon.jit
     def now():  # %globaltimer, ns (PROBE builds): reads no memory
         return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
@@ -198,7 +200,7 @@ def _build():
         """PROBE builds: one stamp into this launch's own probe row (no other kernel reads or
         writes the probe, so the producer, which never waits, may write it)."""
         row = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
-        gl.store(probe_ptr + row * 8 + field, value)
+        gl.store(probe_ptr + row * STRIDE + field, value)
 
     @gluon.jit
     def swiglu(gate, up, dtype: gl.constexpr):
