@@ -194,6 +194,21 @@ def linear(
     return gemm(x, w, config, gate, prefetch_whole=whole)
 
 
+def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
+    """`linear` of a packed qkv weight with kernels/ws_gemm's RoPE + K/V write epilogue
+    (`rope`: a ws_gemm.QkvRope), or None where the table picks no warp-specialised config
+    for it or the epilogue cannot take that config's tiles: the caller then projects and
+    rotates as before."""
+    config = choose(x, w)
+    if config is None or config.kernel != "ws" or not _ws_available(x.device):
+        return None
+    from rlt_engine.kernels.ws_gemm import check_rope, ws_gemm
+
+    if check_rope(w.shape[0], config.block_n, rope, x) is not None:
+        return None
+    return ws_gemm(x, w, config, rope=rope)
+
+
 # -- launch ---------------------------------------------------------------------------------------
 
 

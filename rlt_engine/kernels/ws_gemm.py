@@ -34,12 +34,13 @@ no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first u
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
 from rlt_engine.kernels import pdl as _pdl
 
-__all__ = ["available", "check", "ws_gemm"]
+__all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -102,12 +103,47 @@ PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in 
 )
 
 
+class QkvRope(NamedTuple):
+    """The packed qkv projection's epilogue (decode): RoPE on its q and k heads in place and
+    the new K / V rows written to the paged pools, as kernels/rope_kv_write.rope_write_kv_
+    does after the GEMM. cos / sin [rows, D] in x's dtype (contiguous last dimension),
+    k_pool / v_pool [slots, num_kv_heads, D] contiguous, slot_mapping [rows] int64."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_heads: int
+
+
+def check_rope(n: int, block_n: int, rope: QkvRope, x: torch.Tensor) -> str | None:
+    """Why the qkv epilogue cannot take this GEMM, or None."""
+    _, kv_heads, d = rope.k_pool.shape
+    rows = x.numel() // x.shape[-1]
+    if (rope.num_heads + 2 * kv_heads) * d != n or d % 2 or d % block_n:
+        return f"N = {n} must be (heads + 2 kv_heads) * D with D a multiple of block_n {block_n}"
+    if rope.v_pool.shape != rope.k_pool.shape or not (
+        rope.k_pool.is_contiguous() and rope.v_pool.is_contiguous()
+    ):
+        return "k_pool and v_pool must be contiguous [slots, kv_heads, D]"
+    if any(t.dtype != x.dtype for t in (rope.cos, rope.sin, rope.k_pool, rope.v_pool)):
+        return f"cos, sin and the pools must be {x.dtype}"
+    for t in (rope.cos, rope.sin):
+        if t.shape != (rows, d) or t.stride(-1) != 1:
+            return f"cos / sin must be [{rows}, {d}] with a contiguous last dimension"
+    if rope.slot_mapping.shape != (rows,) or rope.slot_mapping.dtype != torch.int64:
+        return f"slot_mapping must be [{rows}] int64"
+    return None
+
+
 def ws_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     config,
     swiglu: bool = False,
     probe: torch.Tensor | None = None,
+    rope: QkvRope | None = None,
 ) -> torch.Tensor:
     """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
@@ -131,6 +167,8 @@ def ws_gemm(
     m = x2.shape[0]
     bk, splits = config.block_k, config.split_k
     why = check(n, k, m, config.block_n, bk, splits, swiglu)
+    if why is None and rope is not None:
+        why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
@@ -154,9 +192,22 @@ def ws_gemm(
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
+    if rope is None:
+        cos = sin = k_pool = v_pool = out
+        slots = heads = counters
+        num_heads = kv_heads = 0
+    else:  # the heads' tickets: the device's counters after the N tiles'
+        from rlt_engine.kernels.small_gemm import _counters
+
+        cos, sin, k_pool, v_pool, slots, num_heads = rope
+        kv_heads = k_pool.shape[1]
+        heads = _counters(x.device)[n_tiles : n_tiles + num_heads + 2 * kv_heads]
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
         x_desc, x2, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
+        cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
+        kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, head_tick_ptr=heads, H=num_heads,
+        KVH=kv_heads, ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=parts, PDL=pdl, PROBE=probe is not None, XLSU=_XLSU, num_warps=4,
         XS_LAYOUT=gl.NVMMASharedLayout.get_default_for([k // (splits * bk), bm, bk], gl_dtype),
@@ -218,6 +269,68 @@ def _build():
         return (silu.to(dtype).to(gl.float32) * up.to(dtype).to(gl.float32)).to(dtype)
 
     @gluon.jit
+    def rope_mul(a, b):  # fp32 product by mul.rn: never contracted into an FMA (rope.py's)
+        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def rope_head(out_ptr, N, M, head, cos_ptr, sin_ptr, stride_cos, stride_sin, kpool_ptr,
+                  vpool_ptr, slot_ptr, H, KVH, BM: gl.constexpr, D: gl.constexpr):  # fmt: skip
+        """One head of the qkv output (all M rows): q / k heads rotated in place (k also to
+        k_pool), v heads to v_pool; rope_kv_write's kernel's roundings, step by step."""
+        HALF: gl.constexpr = D // 2
+        lay: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+        r = gl.arange(0, BM, layout=gl.SliceLayout(1, lay))[:, None]
+        d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
+        ok = (r < M) & (d >= 0)
+        x_at = out_ptr + r * N + head * D + d
+        # .cg: the other tiles of the head were stored by other SMs (L1 is not coherent)
+        x1 = gl.load(x_at, mask=ok, other=0.0, cache_modifier=".cg")
+        x2 = gl.load(x_at + HALF, mask=ok, other=0.0, cache_modifier=".cg")
+        slot = gl.load(slot_ptr + r, mask=r < M, other=0)  # int64: the pool is large
+        if head < H + KVH:  # q or k: (x1*c1 - x2*s1, x2*c2 + x1*s2), products rounded
+            dtype: gl.constexpr = x1.dtype
+            c1 = gl.load(cos_ptr + r * stride_cos + d, mask=ok, other=0.0).to(gl.float32)
+            c2 = gl.load(cos_ptr + r * stride_cos + HALF + d, mask=ok, other=0.0).to(gl.float32)
+            s1 = gl.load(sin_ptr + r * stride_sin + d, mask=ok, other=0.0).to(gl.float32)
+            s2 = gl.load(sin_ptr + r * stride_sin + HALF + d, mask=ok, other=0.0).to(gl.float32)
+            f1, f2 = x1.to(gl.float32), x2.to(gl.float32)
+            a1 = rope_mul(f1, c1).to(dtype).to(gl.float32)
+            b1 = rope_mul(f2, s1).to(dtype).to(gl.float32)
+            a2 = rope_mul(f2, c2).to(dtype).to(gl.float32)
+            b2 = rope_mul(f1, s2).to(dtype).to(gl.float32)
+            o1 = (a1 - b1).to(dtype)
+            o2 = (a2 + b2).to(dtype)
+            gl.store(x_at, o1, mask=ok)
+            gl.store(x_at + HALF, o2, mask=ok)
+            if head >= H:
+                at = kpool_ptr + slot * (KVH * D) + (head - H) * D + d
+                gl.store(at, o1, mask=ok)
+                gl.store(at + HALF, o2, mask=ok)
+        else:
+            at = vpool_ptr + slot * (KVH * D) + (head - H - KVH) * D + d
+            gl.store(at, x1, mask=ok)
+            gl.store(at + HALF, x2, mask=ok)
+
+    @gluon.jit
+    def rope_epilogue(out_ptr, N, M, head_tick_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                      kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM: gl.constexpr,
+                      BN: gl.constexpr, D: gl.constexpr):  # fmt: skip
+        """After a program stored its final tile: the last of a head's D / BN tiles to be
+        stored rotates and writes the head."""
+        gl.thread_barrier()  # every thread's part of the tile is stored before the ticket
+        head = (gl.program_id(0) * BN) // D
+        if D == BN:
+            rope_head(out_ptr, N, M, head, cos_ptr, sin_ptr, stride_cos, stride_sin, kpool_ptr,
+                      vpool_ptr, slot_ptr, H, KVH, BM, D)  # fmt: skip
+        else:
+            ticket = gl.atomic_add(head_tick_ptr + head, 1, sem="acq_rel", scope="gpu")
+            if ticket == D // BN - 1:
+                rope_head(out_ptr, N, M, head, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                          kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, D)  # fmt: skip
+                gl.store(head_tick_ptr + head, 0)  # ready for the next launch
+
+    @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
                  PROBE: gl.constexpr):  # fmt: skip
@@ -248,7 +361,9 @@ def _build():
                  empty, xbar, KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                  PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
-                 XLSU: gl.constexpr, XS_LAYOUT: gl.constexpr):  # fmt: skip
+                 XLSU: gl.constexpr, XS_LAYOUT: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
+                 stride_sin, kpool_ptr, vpool_ptr, slot_ptr, head_tick_ptr, H, KVH,
+                 ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
@@ -324,6 +439,10 @@ def _build():
                 gl.store(out, swiglu(acc, acc_up, dtype), mask=keep)
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
+                if ROPE:
+                    rope_epilogue(out_ptr, N, M, head_tick_ptr, cos_ptr, sin_ptr, stride_cos,
+                                  stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN,
+                                  D)  # fmt: skip
         else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
@@ -338,6 +457,10 @@ def _build():
                                      cache_modifier=".cg")  # fmt: skip
                 gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
+                if ROPE:
+                    rope_epilogue(out_ptr, N, M, head_tick_ptr, cos_ptr, sin_ptr, stride_cos,
+                                  stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN,
+                                  D)  # fmt: skip
         if PROBE:
             stamp(probe_ptr, 4, now())
 
@@ -346,7 +469,9 @@ def _build():
                        KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
                        PDL: gl.constexpr, PROBE: gl.constexpr, XLSU: gl.constexpr,
-                       XS_LAYOUT: gl.constexpr):  # fmt: skip
+                       XS_LAYOUT: gl.constexpr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                       kpool_ptr, vpool_ptr, slot_ptr, head_tick_ptr, H, KVH,
+                       ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -362,7 +487,8 @@ def _build():
             [
                 (consumer, (x_desc, x_ptr, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
-                            XLSU, XS_LAYOUT)),
+                            XLSU, XS_LAYOUT, cos_ptr, sin_ptr, stride_cos, stride_sin, kpool_ptr,
+                            vpool_ptr, slot_ptr, head_tick_ptr, H, KVH, ROPE, D)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             PROBE)),
             ],

@@ -193,6 +193,12 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         rows, d = x.shape[0], self.head_dim
+        project_attend = getattr(backend, "project_attend", None)
+        if self.small_gemm and self.fused_rope and project_attend is not None:
+            # decode rows: RoPE and the K/V write in the qkv GEMM's epilogue where it can
+            out = project_attend(self.layer, x, self.qkv, rope, meta)
+            if out is not None:
+                return self._o_proj(out.reshape(rows, self.num_heads * d))
         if self.qkv is None:
             q = self.q_proj(x).view(rows, self.num_heads, d)
             k = self.k_proj(x).view(rows, self.num_kv_heads, d)
@@ -212,7 +218,9 @@ class Attention(nn.Module):
             else:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = backend.attend(self.layer, q, k, v, meta)
-        out = out.reshape(rows, self.num_heads * d)
+        return self._o_proj(out.reshape(rows, self.num_heads * d))
+
+    def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
         if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
             return project(out, self.o_proj.weight, True, prefetch_whole=True)
         return self.o_proj(out)

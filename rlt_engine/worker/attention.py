@@ -13,6 +13,7 @@ so the depth dimension never reaches the kernels.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +25,8 @@ from rlt_engine.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels are imported where they are used
     from rlt_engine.kernels.paged_attention import RopeWrite
+
+_NO_QKV_ROPE = os.environ.get("RLT_QKV_ROPE", "1") == "0"  # A/B: RoPE in its own launch
 
 
 @dataclass
@@ -212,6 +215,34 @@ class TritonPagedAttention(PagedKVCache):
         if isinstance(meta, PagedMetadata):  # the K/V write just before writes no metadata
             return self._read(layer, q, meta, prefetch_kv=True)
         return self.attend(layer, q, k, v, meta, kv_written=True)
+
+    def project_attend(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        w_qkv: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The packed qkv projection of decode rows x with RoPE and the K/V write in the
+        GEMM's epilogue (kernels/ws_gemm.QkvRope: one launch and one PDL hop fewer), then
+        attention: `attend_rope`'s values bit for bit. None where the small-GEMM table picks
+        no warp-specialised kernel for the projection (prefill, larger batches, other
+        devices): the caller projects and calls `attend_rope`."""
+        from rlt_engine.kernels.small_gemm import linear_rope
+        from rlt_engine.kernels.ws_gemm import QkvRope
+
+        if not (isinstance(meta, PagedMetadata) and meta.max_query_len == 1) or _NO_QKV_ROPE:
+            return None
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        kv_heads, head_dim = k_pool.shape[1:]
+        num_heads = w_qkv.shape[0] // head_dim - 2 * kv_heads
+        epilogue = QkvRope(*rope, k_pool, v_pool, meta.slot_mapping, num_heads)
+        qkv = linear_rope(x, w_qkv, epilogue)
+        if qkv is None:
+            return None
+        q = qkv.view(x.shape[0], num_heads + 2 * kv_heads, head_dim)[:, :num_heads]
+        return self._read(layer, q, meta, prefetch_kv=True)
 
     _copy_exits = staticmethod(kv_copy.exit_copies_)  # rows that stay move nothing
 

@@ -22,7 +22,7 @@ from rlt_engine.kernels import small_gemm
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, lookup
 from rlt_engine.kernels.swiglu import silu_mul
-from rlt_engine.kernels.ws_gemm import available, check
+from rlt_engine.kernels.ws_gemm import QkvRope, available, check, check_rope
 
 from .test_small_gemm import ACC_TOL_GPU, assert_deterministic_under_contention, make
 from .test_small_gemm import check as check_product
@@ -80,6 +80,32 @@ def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
     assert gate_up_silu(x, w) is None  # nor split-K
 
 
+def test_rope_checks_name_the_constraint():
+    rows, d = 3, 8
+    x = torch.zeros(rows, 32)
+    pool = torch.zeros(10, 2, d)
+    trig = torch.zeros(rows, d)
+    slots = torch.zeros(rows, dtype=torch.int64)
+    rope = QkvRope(trig, trig, pool, pool, slots, num_heads=4)
+    assert check_rope(8 * d, 8, rope, x) is None  # (4 + 2 * 2) heads of 8
+    assert "heads + 2 kv_heads" in check_rope(9 * d, 8, rope, x)
+    assert "multiple of block_n" in check_rope(8 * d, 16, rope, x)  # a tile spans two heads
+    assert "contiguous" in check_rope(8 * d, 8, rope._replace(v_pool=pool.transpose(0, 1)), x)
+    assert "must be torch.float32" in check_rope(8 * d, 8, rope._replace(cos=trig.half()), x)
+    assert "[3, 8]" in check_rope(8 * d, 8, rope._replace(sin=trig[:2]), x)
+    assert "int64" in check_rope(8 * d, 8, rope._replace(slot_mapping=slots.int()), x)
+
+
+def test_linear_rope_declines_where_no_ws_kernel_runs():
+    """Off the GPU (or where the table has no ws row) the caller keeps its own launches."""
+    from rlt_engine.kernels.small_gemm import linear_rope
+
+    x, w = torch.zeros(2, 64), torch.zeros(8 * 8, 64)
+    pool, trig = torch.zeros(10, 2, 8), torch.zeros(2, 8)
+    rope = QkvRope(trig, trig, pool, pool, torch.zeros(2, dtype=torch.int64), num_heads=4)
+    assert linear_rope(x, w, rope) is None
+
+
 def test_table_rows_name_the_kernel():
     """A "ws" row gives the warp-specialised config (also gated: the fastest kernel)."""
     entries = {
@@ -105,27 +131,31 @@ from rlt_engine.kernels import ws_gemm
 fn = ws_gemm._build()
 names = fn.arg_names
 out = {}
-configs = ((8, 64, 256, 3, 1, 1, "bf16", False), (16, 64, 128, 4, 4, 1, "fp16", False),
-           (8, 64, 128, 3, 1, 2, "bf16", False), (8, 64, 256, 2, 4, 1, "bf16", True),
-           (8, 64, 128, 4, 1, 1, "bf16", True))
-for bm, bn, bk, stages, split, parts, dt, probe in configs:
+configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0), (16, 64, 128, 4, 4, 1, "fp16", False, 0),
+           (8, 64, 128, 3, 1, 2, "bf16", False, 0), (8, 64, 256, 2, 4, 1, "bf16", True, 0),
+           (8, 64, 128, 4, 1, 1, "bf16", True, 0), (8, 64, 256, 5, 1, 1, "bf16", False, 128),
+           (16, 128, 256, 2, 2, 1, "bf16", False, 128))
+for bm, bn, bk, stages, split, parts, dt, probe, rope in configs:
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True, PROBE=probe, XLSU=False,
+                 PARTS=parts, PDL=True, PROBE=probe, XLSU=False, ROPE=rope > 0, D=rope or 1,
                  XS_LAYOUT=gl.NVMMASharedLayout.get_default_for([2048 // (split * bk), bm, bk], g))
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "x_ptr": f"*{dt}", "out_ptr": f"*{dt}",
         "part_ptr": "*fp32",
-        "tick_ptr": "*i32", "probe_ptr": "*i64"}
+        "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
+        "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64",
+        "head_tick_ptr": "*i32"}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
+    name += f"_rope_bn{bn}" if rope else ""
     out[name] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
@@ -146,6 +176,11 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         assert code.count("griddepcontrol.launch_dependents") == 1, name
     assert "atom.global.gpu.acq_rel.add" in ptx["split4"]  # the partials' tickets
     assert "atom.global" not in ptx["split1"]
+    # the qkv epilogue: rope.py's products (mul.rn, never an FMA); a ticket per head where a
+    # head spans two tiles, none where a tile is the head (one ticket: split-K's)
+    assert "mul.rn.f32" in ptx["split1_rope_bn64"] and "mul.rn.f32" not in ptx["split1"]
+    assert ptx["split1_rope_bn64"].count("atom.global.gpu.acq_rel.add") == 1
+    assert ptx["split2_rope_bn128"].count("atom.global.gpu.acq_rel.add") == 1
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
@@ -279,3 +314,43 @@ def test_gpu_rows_by_cp_async_equal_the_tma_rows(m, monkeypatch):
         monkeypatch.setattr(W, "_XLSU", True)
         lsu = W.ws_gemm(x, w, config, swiglu=swiglu)
         assert torch.equal(lsu, tma), (n, k, config)
+
+
+@gpu
+@needs_ws
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "hidden", "config"),
+    [
+        (16, 16, 2048, ws(64, 256, 1, 5)),  # Ouro's qkv as its table runs it: 2 tiles a head
+        (16, 16, 2048, ws(64, 256, 2, 3)),  # split-K: the last split stores, then the ticket
+        (16, 16, 2048, ws(128, 256, 2, 2)),  # a tile is a head: no ticket
+        (48, 8, 3072, ws(64, 256, 1, 4)),  # Nanbeige (GQA)
+    ],
+)
+def test_gpu_qkv_rope_epilogue_equals_rope_write_kv(m, heads, kv_heads, hidden, config):
+    """The GEMM with RoPE + the K/V write in its epilogue = the GEMM, then rope_write_kv_:
+    the same bits in the returned q / k / v, in both pools, and the counters left zero;
+    idle rows share the trash slot; twice in a row (the tickets reset)."""
+    from rlt_engine.kernels.rope_kv_write import rope_write_kv_
+    from rlt_engine.kernels.ws_gemm import ws_gemm
+
+    d, slots = 128, 64
+    n = (heads + 2 * kv_heads) * d
+    x, w = make(m, n, hidden, torch.bfloat16, device="cuda", seed=m + heads)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    angles = torch.rand(m, d, device="cuda", generator=g) * 6.28
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    slot_mapping = torch.randperm(slots - 1, device="cuda", generator=g)[:m]
+    slot_mapping[m // 2 :] = slots - 1  # idle rows: the trash slot (raced, never compared)
+    fill = torch.randn(slots, kv_heads, d, device="cuda", generator=g).bfloat16()
+    pools = [fill.clone() for _ in range(4)]
+    plain = ws_gemm(x, w, config)
+    q, k, v = plain.view(m, -1, d).split([heads, kv_heads, kv_heads], dim=1)
+    rope_write_kv_(q, k, v, cos, sin, pools[0], pools[1], slot_mapping)
+    for _ in range(2):
+        fused = ws_gemm(x, w, config, rope=QkvRope(cos, sin, *pools[2:], slot_mapping, heads))
+        assert torch.equal(fused, plain)
+        for fused_pool, plain_pool in zip(pools[2:], pools[:2], strict=True):
+            assert torch.equal(fused_pool[: slots - 1], plain_pool[: slots - 1])
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
