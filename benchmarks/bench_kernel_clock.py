@@ -27,6 +27,9 @@ tiles had landed (median over programs), when its waits returned (median), its a
 rows landed, its last MMA retired, and its last program ended. What it answers: how full each
 GEMM's ring is when its wait returns, what a GEMM does between its wait and its end, and
 where in the layer the weight stream stops.
+
+--qkv-rope: RoPE + the K/V write in the qkv GEMM's epilogue (`ws_gemm(..., rope=QkvRope)`,
+what the engine's decode runs), not in their own launch.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ from rlt_engine.kernels.norm import rms_norm  # noqa: E402
 from rlt_engine.kernels.norm_chain import add_rms_norm  # noqa: E402
 from rlt_engine.kernels.paged_attention import _launch  # noqa: E402
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
-from rlt_engine.kernels.small_gemm import choose, linear  # noqa: E402
-from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, ws_gemm  # noqa: E402
+from rlt_engine.kernels.small_gemm import choose, linear, linear_rope  # noqa: E402
+from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, QkvRope, ws_gemm  # noqa: E402
 
 HIDDEN, HEADS, D, INTER, BLOCK = 2048, 16, 128, 5632, 16
 
@@ -59,7 +62,13 @@ GEMMS = ("qkv", "o", "gate_up", "down")
 
 class Chain:
     def __init__(
-        self, rows: int, keys: int, layers: int, tiles: dict | None = None, gemms: bool = False
+        self,
+        rows: int,
+        keys: int,
+        layers: int,
+        tiles: dict | None = None,
+        gemms: bool = False,
+        qkv_rope: bool = False,
     ) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -89,7 +98,7 @@ class Chain:
             }
             for _ in range(layers)
         ]
-        self.gemm_probes = gemms
+        self.gemm_probes, self.qkv_rope = gemms, qkv_rope
         self.x = rnd(rows, h)
         if gemms:  # one probe per ws GEMM launch, sized by the table's config for these rows
             for layer in self.layers:
@@ -112,22 +121,30 @@ class Chain:
         angles = rnd(rows, D).float()
         self.cos, self.sin = angles.cos().bfloat16(), angles.sin().bfloat16()
 
-    def gemm(self, layer: dict, name: str, x: torch.Tensor, **kw) -> torch.Tensor:
+    def gemm(self, layer: dict, name: str, x: torch.Tensor, rope=None, **kw) -> torch.Tensor:
         if not self.gemm_probes:
             if name == "gate_up":
                 return gate_up_silu(x, layer[name])
+            if rope is not None:
+                out = linear_rope(x, layer[name], rope)
+                if out is None:
+                    raise SystemExit("--qkv-rope: the table runs no ws kernel for the qkv")
+                return out
             return linear(x, layer[name], **kw)
         return ws_gemm(x, layer[name], layer[f"{name}_config"], swiglu=name == "gate_up",
-                       probe=layer[f"{name}_probe"])  # fmt: skip
+                       probe=layer[f"{name}_probe"], rope=rope)  # fmt: skip
 
     def run(self) -> torch.Tensor:
         x = self.x
         h = rms_norm(x, self.layers[0]["norms"][0], 1e-6)
         for layer in self.layers:
             k_pool, v_pool = layer["pool"]
-            qkv = self.gemm(layer, "qkv", h).view(self.rows, 3 * HEADS, D)
+            rope = QkvRope(self.cos, self.sin, k_pool, v_pool, self.slots, HEADS)
+            qkv = self.gemm(layer, "qkv", h, rope=rope if self.qkv_rope else None)
+            qkv = qkv.view(self.rows, 3 * HEADS, D)
             q, k, v = qkv[:, :HEADS], qkv[:, HEADS : 2 * HEADS], qkv[:, 2 * HEADS :]
-            rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
+            if not self.qkv_rope:
+                rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
             attn = _launch(
                 q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
                 D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"], **self.tiles,
@@ -175,8 +192,9 @@ def measure(
     replays: int,
     tiles: dict | None = None,
     timeline: bool = False,
+    qkv_rope: bool = False,
 ) -> dict:
-    chain = Chain(rows, keys, layers, tiles, gemms=timeline)
+    chain = Chain(rows, keys, layers, tiles, gemms=timeline, qkv_rope=qkv_rope)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -234,6 +252,7 @@ def main() -> None:
         "num_stages 1, num_splits 2, merged in the kernel); '' for the launch's own choice",
     )  # fmt: skip
     ap.add_argument("--timeline", action="store_true", help="see the module docstring")
+    ap.add_argument("--qkv-rope", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
@@ -242,7 +261,11 @@ def main() -> None:
         tiles = {names[k]: int(v) for k, v in re.findall(r"([wnskm])(\d+)", spec)}
         for keys in args.keys:
             for rows in (1, 8):
-                results.append(measure(rows, keys, args.layers, args.replays, tiles, args.timeline))
+                results.append(
+                    measure(
+                        rows, keys, args.layers, args.replays, tiles, args.timeline, args.qkv_rope
+                    )
+                )
                 print(json.dumps(results[-1]), flush=True)
     (args.out / "kernel_clock.json").write_text(json.dumps(results, indent=1) + "\n")
 
