@@ -47,6 +47,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
 _XLSU = os.environ.get("RLT_WS_XLSU", "0") == "1"  # A/B: the rows by cp.async, not TMA
+_ROPE_LATE = os.environ.get("RLT_ROPE_LATE", "1") == "1"  # A/B: the qkv releases attention late
 
 
 def available(device: torch.device) -> bool:
@@ -121,8 +122,11 @@ def check_rope(n: int, block_n: int, rope: QkvRope, x: torch.Tensor) -> str | No
     """Why the qkv epilogue cannot take this GEMM, or None."""
     _, kv_heads, d = rope.k_pool.shape
     rows = x.numel() // x.shape[-1]
-    if (rope.num_heads + 2 * kv_heads) * d != n or d % 2 or d % block_n:
-        return f"N = {n} must be (heads + 2 kv_heads) * D with D a multiple of block_n {block_n}"
+    if (rope.num_heads + 2 * kv_heads) * d != n or d % block_n or block_n % 16:
+        return (
+            f"N = {n} must be (heads + 2 kv_heads) * D with D a multiple of block_n {block_n}"
+            " (a multiple of 16: two half boxes of 8 rows or more)"
+        )
     if rope.v_pool.shape != rope.k_pool.shape or not (
         rope.k_pool.is_contiguous() and rope.v_pool.is_contiguous()
     ):
@@ -182,7 +186,8 @@ def ws_gemm(
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
-    w_desc = TensorDescriptor.from_tensor(w, [bn, bk], w_layout)
+    box = bn // 2 if rope is not None else bn  # RoPE: a tile's two halves of head dims
+    w_desc = TensorDescriptor.from_tensor(w, [box, bk], w_layout)
     bm = 8 if m <= 8 else 16
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
@@ -193,21 +198,18 @@ def ws_gemm(
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
     if rope is None:
-        cos = sin = k_pool = v_pool = out
-        slots = heads = counters
+        cos = sin = k_pool = v_pool = slots = out
         num_heads = kv_heads = 0
-    else:  # the heads' tickets: the device's counters after the N tiles'
-        from rlt_engine.kernels.small_gemm import _counters
-
+    else:
         cos, sin, k_pool, v_pool, slots, num_heads = rope
         kv_heads = k_pool.shape[1]
-        heads = _counters(x.device)[n_tiles : n_tiles + num_heads + 2 * kv_heads]
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
         x_desc, x2, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
-        kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, head_tick_ptr=heads, H=num_heads,
-        KVH=kv_heads, ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
+        kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
+        ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
+        LATE=rope is not None and _ROPE_LATE,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=parts, PDL=pdl, PROBE=probe is not None, XLSU=_XLSU, num_warps=4,
         XS_LAYOUT=gl.NVMMASharedLayout.get_default_for([k // (splits * bk), bm, bk], gl_dtype),
@@ -274,22 +276,30 @@ def _build():
                                          dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
 
     @gluon.jit
-    def rope_head(out_ptr, N, M, head, cos_ptr, sin_ptr, stride_cos, stride_sin, kpool_ptr,
-                  vpool_ptr, slot_ptr, H, KVH, BM: gl.constexpr, D: gl.constexpr):  # fmt: skip
-        """One head of the qkv output (all M rows): q / k heads rotated in place (k also to
-        k_pool), v heads to v_pool; rope_kv_write's kernel's roundings, step by step."""
+    def rope_tile(val, scratch, out_ptr, N, M, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                  kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM: gl.constexpr, BN: gl.constexpr,
+                  D: gl.constexpr):  # fmt: skip
+        """The qkv epilogue of one tile (fp32 [BN, BM], all M rows): its first BN / 2 weight
+        rows are dims j*BN/2.. of head `head`, the others the same dims + D/2 (the producer's
+        two half boxes), so the tile holds whole RoPE pairs. q / k dims rotated (k also to
+        k_pool), v to v_pool; rope_kv_write's roundings step by step."""
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        HB: gl.constexpr = BN // 2
         HALF: gl.constexpr = D // 2
-        lay: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
-        r = gl.arange(0, BM, layout=gl.SliceLayout(1, lay))[:, None]
-        d = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
-        ok = (r < M) & (d >= 0)
+        scratch.store(val.to(dtype))  # rounded as the plain GEMM stores it
+        gl.thread_barrier()  # a pair's halves live in different warps: meet in shared memory
+        lay: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
+        x1 = scratch.slice(0, HB).load(lay)
+        x2 = scratch.slice(HB, HB).load(lay)
+        i = gl.arange(0, HB, layout=gl.SliceLayout(1, lay))[:, None]
+        r = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))[None, :]
+        tile = gl.program_id(0)
+        head = tile // (D // BN)
+        d = (tile % (D // BN)) * HB + i  # the dim of x1 within its head; x2's is d + HALF
+        ok = (r < M) & (i >= 0)
         x_at = out_ptr + r * N + head * D + d
-        # .cg: the other tiles of the head were stored by other SMs (L1 is not coherent)
-        x1 = gl.load(x_at, mask=ok, other=0.0, cache_modifier=".cg")
-        x2 = gl.load(x_at + HALF, mask=ok, other=0.0, cache_modifier=".cg")
         slot = gl.load(slot_ptr + r, mask=r < M, other=0)  # int64: the pool is large
         if head < H + KVH:  # q or k: (x1*c1 - x2*s1, x2*c2 + x1*s2), products rounded
-            dtype: gl.constexpr = x1.dtype
             c1 = gl.load(cos_ptr + r * stride_cos + d, mask=ok, other=0.0).to(gl.float32)
             c2 = gl.load(cos_ptr + r * stride_cos + HALF + d, mask=ok, other=0.0).to(gl.float32)
             s1 = gl.load(sin_ptr + r * stride_sin + d, mask=ok, other=0.0).to(gl.float32)
@@ -308,32 +318,16 @@ def _build():
                 gl.store(at, o1, mask=ok)
                 gl.store(at + HALF, o2, mask=ok)
         else:
+            gl.store(x_at, x1, mask=ok)
+            gl.store(x_at + HALF, x2, mask=ok)
             at = vpool_ptr + slot * (KVH * D) + (head - H - KVH) * D + d
             gl.store(at, x1, mask=ok)
             gl.store(at + HALF, x2, mask=ok)
 
     @gluon.jit
-    def rope_epilogue(out_ptr, N, M, head_tick_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                      kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM: gl.constexpr,
-                      BN: gl.constexpr, D: gl.constexpr):  # fmt: skip
-        """After a program stored its final tile: the last of a head's D / BN tiles to be
-        stored rotates and writes the head."""
-        gl.thread_barrier()  # every thread's part of the tile is stored before the ticket
-        head = (gl.program_id(0) * BN) // D
-        if D == BN:
-            rope_head(out_ptr, N, M, head, cos_ptr, sin_ptr, stride_cos, stride_sin, kpool_ptr,
-                      vpool_ptr, slot_ptr, H, KVH, BM, D)  # fmt: skip
-        else:
-            ticket = gl.atomic_add(head_tick_ptr + head, 1, sem="acq_rel", scope="gpu")
-            if ticket == D // BN - 1:
-                rope_head(out_ptr, N, M, head, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                          kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, D)  # fmt: skip
-                gl.store(head_tick_ptr + head, 0)  # ready for the next launch
-
-    @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
-                 PROBE: gl.constexpr):  # fmt: skip
+                 PROBE: gl.constexpr, ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
         if PROBE:
             stamp(probe_ptr, 5, now())
         n0 = gl.program_id(0) * BN
@@ -345,11 +339,22 @@ def _build():
                 mbarrier.wait(full.index(FIRST - 1), 0)  # consumers have freed)
                 stamp(probe_ptr, 6, now())
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap passes
-            mbarrier.expect(full.index(s), PARTS * w_desc.block_type.nbytes)
-            for p in gl.static_range(PARTS):  # SwiGLU: the gate rows, then the up rows
+            if ROPE:  # two half boxes: dims j*BN/2.. of a head, then the same dims + D/2
+                HB: gl.constexpr = BN // 2
+                lo = (n0 // D) * D + (n0 % D) // 2
+                mbarrier.expect(full.index(s), 2 * w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(
-                    w_desc, [p * N + n0, k0 + i * BK], full.index(s), ring.index(s * PARTS + p)
+                    w_desc, [lo, k0 + i * BK], full.index(s), ring.index(s).slice(0, HB)
                 )
+                tma.async_copy_global_to_shared(
+                    w_desc, [lo + D // 2, k0 + i * BK], full.index(s), ring.index(s).slice(HB, HB)
+                )
+            else:
+                mbarrier.expect(full.index(s), PARTS * w_desc.block_type.nbytes)
+                for p in gl.static_range(PARTS):  # SwiGLU: the gate rows, then the up rows
+                    tma.async_copy_global_to_shared(
+                        w_desc, [p * N + n0, k0 + i * BK], full.index(s), ring.index(s * PARTS + p)
+                    )
         if PROBE:
             stamp(probe_ptr, 7, now())
             if FIRST == KT:  # the whole K range fits the ring: it is full when it lands
@@ -361,14 +366,15 @@ def _build():
                  empty, xbar, KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                  PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
-                 XLSU: gl.constexpr, XS_LAYOUT: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
-                 stride_sin, kpool_ptr, vpool_ptr, slot_ptr, head_tick_ptr, H, KVH,
-                 ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                 XLSU: gl.constexpr, XS_LAYOUT: gl.constexpr, scratch, cos_ptr, sin_ptr,
+                 stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
+                 ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
             gdc_wait()
-            gdc_launch_dependents()
+            if not LATE:
+                gdc_launch_dependents()
         if PROBE:
             stamp(probe_ptr, 0, started)
             stamp(probe_ptr, 1, now())
@@ -437,12 +443,11 @@ def _build():
         if SPLIT == 1:
             if PARTS == 2:
                 gl.store(out, swiglu(acc, acc_up, dtype), mask=keep)
+            elif ROPE:
+                rope_tile(acc, scratch, out_ptr, N, M, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                          kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN, D)  # fmt: skip
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
-                if ROPE:
-                    rope_epilogue(out_ptr, N, M, head_tick_ptr, cos_ptr, sin_ptr, stride_cos,
-                                  stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN,
-                                  D)  # fmt: skip
         else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
@@ -455,12 +460,15 @@ def _build():
                     # .cg: read at L2, where the other SMs' partials are (L1 is not coherent)
                     total += gl.load(part_ptr + (tile * SPLIT + j) * (BN * BM) + offs,
                                      cache_modifier=".cg")  # fmt: skip
-                gl.store(out, total.to(dtype), mask=keep)
-                gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
                 if ROPE:
-                    rope_epilogue(out_ptr, N, M, head_tick_ptr, cos_ptr, sin_ptr, stride_cos,
-                                  stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN,
-                                  D)  # fmt: skip
+                    rope_tile(total, scratch, out_ptr, N, M, cos_ptr, sin_ptr, stride_cos,
+                              stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN,
+                              D)  # fmt: skip
+                else:
+                    gl.store(out, total.to(dtype), mask=keep)
+                gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
+        if PDL and LATE:  # the next kernel's programs are placed once this one's leave
+            gdc_launch_dependents()
         if PROBE:
             stamp(probe_ptr, 4, now())
 
@@ -470,14 +478,19 @@ def _build():
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
                        PDL: gl.constexpr, PROBE: gl.constexpr, XLSU: gl.constexpr,
                        XS_LAYOUT: gl.constexpr, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                       kpool_ptr, vpool_ptr, slot_ptr, head_tick_ptr, H, KVH,
-                       ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                       kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
+                       D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        if ROPE:  # the epilogue's exchange of RoPE halves between warps
+            scratch = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BN, BM], plain)
+        else:
+            scratch = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [1, 1], plain)
         for s in gl.static_range(STAGES):
             mbarrier.init(full.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
@@ -487,10 +500,10 @@ def _build():
             [
                 (consumer, (x_desc, x_ptr, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
-                            XLSU, XS_LAYOUT, cos_ptr, sin_ptr, stride_cos, stride_sin, kpool_ptr,
-                            vpool_ptr, slot_ptr, head_tick_ptr, H, KVH, ROPE, D)),
+                            XLSU, XS_LAYOUT, scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                            kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
-                            PROBE)),
+                            PROBE, ROPE, D)),
             ],
             [1],  # one producer warp
             [40],  # its registers: it only issues copies

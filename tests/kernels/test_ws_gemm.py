@@ -81,19 +81,20 @@ def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
 
 
 def test_rope_checks_name_the_constraint():
-    rows, d = 3, 8
-    x = torch.zeros(rows, 32)
+    rows, d = 3, 32
+    x = torch.zeros(rows, 64)
     pool = torch.zeros(10, 2, d)
     trig = torch.zeros(rows, d)
     slots = torch.zeros(rows, dtype=torch.int64)
     rope = QkvRope(trig, trig, pool, pool, slots, num_heads=4)
-    assert check_rope(8 * d, 8, rope, x) is None  # (4 + 2 * 2) heads of 8
-    assert "heads + 2 kv_heads" in check_rope(9 * d, 8, rope, x)
-    assert "multiple of block_n" in check_rope(8 * d, 16, rope, x)  # a tile spans two heads
-    assert "contiguous" in check_rope(8 * d, 8, rope._replace(v_pool=pool.transpose(0, 1)), x)
-    assert "must be torch.float32" in check_rope(8 * d, 8, rope._replace(cos=trig.half()), x)
-    assert "[3, 8]" in check_rope(8 * d, 8, rope._replace(sin=trig[:2]), x)
-    assert "int64" in check_rope(8 * d, 8, rope._replace(slot_mapping=slots.int()), x)
+    assert check_rope(8 * d, 16, rope, x) is None  # (4 + 2 * 2) heads of 32
+    assert "heads + 2 kv_heads" in check_rope(9 * d, 16, rope, x)
+    assert "multiple of block_n" in check_rope(8 * d, 64, rope, x)  # a tile spans two heads
+    assert "multiple of block_n" in check_rope(8 * d, 8, rope, x)  # half boxes under 8 rows
+    assert "contiguous" in check_rope(8 * d, 16, rope._replace(v_pool=pool.transpose(0, 1)), x)
+    assert "must be torch.float32" in check_rope(8 * d, 16, rope._replace(cos=trig.half()), x)
+    assert "[3, 32]" in check_rope(8 * d, 16, rope._replace(sin=trig[:2]), x)
+    assert "int64" in check_rope(8 * d, 16, rope._replace(slot_mapping=slots.int()), x)
 
 
 def test_linear_rope_declines_where_no_ws_kernel_runs():
@@ -143,13 +144,13 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope in configs:
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
                  PARTS=parts, PDL=True, PROBE=probe, XLSU=False, ROPE=rope > 0, D=rope or 1,
+                 LATE=rope > 0,
                  XS_LAYOUT=gl.NVMMASharedLayout.get_default_for([2048 // (split * bk), bm, bk], g))
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "x_ptr": f"*{dt}", "out_ptr": f"*{dt}",
         "part_ptr": "*fp32",
         "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
-        "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64",
-        "head_tick_ptr": "*i32"}
+        "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64"}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
@@ -176,10 +177,10 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         assert code.count("griddepcontrol.launch_dependents") == 1, name
     assert "atom.global.gpu.acq_rel.add" in ptx["split4"]  # the partials' tickets
     assert "atom.global" not in ptx["split1"]
-    # the qkv epilogue: rope.py's products (mul.rn, never an FMA); a ticket per head where a
-    # head spans two tiles, none where a tile is the head (one ticket: split-K's)
+    # the qkv epilogue: rope.py's products (mul.rn, never an FMA); a program holds whole RoPE
+    # pairs (two half boxes a stage): no ticket but split-K's
     assert "mul.rn.f32" in ptx["split1_rope_bn64"] and "mul.rn.f32" not in ptx["split1"]
-    assert ptx["split1_rope_bn64"].count("atom.global.gpu.acq_rel.add") == 1
+    assert "atom.global" not in ptx["split1_rope_bn64"]
     assert ptx["split2_rope_bn128"].count("atom.global.gpu.acq_rel.add") == 1
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
@@ -330,8 +331,8 @@ def test_gpu_rows_by_cp_async_equal_the_tma_rows(m, monkeypatch):
 )
 def test_gpu_qkv_rope_epilogue_equals_rope_write_kv(m, heads, kv_heads, hidden, config):
     """The GEMM with RoPE + the K/V write in its epilogue = the GEMM, then rope_write_kv_:
-    the same bits in the returned q / k / v, in both pools, and the counters left zero;
-    idle rows share the trash slot; twice in a row (the tickets reset)."""
+    the same bits in the returned q / k / v and in both pools, counters left zero; idle rows
+    share the trash slot; twice in a row."""
     from rlt_engine.kernels.rope_kv_write import rope_write_kv_
     from rlt_engine.kernels.ws_gemm import ws_gemm
 
