@@ -26,6 +26,12 @@ up tiles in one ring stage, two wgmma a stage, the activation in the epilogue) t
 packed gate/up: 15.3 vs 16.7 us alone at M = 8, +1% in place (2026-12-02-added-times-h200.md); it
 lost 4% in place on Nanbeige's, which stays on the Triton kernel.
 
+The packed qkv projection takes RoPE and the K/V write in its epilogue (`rope`, a QkvRope;
+decode, through small_gemm.linear_rope): each program's weight tile is two half boxes (head
+dims j*block_n/2.. and the same dims + D/2), so it holds whole RoPE pairs, rotates q and k as
+kernels/rope_kv_write does, bit for bit, and writes the new K / V rows into the pools itself:
+one launch and one PDL hop fewer between the GEMM and attention (c=1 +2.3%, c=8 +1%).
+
 Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
 interpreter: `available` says whether. Chosen per shape by small_gemm's table (backend "ws");
 no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first use.
@@ -33,7 +39,6 @@ no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first u
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -46,8 +51,6 @@ MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
-_XLSU = os.environ.get("RLT_WS_XLSU", "0") == "1"  # A/B: the rows by cp.async, not TMA
-_ROPE_LATE = os.environ.get("RLT_ROPE_LATE", "1") == "1"  # A/B: the qkv releases attention late
 
 
 def available(device: torch.device) -> bool:
@@ -205,14 +208,15 @@ def ws_gemm(
         kv_heads = k_pool.shape[1]
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
-        x_desc, x2, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
+        x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
-        LATE=rope is not None and _ROPE_LATE,
+        # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
+        # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
+        LATE=rope is not None and m > 1,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, PROBE=probe is not None, XLSU=_XLSU, num_warps=4,
-        XS_LAYOUT=gl.NVMMASharedLayout.get_default_for([k // (splits * bk), bm, bk], gl_dtype),
+        PARTS=parts, PDL=pdl, PROBE=probe is not None, num_warps=4,
         **_pdl.launch_options(pdl),
     )  # fmt: skip
     return out.view(*lead, n_out)
@@ -228,9 +232,7 @@ def _build():
     """Define the Gluon kernel (needs triton's Gluon; see `available`)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -362,11 +364,11 @@ def _build():
                 stamp(probe_ptr, 6, now())
 
     @gluon.jit
-    def consumer(x_desc, x_ptr, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs, full,
+    def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs, full,
                  empty, xbar, KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                  PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
-                 XLSU: gl.constexpr, XS_LAYOUT: gl.constexpr, scratch, cos_ptr, sin_ptr,
+                 scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
                  ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
@@ -379,47 +381,15 @@ def _build():
             stamp(probe_ptr, 0, started)
             stamp(probe_ptr, 1, now())
         k0 = gl.program_id(1) * (KT * BK)
-        if XLSU:
-            # the rows by cp.async (the load/store units), beside the TMA queue the producer
-            # filled with weight tiles before the wait; rows >= M zero-filled, as TMA does
-            TK: gl.constexpr = BK // 8  # threads along a row, 8 elements (16 bytes) each
-            if (KT & (KT - 1)) == 0:  # one copy: xs seen with a rank-3 layout, same bytes
-                xl3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TK, TK], [1, 4, 1],
-                                                     [2, 1, 0])  # fmt: skip
-                ii = gl.arange(0, KT, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl3)))
-                rr = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl3)))
-                cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl3)))
-                row = rr[None, :, None]
-                col = k0 + ii[:, None, None] * BK + cc[None, None, :]
-                xs3 = xs._reinterpret(xs.dtype, [KT, BM, BK], XS_LAYOUT)
-                async_copy.async_copy_global_to_shared(
-                    xs3, x_ptr + row * (SPLIT * KT * BK) + col, mask=(row < M) & (col >= 0)
-                )
-            else:  # a copy per tile (aranges are powers of two)
-                xl2: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [4, 1], [1, 0])
-                r2 = gl.arange(0, BM, layout=gl.SliceLayout(1, xl2))[:, None]
-                c2 = gl.arange(0, BK, layout=gl.SliceLayout(0, xl2))[None, :]
-                for i in gl.static_range(KT):
-                    async_copy.async_copy_global_to_shared(
-                        xs.index(i),
-                        x_ptr + r2 * (SPLIT * KT * BK) + (k0 + i * BK + c2),
-                        mask=(r2 < M) & (c2 >= 0),
-                    )
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-            fence_async_shared()  # the copies' writes, seen by wgmma's async proxy
-            gl.thread_barrier()  # every consumer thread's copies landed
-        else:
-            mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
-            for i in gl.static_range(KT):
-                tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
+        mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
+        for i in gl.static_range(KT):
+            tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
         )
         acc = gl.zeros([BN, BM], gl.float32, mma)
         acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
-        if not XLSU:
-            mbarrier.wait(xbar, 0)
+        mbarrier.wait(xbar, 0)
         if PROBE:
             stamp(probe_ptr, 2, now())
         for i in range(KT):
@@ -473,12 +443,11 @@ def _build():
             stamp(probe_ptr, 4, now())
 
     @gluon.jit
-    def ws_gemm_kernel(x_desc, x_ptr, w_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr,
+    def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr,
                        KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
-                       PDL: gl.constexpr, PROBE: gl.constexpr, XLSU: gl.constexpr,
-                       XS_LAYOUT: gl.constexpr, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                       kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
+                       PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
+                       stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
                        D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
@@ -498,9 +467,9 @@ def _build():
         # fmt: off
         gl.warp_specialize(
             [
-                (consumer, (x_desc, x_ptr, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
+                (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
-                            XLSU, XS_LAYOUT, scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                            scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             PROBE, ROPE, D)),

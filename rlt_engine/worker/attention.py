@@ -13,7 +13,6 @@ so the depth dimension never reaches the kernels.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,8 +24,6 @@ from rlt_engine.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels are imported where they are used
     from rlt_engine.kernels.paged_attention import RopeWrite
-
-_NO_QKV_ROPE = os.environ.get("RLT_QKV_ROPE", "1") == "0"  # A/B: RoPE in its own launch
 
 
 @dataclass
@@ -232,7 +229,7 @@ class TritonPagedAttention(PagedKVCache):
         from rlt_engine.kernels.small_gemm import linear_rope
         from rlt_engine.kernels.ws_gemm import QkvRope
 
-        if not (isinstance(meta, PagedMetadata) and meta.max_query_len == 1) or _NO_QKV_ROPE:
+        if not (isinstance(meta, PagedMetadata) and meta.max_query_len == 1):
             return None
         k_pool, v_pool = self.k[layer], self.v[layer]
         kv_heads, head_dim = k_pool.shape[1:]

@@ -143,12 +143,9 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope in configs:
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True, PROBE=probe, XLSU=False, ROPE=rope > 0, D=rope or 1,
-                 LATE=rope > 0,
-                 XS_LAYOUT=gl.NVMMASharedLayout.get_default_for([2048 // (split * bk), bm, bk], g))
+                 PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
-        "x_desc": desc(bm), "w_desc": desc(bn), "x_ptr": f"*{dt}", "out_ptr": f"*{dt}",
-        "part_ptr": "*fp32",
+        "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
         "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
         "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64"}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
@@ -290,31 +287,6 @@ def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hi
         plain = silu_mul(gemm(x, w, ws(block_n // 2, block_k, 1, stages)))
         torch.testing.assert_close(fused, plain, rtol=2**-7, atol=1e-6)
         assert torch.equal(gate_up_silu(x, w, config), fused)
-
-
-@gpu
-@needs_ws
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
-def test_gpu_rows_by_cp_async_equal_the_tma_rows(m, monkeypatch):
-    """The activation rows loaded by cp.async (the load/store units) give the same bits as by
-    TMA, on every shape the tables use (KT a power of two or not, split-K, SwiGLU)."""
-    from rlt_engine.kernels import ws_gemm as W
-
-    cases = [
-        (6144, 2048, ws(64, 256, 1, 5), False),
-        (2048, 2048, ws(64, 256, 4, 2), False),
-        (2048, 5632, ws(64, 128, 4, 4), False),
-        (11264, 2048, ws(128, 128, 1, 3), True),
-        (3072, 10752, ws(64, 128, 2, 4), False),
-        (3072, 6144, ws(64, 256, 2, 3), False),
-    ]
-    for n, k, config, swiglu in cases:
-        x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m + n)
-        monkeypatch.setattr(W, "_XLSU", False)
-        tma = W.ws_gemm(x, w, config, swiglu=swiglu)
-        monkeypatch.setattr(W, "_XLSU", True)
-        lsu = W.ws_gemm(x, w, config, swiglu=swiglu)
-        assert torch.equal(lsu, tma), (n, k, config)
 
 
 @gpu
