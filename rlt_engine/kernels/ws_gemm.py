@@ -30,7 +30,8 @@ The packed qkv projection takes RoPE and the K/V write in its epilogue (`rope`, 
 decode, through small_gemm.linear_rope): each program's weight tile is two half boxes (head
 dims j*block_n/2.. and the same dims + D/2), so it holds whole RoPE pairs, rotates q and k as
 kernels/rope_kv_write does, bit for bit, and writes the new K / V rows into the pools itself:
-one launch and one PDL hop fewer between the GEMM and attention (c=1 +2.3%, c=8 +1%).
+one launch and one PDL hop fewer between the GEMM and attention (c=1 +4%, c=8 +1.4%,
+results/2026-12-03-qkv-rope-epilogue-h200.md).
 
 Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
 interpreter: `available` says whether. Chosen per shape by small_gemm's table (backend "ws");
