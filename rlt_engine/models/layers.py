@@ -194,7 +194,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         rows, d = x.shape[0], self.head_dim
         project_attend = getattr(backend, "project_attend", None)
-        if self.small_gemm and self.fused_rope and project_attend is not None:
+        if self.qkv is not None and self.small_gemm and self.fused_rope and project_attend:
             # decode rows: RoPE and the K/V write in the qkv GEMM's epilogue where it can
             out = project_attend(self.layer, x, self.qkv, rope, meta)
             if out is not None:
