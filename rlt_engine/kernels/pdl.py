@@ -19,7 +19,10 @@ The protocol every kernel launched with PDL keeps, which is what keeps it exact:
 - every program executes `gdc_wait`, even one that returns early (a gated GEMM): a kernel then
   completes only after its predecessor has, so completion stays transitive down the chain;
 - successors are released (`gdc_launch_dependents`) only after the wait: at most one kernel
-  runs ahead, so prefetches do not pile up in L2.
+  runs ahead, so prefetches do not pile up in L2. A kernel may release later than right after
+  its wait (`if PDL and not LATE:` inside the wait's block, `if PDL and LATE:` at its end:
+  the qkv GEMM with its RoPE epilogue, whose successor's programs are better placed once its
+  own leave); a late release is always safe.
 Kernels launched without PDL (cuBLAS, torch's) keep full stream order on both sides. The
 arithmetic is unchanged, so outputs are the same bits with PDL on or off.
 

@@ -5,7 +5,9 @@ touching memory only through `prefetch_l2` (weights) and `prefetch_kv_l2` (K/V r
 the block table and seq_lens, which the kernel before a decode attention launch never writes)
 before the wait. A kernel whose caller vouches for what the kernel before never writes (X, such
 as paged attention's EARLY_META) may instead have `if PDL and not X:` then `if PDL and X:`,
-and between them only load that memory (EARLY_READS). A kernel that broke this
+and between them only load that memory (EARLY_READS). A kernel that releases late has its
+release inside the wait's block under `if not LATE:` and a last `if PDL and LATE:` block that
+only releases. A kernel that broke this
 would race with its predecessor only on sm_90+ GPUs, and only sometimes; this test fails on
 any machine the moment such a kernel is written. Also: every launch that passes
 `launch_options(pdl)` passes `PDL=pdl` too (launched with PDL <=> compiled with the wait)."""
@@ -62,6 +64,24 @@ def _condition(stmt: ast.If) -> str:
     return x.id
 
 
+def _is_probe_only(stmt: ast.stmt) -> bool:
+    """`if PROBE:` with timer stamps only (after a late release)."""
+    return (
+        isinstance(stmt, ast.If)
+        and isinstance(stmt.test, ast.Name)
+        and stmt.test.id == "PROBE"
+        and set(_calls(stmt)) <= {"stamp", "now"}
+    )
+
+
+def _has_if(block: ast.If, condition: str) -> bool:
+    """Whether `block` holds an `if <condition>:` (e.g. 'not LATE') around a release."""
+    for sub in ast.walk(block):
+        if isinstance(sub, ast.If) and ast.unparse(sub.test) == condition:
+            return "gdc_launch_dependents" in _calls(sub)
+    return False
+
+
 # Memory a kernel may read between `if PDL and not X:` and `if PDL and X:` (before the wait
 # when X holds): X is its caller's word that the kernel before writes none of it.
 # paged_attention's EARLY_META (prefetch_kv's word): the sequences' metadata (query_start,
@@ -91,6 +111,7 @@ SPECIALISED = [(n, f) for n, f in _kernels_with_pdl() if _partitions(f) is not N
 # what a kernel body may do before handing over to its partitions, and all a partition without
 # the wait may do: stream weights (TMA copies of `w_desc`) through mbarriers
 SETUP = {"allocate_shared_memory", "MBarrierLayout", "init", "index", "static_range"}
+SETUP |= {"SwizzledSharedLayout"}  # the RoPE epilogue's exchange buffer
 WEIGHT_STREAM = {
     "program_id",
     "range",
@@ -98,6 +119,7 @@ WEIGHT_STREAM = {
     "wait",
     "expect",
     "index",
+    "slice",  # RoPE's two half boxes a stage
     "async_copy_global_to_shared",
 }
 # and, in a PROBE build, its timer stamps: `stamp` writes the launch's own probe row, which no
@@ -115,10 +137,18 @@ def test_nothing_touches_memory_before_the_wait(name, fn):
     body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
     blocks = [i for i, s in enumerate(body) if _is_pdl_block(s)]
     conditions = [_condition(body[i]) for i in blocks]
-    forms = [[""]] + [[f"not {x}", x] for x in EARLY_READS]
+    forms = [[""], ["", "LATE"]] + [[f"not {x}", x] for x in EARLY_READS]
     assert conditions in forms, (
         f"{name}: one `if PDL:` block, or `if PDL and not X:` then `if PDL and X:` expected"
     )
+    if conditions == ["", "LATE"]:  # the late release: its own block, the kernel's last
+        assert blocks[1] == len(body) - 1 or all(
+            _is_probe_only(stmt) for stmt in body[blocks[1] + 1 :]
+        ), f"{name}: the late release must end the kernel"
+        assert _calls(body[blocks[1]]) == ["gdc_launch_dependents"], name
+        early = [c for c in _calls(body[blocks[0]]) if c == "gdc_launch_dependents"]
+        assert early and _has_if(body[blocks[0]], "not LATE"), name
+        blocks = blocks[:1]
     for stmt in body[: blocks[0]]:
         assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
         impure = [c for c in _calls(stmt) if c not in PURE]
