@@ -53,6 +53,8 @@ __all__ = [
     "dispatch_mode",
     "gemm",
     "linear",
+    "linear_add_norm",
+    "linear_rope",
     "lookup",
     "m_bucket",
     "split_buffers",
@@ -207,6 +209,26 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
     if check_rope(w.shape[0], config.block_n, rope, x) is not None:
         return None
     return ws_gemm(x, w, config, rope=rope)
+
+
+def linear_add_norm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The add + norm chain after a sublayer's output projection, `norm` (a ws_gemm.AddNorm)
+    applied to `linear(x, w)`, in the GEMM's epilogue: (x, h) as kernels/norm_chain's
+    add_rms_norm returns them, bit for bit; or None where the table picks no
+    warp-specialised config or the epilogue cannot take the shape: the caller then projects
+    and launches the add + norm itself."""
+    config = choose(x, w)
+    if config is None or config.kernel != "ws" or not _ws_available(x.device):
+        return None
+    from rlt_engine.kernels.ws_gemm import check_norm, ws_gemm
+
+    if check_norm(w.shape[0], norm, x) is not None:
+        return None
+    return ws_gemm(x, w, config, norm=norm)
 
 
 # -- launch ---------------------------------------------------------------------------------------

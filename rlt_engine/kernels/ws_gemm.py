@@ -46,7 +46,7 @@ import torch
 
 from rlt_engine.kernels import pdl as _pdl
 
-__all__ = ["QkvRope", "available", "check", "ws_gemm"]
+__all__ = ["AddNorm", "QkvRope", "available", "check", "check_norm", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -145,6 +145,38 @@ def check_rope(n: int, block_n: int, rope: QkvRope, x: torch.Tensor) -> str | No
     return None
 
 
+class AddNorm(NamedTuple):
+    """The chain after a sublayer's output projection (decode): x = residual + norm(y; y_weight,
+    y_eps) (Ouro's sandwich norm; residual + y without y_weight) and h = norm(x; weight, eps),
+    what kernels/norm_chain.add_rms_norm computes after the GEMM. residual [rows, N] in y's
+    dtype with a contiguous last dimension; the weights [N], any float dtype (read in fp32)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    y_weight: torch.Tensor | None = None
+    y_eps: float | None = None
+
+
+NORM_ROWS = 8  # rows the add + norm epilogue normalises at once (registers: 16 a row a thread)
+
+
+def check_norm(n: int, norm: AddNorm, x: torch.Tensor) -> str | None:
+    """Why the add + norm epilogue cannot take this GEMM, or None."""
+    rows = x.numel() // x.shape[-1]
+    if not 1024 < n <= 2048:
+        # the epilogue reduces a row in the tree of norm.py's program at 2048 columns (8 warps
+        # of 8 elements a thread); other widths reduce in other trees
+        return f"N = {n} must be in (1024, 2048] (one 2048-wide row program of norm.py's)"
+    r = norm.residual
+    if r.shape != (rows, n) or r.dtype != x.dtype or r.stride(-1) != 1 or r.device != x.device:
+        return f"residual must be [{rows}, {n}] {x.dtype} on {x.device}, last dimension contiguous"
+    for w in (norm.weight, norm.y_weight if norm.y_weight is not None else norm.weight):
+        if w.shape != (n,) or not w.is_floating_point() or w.device != x.device:
+            return f"the norm weights must be [{n}] float on {x.device}"
+    return None
+
+
 def ws_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -152,7 +184,8 @@ def ws_gemm(
     swiglu: bool = False,
     probe: torch.Tensor | None = None,
     rope: QkvRope | None = None,
-) -> torch.Tensor:
+    norm: AddNorm | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
     num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
@@ -177,6 +210,11 @@ def ws_gemm(
     why = check(n, k, m, config.block_n, bk, splits, swiglu)
     if why is None and rope is not None:
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
+    if why is None and norm is not None:
+        if swiglu or rope is not None:
+            why = "the add + norm epilogue takes a plain GEMM"
+        else:
+            why = check_norm(n, norm, x)
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
@@ -184,8 +222,10 @@ def ws_gemm(
     parts = 2 if swiglu else 1
     n_out, bn = n // parts, config.block_n // parts
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if norm is not None:
+        x_out, h_out = torch.empty_like(out), torch.empty_like(out)
     if m == 0:
-        return out.view(*lead, n_out)
+        return (x_out, h_out) if norm is not None else out.view(*lead, n_out)
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
@@ -195,12 +235,20 @@ def ws_gemm(
     bm = 8 if m <= 8 else 16
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
-    from rlt_engine.kernels.small_gemm import split_buffers
+    from rlt_engine.kernels.small_gemm import _counters, split_buffers
 
     n_tiles = n_out // bn
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
+    if norm is not None:  # the grid's ticket: the counter after the tiles'
+        counters = _counters(x.device)  # n_tiles <= 2048 / 64: within the device's counters
+        residual, y_weight = norm.residual, norm.y_weight
+        y_eps = norm.eps if norm.y_eps is None else norm.y_eps
+    else:
+        residual = x_out = h_out = out
+        y_weight, y_eps = None, 0.0
+    eps = 0.0 if norm is None else float(norm.eps)
     if rope is None:
         cos = sin = k_pool = v_pool = slots = out
         num_heads = kv_heads = 0
@@ -213,6 +261,10 @@ def ws_gemm(
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
+        res_ptr=residual, stride_res=residual.stride(0),
+        wy_ptr=out if y_weight is None else y_weight, wn_ptr=out if norm is None else norm.weight,
+        xo_ptr=x_out, ho_ptr=h_out, eps_y=float(y_eps), eps=eps,
+        inv_h=1.0 / n_out, NORM=norm is not None, NORM_Y=y_weight is not None, NR=NORM_ROWS,
         # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
@@ -220,6 +272,8 @@ def ws_gemm(
         PARTS=parts, PDL=pdl, PROBE=probe is not None, num_warps=4,
         **_pdl.launch_options(pdl),
     )  # fmt: skip
+    if norm is not None:
+        return x_out, h_out
     return out.view(*lead, n_out)
 
 
@@ -328,6 +382,84 @@ def _build():
             gl.store(at + HALF, x2, mask=ok)
 
     @gluon.jit
+    def rsqrt_ftz(a):  # norm.py's tl.math.rsqrt as it compiles for the GPU (libdevice's)
+        return gl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=r,r", [a],
+                                         dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
+
+    # the add + norm epilogue's rows [R, 2, 4, 256]: column 1024*a + 256*b + j of a row lives in
+    # warp b, lane j // 8, register j % 8, as in norm.py's program over a 2048-wide row (warp
+    # 4*a + b there: 8 warps of 8 consecutive elements a thread)
+    ROWS = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 1, 1, 32], [1, 1, 4, 1], [3, 2, 1, 0]))
+
+    @gluon.jit
+    def row_sum(sq):
+        """Each row's sum of sq fp32 [R, 2, 4, 256] (ROWS) in the tree of norm.py's 8-warp
+        program: a thread's 8 elements in order and its warp's butterfly (one reduction, as
+        there), warp b's sum + warp b+4's (the first step across the 8 warps), then the two
+        other steps across the 4 warps here."""
+        s = gl.sum(sq, axis=3)
+        s = gl.sum(s, axis=1)
+        return gl.sum(s, axis=1)
+
+    @gluon.jit
+    def normed(v, w, eps, inv_h, dtype: gl.constexpr):
+        """kernels/norm.py's `_normed_row` of rows v [R, 2, 4, 256] (ROWS) times w (fp32, the
+        same shape): the fp32 value of the dtype result, each rounding step as there."""
+        v32 = v.to(gl.float32)
+        total = row_sum(rope_mul(v32, v32))
+        mean = rope_mul(total, gl.zeros_like(total) + inv_h)
+        scale = rsqrt_ftz(mean + eps)
+        scale = gl.expand_dims(gl.expand_dims(gl.expand_dims(scale, 1), 1), 3)
+        y = (v32 * scale).to(dtype).to(gl.float32)
+        return rope_mul(w, y).to(dtype).to(gl.float32)
+
+    @gluon.jit
+    def add_norm_rows(y_ptr, N, M, r0, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
+                      eps_y, eps, inv_h, NORM_Y: gl.constexpr, R: gl.constexpr):  # fmt: skip
+        """Rows r0.. r0+R-1 (those < M) of x = residual + norm(y) (or + y) and h = norm(x), as
+        kernels/norm_chain's program computes a row; y read at L2 (the other SMs' tiles)."""
+        L: gl.constexpr = ROWS
+        row = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        row = gl.expand_dims(gl.expand_dims(gl.expand_dims(row, 1), 2), 3) + r0
+        a = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+        a = gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 0), 2), 3)
+        b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, L))))
+        b = gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 0), 3)
+        j = gl.arange(0, 256, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L))))
+        j = gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 0), 0)
+        col = a * 1024 + b * 256 + j
+        ok = (row < M) & (col < N)
+        at = row * N + col
+        dtype: gl.constexpr = xo_ptr.dtype.element_ty
+        y = gl.load(y_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+        res = gl.load(res_ptr + row * stride_res + col, mask=ok, other=0.0)
+        w = gl.load(wn_ptr + row * 0 + col, mask=ok, other=0.0).to(gl.float32)
+        if NORM_Y:
+            wy = gl.load(wy_ptr + row * 0 + col, mask=ok, other=0.0).to(gl.float32)
+            o = res.to(gl.float32) + normed(y, wy, eps_y, inv_h, dtype)
+        else:
+            o = res.to(gl.float32) + y.to(gl.float32)
+        x = o.to(dtype)
+        gl.store(xo_ptr + at, x, mask=ok)
+        gl.store(ho_ptr + at, normed(x, w, eps, inv_h, dtype).to(dtype), mask=ok)
+
+    @gluon.jit
+    def norm_tail(out_ptr, tick_ptr, M, N, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
+                  eps_y, eps, inv_h, NORM_Y: gl.constexpr, BM: gl.constexpr,
+                  NR: gl.constexpr):  # fmt: skip
+        """After a program stored its tile of y: the grid's ticket; the program that draws the
+        last one (every tile stored) computes the add + norm of all M rows."""
+        gl.thread_barrier()  # every thread's part of the tile is stored before the ticket
+        tiles = gl.num_programs(0)
+        ticket = gl.atomic_add(tick_ptr + tiles, 1, sem="acq_rel", scope="gpu")
+        if ticket == tiles - 1:
+            for g in gl.static_range(BM // NR):
+                if g * NR < M:
+                    add_norm_rows(out_ptr, N, M, g * NR, res_ptr, stride_res, wy_ptr, wn_ptr,
+                                  xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM_Y, NR)  # fmt: skip
+            gl.store(tick_ptr + tiles, 0)  # ready for the next launch, which waits for this
+
+    @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
                  PROBE: gl.constexpr, ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
@@ -371,7 +503,9 @@ def _build():
                  PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
                  scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
-                 ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
+                 ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr, res_ptr,
+                 stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h,
+                 NORM: gl.constexpr, NORM_Y: gl.constexpr, NR: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
@@ -419,6 +553,9 @@ def _build():
                           kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN, D)  # fmt: skip
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
+                if NORM:
+                    norm_tail(out_ptr, tick_ptr, M, N, res_ptr, stride_res, wy_ptr, wn_ptr,
+                              xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM_Y, BM, NR)  # fmt: skip
         else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
@@ -438,6 +575,9 @@ def _build():
                 else:
                     gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
+                if NORM:
+                    norm_tail(out_ptr, tick_ptr, M, N, res_ptr, stride_res, wy_ptr, wn_ptr,
+                              xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM_Y, BM, NR)  # fmt: skip
         if PDL and LATE:  # the next kernel's programs are placed once this one's leave
             gdc_launch_dependents()
         if PROBE:
@@ -449,7 +589,9 @@ def _build():
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
                        PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
-                       D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
+                       D: gl.constexpr, LATE: gl.constexpr, res_ptr, stride_res, wy_ptr, wn_ptr,
+                       xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM: gl.constexpr,
+                       NORM_Y: gl.constexpr, NR: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -471,7 +613,9 @@ def _build():
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                            kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE)),
+                            kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE, res_ptr,
+                            stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM,
+                            NORM_Y, NR)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             PROBE, ROPE, D)),
             ],
