@@ -226,7 +226,7 @@ def linear_add_norm(
         return None
     from rlt_engine.kernels.ws_gemm import check_norm, ws_gemm
 
-    if check_norm(w.shape[0], norm, x) is not None:
+    if check_norm(w.shape[0], config.block_n, norm, x) is not None:
         return None
     return ws_gemm(x, w, config, norm=norm)
 

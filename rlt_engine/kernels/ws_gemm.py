@@ -33,6 +33,13 @@ kernels/rope_kv_write does, bit for bit, and writes the new K / V rows into the 
 one launch and one PDL hop fewer between the GEMM and attention (c=1 +4%, c=8 +1.4%,
 results/2026-12-03-qkv-rope-epilogue-h200.md).
 
+The output projections take the add + norm chain after them in their epilogue (`norm`, an
+AddNorm; decode, through small_gemm.linear_add_norm): after storing its tile a program arrives
+at the grid's counter, and the program of tile t < M waits for every tile, then computes row t
+of x = residual + norm(y) and h = norm(x) from L2, in the reduction tree of norm.py's program
+over a 2048-wide row (checked on the PTX and bit for bit on the GPU): the add + norm launch
+and its two PDL hops leave the layer.
+
 Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
 interpreter: `available` says whether. Chosen per shape by small_gemm's table (backend "ws");
 no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first use.
@@ -158,16 +165,17 @@ class AddNorm(NamedTuple):
     y_eps: float | None = None
 
 
-NORM_ROWS = 8  # rows the add + norm epilogue normalises at once (registers: 16 a row a thread)
-
-
-def check_norm(n: int, norm: AddNorm, x: torch.Tensor) -> str | None:
+def check_norm(n: int, block_n: int, norm: AddNorm, x: torch.Tensor) -> str | None:
     """Why the add + norm epilogue cannot take this GEMM, or None."""
     rows = x.numel() // x.shape[-1]
     if not 1024 < n <= 2048:
         # the epilogue reduces a row in the tree of norm.py's program at 2048 columns (8 warps
         # of 8 elements a thread); other widths reduce in other trees
         return f"N = {n} must be in (1024, 2048] (one 2048-wide row program of norm.py's)"
+    if n // block_n < rows:
+        return (
+            f"{rows} rows need as many N tiles (a tile's program takes a row), got {n // block_n}"
+        )
     r = norm.residual
     if r.shape != (rows, n) or r.dtype != x.dtype or r.stride(-1) != 1 or r.device != x.device:
         return f"residual must be [{rows}, {n}] {x.dtype} on {x.device}, last dimension contiguous"
@@ -214,7 +222,7 @@ def ws_gemm(
         if swiglu or rope is not None:
             why = "the add + norm epilogue takes a plain GEMM"
         else:
-            why = check_norm(n, norm, x)
+            why = check_norm(n, config.block_n, norm, x)
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
@@ -241,7 +249,7 @@ def ws_gemm(
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
-    if norm is not None:  # the grid's ticket: the counter after the tiles'
+    if norm is not None:  # the grid's arrivals and rows done: the two counters after the tiles'
         counters = _counters(x.device)  # n_tiles <= 2048 / 64: within the device's counters
         residual, y_weight = norm.residual, norm.y_weight
         y_eps = norm.eps if norm.y_eps is None else norm.y_eps
@@ -264,7 +272,8 @@ def ws_gemm(
         res_ptr=residual, stride_res=residual.stride(0),
         wy_ptr=out if y_weight is None else y_weight, wn_ptr=out if norm is None else norm.weight,
         xo_ptr=x_out, ho_ptr=h_out, eps_y=float(y_eps), eps=eps,
-        inv_h=1.0 / n_out, NORM=norm is not None, NORM_Y=y_weight is not None, NR=NORM_ROWS,
+        inv_h=1.0 / n_out, NORM=norm is not None, NORM_Y=y_weight is not None,
+        NH=n_out if norm is not None else 1,
         # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
@@ -386,56 +395,51 @@ def _build():
         return gl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=r,r", [a],
                                          dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
 
-    # the add + norm epilogue's rows [R, 2, 4, 256]: column 1024*a + 256*b + j of a row lives in
-    # warp b, lane j // 8, register j % 8, as in norm.py's program over a 2048-wide row (warp
-    # 4*a + b there: 8 warps of 8 consecutive elements a thread)
-    ROWS = gl.constexpr(gl.BlockedLayout([1, 1, 1, 8], [1, 1, 1, 32], [1, 1, 4, 1], [3, 2, 1, 0]))
+    # the add + norm epilogue's row [2, 4, 256]: column 1024*a + 256*b + j lives in warp b,
+    # lane j // 8, register j % 8, as in norm.py's program over a 2048-wide row (warp 4*a + b
+    # there: 8 warps of 8 consecutive elements a thread)
+    ROW = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, 4, 1], [2, 1, 0]))
 
     @gluon.jit
     def row_sum(sq):
-        """Each row's sum of sq fp32 [R, 2, 4, 256] (ROWS) in the tree of norm.py's 8-warp
-        program: a thread's 8 elements in order and its warp's butterfly (one reduction, as
-        there), warp b's sum + warp b+4's (the first step across the 8 warps), then the two
-        other steps across the 4 warps here."""
-        s = gl.sum(sq, axis=3)
-        s = gl.sum(s, axis=1)
-        return gl.sum(s, axis=1)
+        """The sum of a row sq fp32 [2, 4, 256] (ROW) in the tree of norm.py's 8-warp program:
+        a thread's 8 elements in order and its warp's butterfly (one reduction, as there),
+        warp b's sum + warp b+4's (the first step across the 8 warps), then the two other
+        steps across the 4 warps here."""
+        return gl.sum(gl.sum(gl.sum(sq, axis=2), axis=0), axis=0)
 
     @gluon.jit
     def normed(v, w, eps, inv_h, dtype: gl.constexpr):
-        """kernels/norm.py's `_normed_row` of rows v [R, 2, 4, 256] (ROWS) times w (fp32, the
+        """kernels/norm.py's `_normed_row` of a row v [2, 4, 256] (ROW) times w (fp32, the
         same shape): the fp32 value of the dtype result, each rounding step as there."""
         v32 = v.to(gl.float32)
         total = row_sum(rope_mul(v32, v32))
-        mean = rope_mul(total, gl.zeros_like(total) + inv_h)
-        scale = rsqrt_ftz(mean + eps)
-        scale = gl.expand_dims(gl.expand_dims(gl.expand_dims(scale, 1), 1), 3)
+        scale = rsqrt_ftz(rope_mul(total, inv_h) + eps)
         y = (v32 * scale).to(dtype).to(gl.float32)
         return rope_mul(w, y).to(dtype).to(gl.float32)
 
     @gluon.jit
-    def add_norm_rows(y_ptr, N, M, r0, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
-                      eps_y, eps, inv_h, NORM_Y: gl.constexpr, R: gl.constexpr):  # fmt: skip
-        """Rows r0.. r0+R-1 (those < M) of x = residual + norm(y) (or + y) and h = norm(x), as
-        kernels/norm_chain's program computes a row; y read at L2 (the other SMs' tiles)."""
-        L: gl.constexpr = ROWS
-        row = gl.arange(0, R, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
-        row = gl.expand_dims(gl.expand_dims(gl.expand_dims(row, 1), 2), 3) + r0
-        a = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
-        a = gl.expand_dims(gl.expand_dims(gl.expand_dims(a, 0), 2), 3)
-        b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, L))))
-        b = gl.expand_dims(gl.expand_dims(gl.expand_dims(b, 0), 0), 3)
-        j = gl.arange(0, 256, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L))))
-        j = gl.expand_dims(gl.expand_dims(gl.expand_dims(j, 0), 0), 0)
-        col = a * 1024 + b * 256 + j
-        ok = (row < M) & (col < N)
-        at = row * N + col
+    def add_norm_row(y_ptr, row, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y,
+                     eps, inv_h, NH: gl.constexpr, NORM_Y: gl.constexpr):  # fmt: skip
+        """Row `row` of x = residual + norm(y) (or + y) and h = norm(x), as kernels/norm_chain's
+        program computes a row; y read at L2 (the other SMs' tiles)."""
+        L: gl.constexpr = ROW
+        a = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        j = gl.arange(0, 256, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
+        col = (
+            gl.expand_dims(gl.expand_dims(a, 1), 2) * 1024
+            + gl.expand_dims(gl.expand_dims(b, 0), 2) * 256
+            + gl.expand_dims(gl.expand_dims(j, 0), 0)
+        )
+        ok = col < NH
+        at = row * NH + col
         dtype: gl.constexpr = xo_ptr.dtype.element_ty
         y = gl.load(y_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
         res = gl.load(res_ptr + row * stride_res + col, mask=ok, other=0.0)
-        w = gl.load(wn_ptr + row * 0 + col, mask=ok, other=0.0).to(gl.float32)
+        w = gl.load(wn_ptr + col, mask=ok, other=0.0).to(gl.float32)
         if NORM_Y:
-            wy = gl.load(wy_ptr + row * 0 + col, mask=ok, other=0.0).to(gl.float32)
+            wy = gl.load(wy_ptr + col, mask=ok, other=0.0).to(gl.float32)
             o = res.to(gl.float32) + normed(y, wy, eps_y, inv_h, dtype)
         else:
             o = res.to(gl.float32) + y.to(gl.float32)
@@ -444,20 +448,25 @@ def _build():
         gl.store(ho_ptr + at, normed(x, w, eps, inv_h, dtype).to(dtype), mask=ok)
 
     @gluon.jit
-    def norm_tail(out_ptr, tick_ptr, M, N, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
-                  eps_y, eps, inv_h, NORM_Y: gl.constexpr, BM: gl.constexpr,
-                  NR: gl.constexpr):  # fmt: skip
-        """After a program stored its tile of y: the grid's ticket; the program that draws the
-        last one (every tile stored) computes the add + norm of all M rows."""
-        gl.thread_barrier()  # every thread's part of the tile is stored before the ticket
+    def norm_tail(out_ptr, tick_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
+                  eps_y, eps, inv_h, NH: gl.constexpr, NORM_Y: gl.constexpr):  # fmt: skip
+        """After the program that stored tile t of y: it arrives at the grid's counter; for
+        t < M it then waits until every tile has arrived and computes row t's add + norm. The
+        wait cannot deadlock: at most M programs wait, on SMs of their own, for programs that
+        only store (under PDL every program of this grid is placed before the next kernel's)."""
+        gl.thread_barrier()  # every thread's part of the tile is stored before the arrival
         tiles = gl.num_programs(0)
-        ticket = gl.atomic_add(tick_ptr + tiles, 1, sem="acq_rel", scope="gpu")
-        if ticket == tiles - 1:
-            for g in gl.static_range(BM // NR):
-                if g * NR < M:
-                    add_norm_rows(out_ptr, N, M, g * NR, res_ptr, stride_res, wy_ptr, wn_ptr,
-                                  xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM_Y, NR)  # fmt: skip
-            gl.store(tick_ptr + tiles, 0)  # ready for the next launch, which waits for this
+        t = gl.program_id(0)
+        arrived = gl.atomic_add(tick_ptr + tiles, 1, sem="acq_rel", scope="gpu") + 1
+        if t < M:
+            while arrived < tiles:
+                arrived = gl.atomic_add(tick_ptr + tiles, 0, sem="acquire", scope="gpu")
+            add_norm_row(out_ptr, t, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
+                         eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
+            done = gl.atomic_add(tick_ptr + tiles + 1, 1, sem="acq_rel", scope="gpu")
+            if done == M - 1:  # every row's program is past its wait: ready for the next launch
+                gl.store(tick_ptr + tiles, 0)
+                gl.store(tick_ptr + tiles + 1, 0)
 
     @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
@@ -505,7 +514,7 @@ def _build():
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
                  ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr, res_ptr,
                  stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h,
-                 NORM: gl.constexpr, NORM_Y: gl.constexpr, NR: gl.constexpr):  # fmt: skip
+                 NORM: gl.constexpr, NORM_Y: gl.constexpr, NH: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
@@ -554,8 +563,8 @@ def _build():
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
                 if NORM:
-                    norm_tail(out_ptr, tick_ptr, M, N, res_ptr, stride_res, wy_ptr, wn_ptr,
-                              xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM_Y, BM, NR)  # fmt: skip
+                    norm_tail(out_ptr, tick_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
+                              ho_ptr, eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
         else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
@@ -576,8 +585,8 @@ def _build():
                     gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
                 if NORM:
-                    norm_tail(out_ptr, tick_ptr, M, N, res_ptr, stride_res, wy_ptr, wn_ptr,
-                              xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM_Y, BM, NR)  # fmt: skip
+                    norm_tail(out_ptr, tick_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
+                              ho_ptr, eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
         if PDL and LATE:  # the next kernel's programs are placed once this one's leave
             gdc_launch_dependents()
         if PROBE:
@@ -591,7 +600,7 @@ def _build():
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
                        D: gl.constexpr, LATE: gl.constexpr, res_ptr, stride_res, wy_ptr, wn_ptr,
                        xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM: gl.constexpr,
-                       NORM_Y: gl.constexpr, NR: gl.constexpr):  # fmt: skip
+                       NORM_Y: gl.constexpr, NH: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -615,7 +624,7 @@ def _build():
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE, res_ptr,
                             stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM,
-                            NORM_Y, NR)),
+                            NORM_Y, NH)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             PROBE, ROPE, D)),
             ],

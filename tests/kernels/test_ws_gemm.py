@@ -114,14 +114,15 @@ def test_norm_checks_name_the_constraint():
     x = torch.zeros(3, 64, dtype=torch.bfloat16)
     res, weight = torch.zeros(3, 2048, dtype=torch.bfloat16), torch.ones(2048)
     chain = AddNorm(res, weight, 1e-6, weight, 1e-6)
-    assert check_norm(2048, chain, x) is None
-    assert check_norm(1536, chain._replace(residual=res[:, :1536], weight=weight[:1536],
-                                           y_weight=None), x) is None  # fmt: skip
-    assert "(1024, 2048]" in check_norm(3072, chain, x)
-    assert "(1024, 2048]" in check_norm(1024, chain, x)
-    assert "residual must be [3, 2048]" in check_norm(2048, chain._replace(residual=res[:2]), x)
-    assert "residual must be" in check_norm(2048, chain._replace(residual=res.float()), x)
-    assert "norm weights must be [2048]" in check_norm(2048, chain._replace(y_weight=weight[:8]), x)
+    assert check_norm(2048, 64, chain, x) is None
+    assert check_norm(1536, 128, chain._replace(residual=res[:, :1536], weight=weight[:1536],
+                                                y_weight=None), x) is None  # fmt: skip
+    assert "(1024, 2048]" in check_norm(3072, 64, chain, x)
+    assert "(1024, 2048]" in check_norm(1024, 64, chain, x)
+    assert "as many N tiles" in check_norm(2048, 1024, chain, x)  # 3 rows, 2 tiles
+    assert "residual must be [3, 2048]" in check_norm(2048, 64, chain._replace(residual=res[:2]), x)
+    assert "residual must be" in check_norm(2048, 64, chain._replace(residual=res.float()), x)
+    assert "weights must be [2048]" in check_norm(2048, 64, chain._replace(y_weight=weight[:8]), x)
 
 
 def test_linear_add_norm_declines_where_no_ws_kernel_runs():
@@ -173,14 +174,16 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope in configs:
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
                  PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0,
-                 NORM=norm, NORM_Y=norm and norms[(bm, bn, bk, stages, split)], NR=8)
+                 NORM=norm, NORM_Y=norm and norms[(bm, bn, bk, stages, split)],
+                 NH=2048 if norm else 1)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
         "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
         "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64", "res_ptr": f"*{dt}",
         "wy_ptr": f"*{dt}", "wn_ptr": f"*{dt}", "xo_ptr": f"*{dt}", "ho_ptr": f"*{dt}",
         "eps_y": "fp32", "eps": "fp32", "inv_h": "fp32"}
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+             if a.endswith("_ptr") or a == "stride_res"}  # as the launcher specialises them
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
@@ -215,10 +218,12 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
-    # the add + norm epilogue: the grid's ticket after the tiles'; norm.py's row tree (a
-    # thread's 8 in order, the 32 lanes' butterfly, then across warps), its rsqrt and mul.rn
-    assert ptx["split4_norm"].count("atom.global.gpu.acq_rel.add") == 2
-    assert ptx["split1_norm"].count("atom.global.gpu.acq_rel.add") == 1
+    # the add + norm epilogue: the grid's arrivals and rows done after the tiles' tickets, the
+    # wait's polls; norm.py's row tree (a thread's 8 in order, the 32 lanes' butterfly, then
+    # across warps), its rsqrt and mul.rn; the row's loads and stores 16 bytes a thread
+    assert ptx["split4_norm"].count("atom.global.gpu.acq_rel.add") == 3
+    assert ptx["split1_norm"].count("atom.global.gpu.acq_rel.add") == 2
+    assert "ld.global.gpu.acquire" in ptx["split1_norm"]  # the wait's poll
     for name in ("split4_norm", "split1_norm"):
         code = ptx[name]
         assert "rsqrt.approx.ftz.f32" in code and "mul.rn.f32" in code, name
@@ -232,6 +237,7 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         # per row and half 16, 8, 4, 2, 1 across lanes; across the 4 warps 2, 1 only (the
         # 8-warp tree's first step, warp b + warp b+4, is the add of a thread's two halves)
         assert set(runs) == {(16, 8, 4, 2, 1), (2, 1)} and not run, name
+        assert "ld.global.cg.v4" in code and "ld.global.b16" not in code, name
     assert "rsqrt" not in ptx["split4"]
     # PROBE builds read the global timer; the others never do
     for name, code in ptx.items():
