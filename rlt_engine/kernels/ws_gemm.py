@@ -35,10 +35,10 @@ results/2026-12-03-qkv-rope-epilogue-h200.md).
 
 The output projections take the add + norm chain after them in their epilogue (`norm`, an
 AddNorm; decode, through small_gemm.linear_add_norm): after storing its tile a program arrives
-at the grid's counter, and the program of tile t < M waits for every tile, then computes row t
-of x = residual + norm(y) and h = norm(x) from L2, in the reduction tree of norm.py's program
-over a 2048-wide row (checked on the PTX and bit for bit on the GPU): the add + norm launch
-and its two PDL hops leave the layer.
+at the grid's counter, the last to arrive advances a generation, and the program of tile t < M
+waits for it, then computes row t of x = residual + norm(y) and h = norm(x) from L2, in the
+reduction tree of norm.py's program over a 2048-wide row (checked on the PTX and bit for bit
+on the GPU): the add + norm launch and its two PDL hops leave the layer.
 
 Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
 interpreter: `available` says whether. Chosen per shape by small_gemm's table (backend "ws");
@@ -243,14 +243,15 @@ def ws_gemm(
     bm = 8 if m <= 8 else 16
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
-    from rlt_engine.kernels.small_gemm import _counters, split_buffers
+    from rlt_engine.kernels.small_gemm import TICKETS, _counters, split_buffers
 
     n_tiles = n_out // bn
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
-    if norm is not None:  # the grid's arrivals and rows done: the two counters after the tiles'
-        counters = _counters(x.device)  # n_tiles <= 2048 / 64: within the device's counters
+    sync = out
+    if norm is not None:  # the epilogue's arrivals and generation: the counters after the tickets'
+        sync = _counters(x.device)[TICKETS:]
         residual, y_weight = norm.residual, norm.y_weight
         y_eps = norm.eps if norm.y_eps is None else norm.y_eps
     else:
@@ -271,7 +272,7 @@ def ws_gemm(
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
         res_ptr=residual, stride_res=residual.stride(0),
         wy_ptr=out if y_weight is None else y_weight, wn_ptr=out if norm is None else norm.weight,
-        xo_ptr=x_out, ho_ptr=h_out, eps_y=float(y_eps), eps=eps,
+        xo_ptr=x_out, ho_ptr=h_out, eps_y=float(y_eps), eps=eps, sync_ptr=sync,
         inv_h=1.0 / n_out, NORM=norm is not None, NORM_Y=y_weight is not None,
         NH=n_out if norm is not None else 1,
         # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
@@ -419,10 +420,18 @@ def _build():
         return rope_mul(w, y).to(dtype).to(gl.float32)
 
     @gluon.jit
-    def add_norm_row(y_ptr, row, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y,
-                     eps, inv_h, NH: gl.constexpr, NORM_Y: gl.constexpr):  # fmt: skip
-        """Row `row` of x = residual + norm(y) (or + y) and h = norm(x), as kernels/norm_chain's
-        program computes a row; y read at L2 (the other SMs' tiles)."""
+    def norm_tail(out_ptr, sync_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
+                  eps_y, eps, inv_h, NH: gl.constexpr, NORM_Y: gl.constexpr):  # fmt: skip
+        """After the program that stored tile t of y: it arrives at the grid's counter
+        (sync_ptr[0]); the last to arrive (every tile stored) resets it and advances the
+        generation (sync_ptr[1]). For t < M the program then waits for that generation and
+        computes row t of x = residual + norm(y) (or + y) and h = norm(x), as kernels/
+        norm_chain's program does, y read at L2. The wait cannot deadlock: at most M programs
+        wait, on SMs of their own, for programs that only store (and under PDL every program of
+        this grid is placed before the next kernel's)."""
+        gl.thread_barrier()  # every thread's part of the tile is stored before the arrival
+        tiles = gl.num_programs(0)
+        t = gl.program_id(0)
         L: gl.constexpr = ROW
         a = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
@@ -433,40 +442,32 @@ def _build():
             + gl.expand_dims(gl.expand_dims(j, 0), 0)
         )
         ok = col < NH
-        at = row * NH + col
+        at = t * NH + col
         dtype: gl.constexpr = xo_ptr.dtype.element_ty
-        y = gl.load(y_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-        res = gl.load(res_ptr + row * stride_res + col, mask=ok, other=0.0)
-        w = gl.load(wn_ptr + col, mask=ok, other=0.0).to(gl.float32)
-        if NORM_Y:
-            wy = gl.load(wy_ptr + col, mask=ok, other=0.0).to(gl.float32)
-            o = res.to(gl.float32) + normed(y, wy, eps_y, inv_h, dtype)
-        else:
-            o = res.to(gl.float32) + y.to(gl.float32)
-        x = o.to(dtype)
-        gl.store(xo_ptr + at, x, mask=ok)
-        gl.store(ho_ptr + at, normed(x, w, eps, inv_h, dtype).to(dtype), mask=ok)
-
-    @gluon.jit
-    def norm_tail(out_ptr, tick_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
-                  eps_y, eps, inv_h, NH: gl.constexpr, NORM_Y: gl.constexpr):  # fmt: skip
-        """After the program that stored tile t of y: it arrives at the grid's counter; for
-        t < M it then waits until every tile has arrived and computes row t's add + norm. The
-        wait cannot deadlock: at most M programs wait, on SMs of their own, for programs that
-        only store (under PDL every program of this grid is placed before the next kernel's)."""
-        gl.thread_barrier()  # every thread's part of the tile is stored before the arrival
-        tiles = gl.num_programs(0)
-        t = gl.program_id(0)
-        arrived = gl.atomic_add(tick_ptr + tiles, 1, sem="acq_rel", scope="gpu") + 1
-        if t < M:
-            while arrived < tiles:
-                arrived = gl.atomic_add(tick_ptr + tiles, 0, sem="acquire", scope="gpu")
-            add_norm_row(out_ptr, t, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
-                         eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
-            done = gl.atomic_add(tick_ptr + tiles + 1, 1, sem="acq_rel", scope="gpu")
-            if done == M - 1:  # every row's program is past its wait: ready for the next launch
-                gl.store(tick_ptr + tiles, 0)
-                gl.store(tick_ptr + tiles + 1, 0)
+        row = t < M
+        # the generation before this launch's (it advances only once this program arrived: the
+        # grids before this one are complete)
+        before = gl.atomic_add(sync_ptr + 1, 0, mask=row, sem="relaxed", scope="gpu")
+        # what does not depend on y is loaded while the other tiles are still being computed
+        res = gl.load(res_ptr + t * stride_res + col, mask=ok & row, other=0.0)
+        w = gl.load(wn_ptr + col, mask=ok & row, other=0.0).to(gl.float32)
+        wy = gl.load(wy_ptr + col, mask=ok & row & NORM_Y, other=0.0).to(gl.float32)
+        arrival = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrival == tiles - 1:
+            gl.store(sync_ptr, 0)  # ready for the next launch, which waits for this one
+            gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+        if row:
+            now_gen = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+            while now_gen == before:
+                now_gen = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+            y = gl.load(out_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
+            if NORM_Y:
+                o = res.to(gl.float32) + normed(y, wy, eps_y, inv_h, dtype)
+            else:
+                o = res.to(gl.float32) + y.to(gl.float32)
+            x = o.to(dtype)
+            gl.store(xo_ptr + at, x, mask=ok)
+            gl.store(ho_ptr + at, normed(x, w, eps, inv_h, dtype).to(dtype), mask=ok)
 
     @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
@@ -513,7 +514,7 @@ def _build():
                  scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
                  ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr, res_ptr,
-                 stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h,
+                 stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h, sync_ptr,
                  NORM: gl.constexpr, NORM_Y: gl.constexpr, NH: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
@@ -563,7 +564,7 @@ def _build():
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
                 if NORM:
-                    norm_tail(out_ptr, tick_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
+                    norm_tail(out_ptr, sync_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
                               ho_ptr, eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
         else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
@@ -585,7 +586,7 @@ def _build():
                     gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
                 if NORM:
-                    norm_tail(out_ptr, tick_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
+                    norm_tail(out_ptr, sync_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
                               ho_ptr, eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
         if PDL and LATE:  # the next kernel's programs are placed once this one's leave
             gdc_launch_dependents()
@@ -599,7 +600,7 @@ def _build():
                        PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
                        D: gl.constexpr, LATE: gl.constexpr, res_ptr, stride_res, wy_ptr, wn_ptr,
-                       xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM: gl.constexpr,
+                       xo_ptr, ho_ptr, eps_y, eps, inv_h, sync_ptr, NORM: gl.constexpr,
                        NORM_Y: gl.constexpr, NH: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
@@ -623,7 +624,8 @@ def _build():
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE, res_ptr,
-                            stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h, NORM,
+                            stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h,
+                            sync_ptr, NORM,
                             NORM_Y, NH)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             PROBE, ROPE, D)),
