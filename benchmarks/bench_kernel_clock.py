@@ -30,9 +30,6 @@ where in the layer the weight stream stops.
 
 --qkv-rope: RoPE + the K/V write in the qkv GEMM's epilogue (`ws_gemm(..., rope=QkvRope)`,
 what the engine's decode runs), not in their own launch.
-
---add-norm: the add + norm after the o_proj and the down_proj in those GEMMs' epilogue
-(`ws_gemm(..., norm=AddNorm)`, what the engine's decode runs), not in their own launches.
 """
 
 from __future__ import annotations
@@ -54,8 +51,8 @@ from rlt_engine.kernels.norm import rms_norm  # noqa: E402
 from rlt_engine.kernels.norm_chain import add_rms_norm  # noqa: E402
 from rlt_engine.kernels.paged_attention import _launch  # noqa: E402
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
-from rlt_engine.kernels.small_gemm import choose, linear, linear_add_norm, linear_rope  # noqa: E402
-from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, AddNorm, QkvRope, ws_gemm  # noqa: E402
+from rlt_engine.kernels.small_gemm import choose, linear, linear_rope  # noqa: E402
+from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, QkvRope, ws_gemm  # noqa: E402
 
 HIDDEN, HEADS, D, INTER, BLOCK = 2048, 16, 128, 5632, 16
 
@@ -72,7 +69,6 @@ class Chain:
         tiles: dict | None = None,
         gemms: bool = False,
         qkv_rope: bool = False,
-        add_norm: bool = False,
     ) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -102,7 +98,7 @@ class Chain:
             }
             for _ in range(layers)
         ]
-        self.gemm_probes, self.qkv_rope, self.add_norm = gemms, qkv_rope, add_norm
+        self.gemm_probes, self.qkv_rope = gemms, qkv_rope
         self.x = rnd(rows, h)
         if gemms:  # one probe per ws GEMM launch, sized by the table's config for these rows
             for layer in self.layers:
@@ -125,13 +121,8 @@ class Chain:
         angles = rnd(rows, D).float()
         self.cos, self.sin = angles.cos().bfloat16(), angles.sin().bfloat16()
 
-    def gemm(self, layer: dict, name: str, x: torch.Tensor, rope=None, norm=None, **kw):
+    def gemm(self, layer: dict, name: str, x: torch.Tensor, rope=None, **kw) -> torch.Tensor:
         if not self.gemm_probes:
-            if norm is not None:
-                out = linear_add_norm(x, layer[name], norm)
-                if out is None:
-                    raise SystemExit(f"--add-norm: the table runs no ws kernel for {name}")
-                return out
             if name == "gate_up":
                 return gate_up_silu(x, layer[name])
             if rope is not None:
@@ -141,7 +132,7 @@ class Chain:
                 return out
             return linear(x, layer[name], **kw)
         return ws_gemm(x, layer[name], layer[f"{name}_config"], swiglu=name == "gate_up",
-                       probe=layer[f"{name}_probe"], rope=rope, norm=norm)  # fmt: skip
+                       probe=layer[f"{name}_probe"], rope=rope)  # fmt: skip
 
     def run(self) -> torch.Tensor:
         x = self.x
@@ -158,14 +149,8 @@ class Chain:
                 q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
                 D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"], **self.tiles,
             )  # fmt: skip
-            attn = attn.reshape(self.rows, HEADS * D)
+            o = self.gemm(layer, "o", attn.reshape(self.rows, HEADS * D), prefetch_whole=True)
             n1, n2, n3, n4 = layer["norms"]
-            if self.add_norm:  # in the o_proj's and the down_proj's epilogue
-                x, h = self.gemm(layer, "o", attn, norm=AddNorm(x, n2, 1e-6, n1))
-                act = self.gemm(layer, "gate_up", h)
-                x, h = self.gemm(layer, "down", act, norm=AddNorm(x, n4, 1e-6, n3))
-                continue
-            o = self.gemm(layer, "o", attn, prefetch_whole=True)
             x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
             act = self.gemm(layer, "gate_up", h)
             down = self.gemm(layer, "down", act)
@@ -208,9 +193,8 @@ def measure(
     tiles: dict | None = None,
     timeline: bool = False,
     qkv_rope: bool = False,
-    add_norm: bool = False,
 ) -> dict:
-    chain = Chain(rows, keys, layers, tiles, gemms=timeline, qkv_rope=qkv_rope, add_norm=add_norm)
+    chain = Chain(rows, keys, layers, tiles, gemms=timeline, qkv_rope=qkv_rope)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -269,7 +253,6 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--timeline", action="store_true", help="see the module docstring")
     ap.add_argument("--qkv-rope", action="store_true", help="see the module docstring")
-    ap.add_argument("--add-norm", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
@@ -280,14 +263,7 @@ def main() -> None:
             for rows in (1, 8):
                 results.append(
                     measure(
-                        rows,
-                        keys,
-                        args.layers,
-                        args.replays,
-                        tiles,
-                        args.timeline,
-                        args.qkv_rope,
-                        args.add_norm,
+                        rows, keys, args.layers, args.replays, tiles, args.timeline, args.qkv_rope
                     )
                 )
                 print(json.dumps(results[-1]), flush=True)

@@ -53,8 +53,6 @@ __all__ = [
     "dispatch_mode",
     "gemm",
     "linear",
-    "linear_add_norm",
-    "linear_rope",
     "lookup",
     "m_bucket",
     "split_buffers",
@@ -71,10 +69,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # rows up to which `linear(..., prefetch_whole=True)` takes the Triton kernel: cuBLAS's 64-row
 # tile is faster alone from 32 rows on (small_gemm_table: Ouro o_proj 7.2 vs 6.4 us at 32)
 PREFETCH_WHOLE_MAX_M = 16
-_COUNTERS_PER_DEVICE = 1 << 16
-# the split-K tickets' counters (N tiles a launch may have: N <= 4M at BLOCK_N = 64); the last
-# two are ws_gemm's add + norm epilogue's (its arrivals and its generation, which only grows)
-TICKETS = _COUNTERS_PER_DEVICE - 2
+_COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
 # A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's kernel
 # config (Triton or ws) wherever it has one (also where its entry says cuBLAS is a little faster)
 _MODE = os.environ.get("RLT_SMALL_GEMM", "1")
@@ -214,26 +209,6 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
     return ws_gemm(x, w, config, rope=rope)
 
 
-def linear_add_norm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    norm,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The add + norm chain after a sublayer's output projection, `norm` (a ws_gemm.AddNorm)
-    applied to `linear(x, w)`, in the GEMM's epilogue: (x, h) as kernels/norm_chain's
-    add_rms_norm returns them, bit for bit; or None where the table picks no
-    warp-specialised config or the epilogue cannot take the shape: the caller then projects
-    and launches the add + norm itself."""
-    config = choose(x, w)
-    if config is None or config.kernel != "ws" or not _ws_available(x.device):
-        return None
-    from rlt_engine.kernels.ws_gemm import check_norm, ws_gemm
-
-    if check_norm(w.shape[0], config.block_n, norm, x) is not None:
-        return None
-    return ws_gemm(x, w, config, norm=norm)
-
-
 # -- launch ---------------------------------------------------------------------------------------
 
 
@@ -333,8 +308,8 @@ def split_buffers(n_tiles: int, splits: int, tile: int, out: torch.Tensor):
     no split, `out` for both (the kernel does not touch them)."""
     if splits == 1:
         return out, out
-    if n_tiles > TICKETS:
-        raise ValueError(f"{n_tiles} N tiles exceed the {TICKETS} counters")
+    if n_tiles > _COUNTERS_PER_DEVICE:
+        raise ValueError(f"{n_tiles} N tiles exceed the {_COUNTERS_PER_DEVICE} counters")
     partials = torch.empty(n_tiles * splits * tile, dtype=torch.float32, device=out.device)
     return partials, _counters(out.device)
 
@@ -376,9 +351,8 @@ def _compiled(interpret: bool):
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    """The device's counters: the tickets' (the first TICKETS, all zero between launches), then
-    ws_gemm's add + norm epilogue's two. Allocated on first use, which the engine's warm-up
-    does before any graph capture."""
+    """The device's ticket counters (all zero between launches). Allocated on first use, which
+    the engine's warm-up does before any graph capture."""
     index = device.index
     if device.type == "cuda" and index is None:
         index = torch.cuda.current_device()

@@ -33,13 +33,6 @@ kernels/rope_kv_write does, bit for bit, and writes the new K / V rows into the 
 one launch and one PDL hop fewer between the GEMM and attention (c=1 +4%, c=8 +1.4%,
 results/2026-12-03-qkv-rope-epilogue-h200.md).
 
-The output projections take the add + norm chain after them in their epilogue (`norm`, an
-AddNorm; decode, through small_gemm.linear_add_norm): after storing its tile a program arrives
-at the grid's counter, the last to arrive advances a generation, and the program of tile t < M
-waits for it, then computes row t of x = residual + norm(y) and h = norm(x) from L2, in the
-reduction tree of norm.py's program over a 2048-wide row (checked on the PTX and bit for bit
-on the GPU): the add + norm launch and its two PDL hops leave the layer.
-
 Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
 interpreter: `available` says whether. Chosen per shape by small_gemm's table (backend "ws");
 no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first use.
@@ -53,7 +46,7 @@ import torch
 
 from rlt_engine.kernels import pdl as _pdl
 
-__all__ = ["AddNorm", "QkvRope", "available", "check", "check_norm", "ws_gemm"]
+__all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -152,39 +145,6 @@ def check_rope(n: int, block_n: int, rope: QkvRope, x: torch.Tensor) -> str | No
     return None
 
 
-class AddNorm(NamedTuple):
-    """The chain after a sublayer's output projection (decode): x = residual + norm(y; y_weight,
-    y_eps) (Ouro's sandwich norm; residual + y without y_weight) and h = norm(x; weight, eps),
-    what kernels/norm_chain.add_rms_norm computes after the GEMM. residual [rows, N] in y's
-    dtype with a contiguous last dimension; the weights [N], any float dtype (read in fp32)."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    y_weight: torch.Tensor | None = None
-    y_eps: float | None = None
-
-
-def check_norm(n: int, block_n: int, norm: AddNorm, x: torch.Tensor) -> str | None:
-    """Why the add + norm epilogue cannot take this GEMM, or None."""
-    rows = x.numel() // x.shape[-1]
-    if not 1024 < n <= 2048:
-        # the epilogue reduces a row in the tree of norm.py's program at 2048 columns (8 warps
-        # of 8 elements a thread); other widths reduce in other trees
-        return f"N = {n} must be in (1024, 2048] (one 2048-wide row program of norm.py's)"
-    if n // block_n < rows:
-        return (
-            f"{rows} rows need as many N tiles (a tile's program takes a row), got {n // block_n}"
-        )
-    r = norm.residual
-    if r.shape != (rows, n) or r.dtype != x.dtype or r.stride(-1) != 1 or r.device != x.device:
-        return f"residual must be [{rows}, {n}] {x.dtype} on {x.device}, last dimension contiguous"
-    for w in (norm.weight, norm.y_weight if norm.y_weight is not None else norm.weight):
-        if w.shape != (n,) or not w.is_floating_point() or w.device != x.device:
-            return f"the norm weights must be [{n}] float on {x.device}"
-    return None
-
-
 def ws_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -192,8 +152,7 @@ def ws_gemm(
     swiglu: bool = False,
     probe: torch.Tensor | None = None,
     rope: QkvRope | None = None,
-    norm: AddNorm | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
     num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
@@ -218,11 +177,6 @@ def ws_gemm(
     why = check(n, k, m, config.block_n, bk, splits, swiglu)
     if why is None and rope is not None:
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
-    if why is None and norm is not None:
-        if swiglu or rope is not None:
-            why = "the add + norm epilogue takes a plain GEMM"
-        else:
-            why = check_norm(n, config.block_n, norm, x)
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
@@ -230,10 +184,8 @@ def ws_gemm(
     parts = 2 if swiglu else 1
     n_out, bn = n // parts, config.block_n // parts
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    if norm is not None:
-        x_out, h_out = torch.empty_like(out), torch.empty_like(out)
     if m == 0:
-        return (x_out, h_out) if norm is not None else out.view(*lead, n_out)
+        return out.view(*lead, n_out)
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
@@ -243,21 +195,12 @@ def ws_gemm(
     bm = 8 if m <= 8 else 16
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
-    from rlt_engine.kernels.small_gemm import TICKETS, _counters, split_buffers
+    from rlt_engine.kernels.small_gemm import split_buffers
 
     n_tiles = n_out // bn
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
-    sync = out
-    if norm is not None:  # the epilogue's arrivals and generation: the counters after the tickets'
-        sync = _counters(x.device)[TICKETS:]
-        residual, y_weight = norm.residual, norm.y_weight
-        y_eps = norm.eps if norm.y_eps is None else norm.y_eps
-    else:
-        residual = x_out = h_out = out
-        y_weight, y_eps = None, 0.0
-    eps = 0.0 if norm is None else float(norm.eps)
     if rope is None:
         cos = sin = k_pool = v_pool = slots = out
         num_heads = kv_heads = 0
@@ -270,11 +213,6 @@ def ws_gemm(
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
-        res_ptr=residual, stride_res=residual.stride(0),
-        wy_ptr=out if y_weight is None else y_weight, wn_ptr=out if norm is None else norm.weight,
-        xo_ptr=x_out, ho_ptr=h_out, eps_y=float(y_eps), eps=eps, sync_ptr=sync,
-        inv_h=1.0 / n_out, NORM=norm is not None, NORM_Y=y_weight is not None,
-        NH=n_out if norm is not None else 1,
         # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
@@ -282,8 +220,6 @@ def ws_gemm(
         PARTS=parts, PDL=pdl, PROBE=probe is not None, num_warps=4,
         **_pdl.launch_options(pdl),
     )  # fmt: skip
-    if norm is not None:
-        return x_out, h_out
     return out.view(*lead, n_out)
 
 
@@ -392,84 +328,6 @@ def _build():
             gl.store(at + HALF, x2, mask=ok)
 
     @gluon.jit
-    def rsqrt_ftz(a):  # norm.py's tl.math.rsqrt as it compiles for the GPU (libdevice's)
-        return gl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=r,r", [a],
-                                         dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
-
-    # the add + norm epilogue's row [2, 4, 256]: column 1024*a + 256*b + j lives in warp b,
-    # lane j // 8, register j % 8, as in norm.py's program over a 2048-wide row (warp 4*a + b
-    # there: 8 warps of 8 consecutive elements a thread)
-    ROW = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, 4, 1], [2, 1, 0]))
-
-    @gluon.jit
-    def row_sum(sq):
-        """The sum of a row sq fp32 [2, 4, 256] (ROW) in the tree of norm.py's 8-warp program:
-        a thread's 8 elements in order and its warp's butterfly (one reduction, as there),
-        warp b's sum + warp b+4's (the first step across the 8 warps), then the two other
-        steps across the 4 warps here."""
-        return gl.sum(gl.sum(gl.sum(sq, axis=2), axis=0), axis=0)
-
-    @gluon.jit
-    def normed(v, w, eps, inv_h, dtype: gl.constexpr):
-        """kernels/norm.py's `_normed_row` of a row v [2, 4, 256] (ROW) times w (fp32, the
-        same shape): the fp32 value of the dtype result, each rounding step as there."""
-        v32 = v.to(gl.float32)
-        total = row_sum(rope_mul(v32, v32))
-        scale = rsqrt_ftz(rope_mul(total, inv_h) + eps)
-        y = (v32 * scale).to(dtype).to(gl.float32)
-        return rope_mul(w, y).to(dtype).to(gl.float32)
-
-    @gluon.jit
-    def norm_tail(out_ptr, sync_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr,
-                  eps_y, eps, inv_h, NH: gl.constexpr, NORM_Y: gl.constexpr):  # fmt: skip
-        """After the program that stored tile t of y: it arrives at the grid's counter
-        (sync_ptr[0]); the last to arrive (every tile stored) resets it and advances the
-        generation (sync_ptr[1]). For t < M the program then waits for that generation and
-        computes row t of x = residual + norm(y) (or + y) and h = norm(x), as kernels/
-        norm_chain's program does, y read at L2. The wait cannot deadlock: at most M programs
-        wait, on SMs of their own, for programs that only store (and under PDL every program of
-        this grid is placed before the next kernel's)."""
-        gl.thread_barrier()  # every thread's part of the tile is stored before the arrival
-        tiles = gl.num_programs(0)
-        t = gl.program_id(0)
-        L: gl.constexpr = ROW
-        a = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
-        b = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
-        j = gl.arange(0, 256, layout=gl.SliceLayout(0, gl.SliceLayout(0, L)))
-        col = (
-            gl.expand_dims(gl.expand_dims(a, 1), 2) * 1024
-            + gl.expand_dims(gl.expand_dims(b, 0), 2) * 256
-            + gl.expand_dims(gl.expand_dims(j, 0), 0)
-        )
-        ok = col < NH
-        at = t * NH + col
-        dtype: gl.constexpr = xo_ptr.dtype.element_ty
-        row = t < M
-        # the generation before this launch's (it advances only once this program arrived: the
-        # grids before this one are complete)
-        before = gl.atomic_add(sync_ptr + 1, 0, mask=row, sem="relaxed", scope="gpu")
-        # what does not depend on y is loaded while the other tiles are still being computed
-        res = gl.load(res_ptr + t * stride_res + col, mask=ok & row, other=0.0)
-        w = gl.load(wn_ptr + col, mask=ok & row, other=0.0).to(gl.float32)
-        wy = gl.load(wy_ptr + col, mask=ok & row & NORM_Y, other=0.0).to(gl.float32)
-        arrival = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrival == tiles - 1:
-            gl.store(sync_ptr, 0)  # ready for the next launch, which waits for this one
-            gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
-        if row:
-            now_gen = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-            while now_gen == before:
-                now_gen = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-            y = gl.load(out_ptr + at, mask=ok, other=0.0, cache_modifier=".cg")
-            if NORM_Y:
-                o = res.to(gl.float32) + normed(y, wy, eps_y, inv_h, dtype)
-            else:
-                o = res.to(gl.float32) + y.to(gl.float32)
-            x = o.to(dtype)
-            gl.store(xo_ptr + at, x, mask=ok)
-            gl.store(ho_ptr + at, normed(x, w, eps, inv_h, dtype).to(dtype), mask=ok)
-
-    @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
                  PROBE: gl.constexpr, ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
@@ -513,9 +371,7 @@ def _build():
                  PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
                  scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
-                 ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr, res_ptr,
-                 stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h, sync_ptr,
-                 NORM: gl.constexpr, NORM_Y: gl.constexpr, NH: gl.constexpr):  # fmt: skip
+                 ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
@@ -563,9 +419,6 @@ def _build():
                           kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN, D)  # fmt: skip
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
-                if NORM:
-                    norm_tail(out_ptr, sync_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
-                              ho_ptr, eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
         else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
@@ -585,9 +438,6 @@ def _build():
                 else:
                     gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this
-                if NORM:
-                    norm_tail(out_ptr, sync_ptr, M, res_ptr, stride_res, wy_ptr, wn_ptr, xo_ptr,
-                              ho_ptr, eps_y, eps, inv_h, NH, NORM_Y)  # fmt: skip
         if PDL and LATE:  # the next kernel's programs are placed once this one's leave
             gdc_launch_dependents()
         if PROBE:
@@ -599,9 +449,7 @@ def _build():
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
                        PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
-                       D: gl.constexpr, LATE: gl.constexpr, res_ptr, stride_res, wy_ptr, wn_ptr,
-                       xo_ptr, ho_ptr, eps_y, eps, inv_h, sync_ptr, NORM: gl.constexpr,
-                       NORM_Y: gl.constexpr, NH: gl.constexpr):  # fmt: skip
+                       D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -623,10 +471,7 @@ def _build():
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                            kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE, res_ptr,
-                            stride_res, wy_ptr, wn_ptr, xo_ptr, ho_ptr, eps_y, eps, inv_h,
-                            sync_ptr, NORM,
-                            NORM_Y, NH)),
+                            kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             PROBE, ROPE, D)),
             ],

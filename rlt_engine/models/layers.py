@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,44 +56,6 @@ def add_norm_hazard(
 
     y_weight, y_eps = (None, None) if y_norm is None else (y_norm.weight, y_norm.eps)
     return add_rms_norm_hazard(y, residual, norm.weight, norm.eps, *exit_gate, y_weight, y_eps)
-
-
-class ResidualNorm(NamedTuple):
-    """What follows a sublayer's output y on the fast path: x = residual + y_norm(y) (or
-    residual + y without y_norm) and h = norm(x), as `add_norm` computes them."""
-
-    residual: torch.Tensor
-    norm: RMSNorm
-    y_norm: RMSNorm | None = None
-
-
-def project_add_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    small_gemm: bool,
-    then: ResidualNorm,
-    prefetch_whole: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_norm(project(x, weight, small_gemm), *then)`: with small_gemm the add + norm runs
-    in the GEMM's epilogue where kernels/small_gemm can (decode rows of Ouro on Hopper), bit
-    for bit the same (x, h); elsewhere the GEMM (`prefetch_whole`: see `project`), then
-    add_norm's launch."""
-    if small_gemm:
-        from rlt_engine.kernels.small_gemm import linear_add_norm
-        from rlt_engine.kernels.ws_gemm import AddNorm
-
-        y_norm = then.y_norm
-        chain = AddNorm(
-            then.residual,
-            then.norm.weight,
-            then.norm.eps,
-            None if y_norm is None else y_norm.weight,
-            None if y_norm is None else y_norm.eps,
-        )
-        out = linear_add_norm(x, weight, chain)
-        if out is not None:
-            return out
-    return add_norm(project(x, weight, small_gemm, prefetch_whole), *then)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -185,29 +145,23 @@ class SwiGLU(nn.Module):
     def pack(self) -> None:
         self.gate_up = pack_linears(self.gate_proj, self.up_proj)
 
-    def forward(
-        self, x: torch.Tensor, then: ResidualNorm | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The MLP's output; with `then` (fast path), the (x, h) of the add + norm after it."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-            return out if then is None else add_norm(out, *then)
-        act = None
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.fused_act and self.small_gemm:  # the GEMM and the activation in one launch
             from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
 
             act = gate_up_silu(x, self.gate_up)
-        if act is None:
-            gate_up = project(x, self.gate_up, self.small_gemm)
-            if self.fused_act:
-                from rlt_engine.kernels.swiglu import silu_mul
+            if act is not None:
+                return project(act, self.down_proj.weight, True)
+        gate_up = project(x, self.gate_up, self.small_gemm)
+        if self.fused_act:
+            from rlt_engine.kernels.swiglu import silu_mul
 
-                act = silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-        if then is not None:
-            return project_add_norm(act, self.down_proj.weight, self.small_gemm, then)
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
         return project(act, self.down_proj.weight, self.small_gemm)
 
 
@@ -237,17 +191,14 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-        then: ResidualNorm | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The attention sublayer's output; with `then` (fast path), the (x, h) of the add +
-        norm after it."""
+    ) -> torch.Tensor:
         rows, d = x.shape[0], self.head_dim
         project_attend = getattr(backend, "project_attend", None)
         if self.qkv is not None and self.small_gemm and self.fused_rope and project_attend:
             # decode rows: RoPE and the K/V write in the qkv GEMM's epilogue where it can
             out = project_attend(self.layer, x, self.qkv, rope, meta)
             if out is not None:
-                return self._o_proj(out.reshape(rows, self.num_heads * d), then)
+                return self._o_proj(out.reshape(rows, self.num_heads * d))
         if self.qkv is None:
             q = self.q_proj(x).view(rows, self.num_heads, d)
             k = self.k_proj(x).view(rows, self.num_kv_heads, d)
@@ -267,12 +218,9 @@ class Attention(nn.Module):
             else:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = backend.attend(self.layer, q, k, v, meta)
-        return self._o_proj(out.reshape(rows, self.num_heads * d), then)
+        return self._o_proj(out.reshape(rows, self.num_heads * d))
 
-    def _o_proj(
-        self, out: torch.Tensor, then: ResidualNorm | None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # prefetch_whole: attention reads little of HBM, the o_proj's weight streams meanwhile
-        if then is not None:
-            return project_add_norm(out, self.o_proj.weight, self.small_gemm, then, True)
-        return project(out, self.o_proj.weight, self.small_gemm, prefetch_whole=self.small_gemm)
+    def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
+        if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
+            return project(out, self.o_proj.weight, True, prefetch_whole=True)
+        return self.o_proj(out)

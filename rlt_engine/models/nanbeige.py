@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, ResidualNorm, RMSNorm, SwiGLU
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -43,11 +43,11 @@ class NanbeigeDecoderLayer(nn.Module):
         residual add and the norm after it in one launch."""
         if exit_gate is not None:
             raise ValueError("Nanbeige has no exit gate")
-        then = ResidualNorm(x, self.post_attention_layernorm)
-        x, h = self.self_attn(h, rope, meta, backend, then)
+        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
+        out = self.mlp(h)
         if next_norm is None:
-            return x + self.mlp(h), None, None
-        return *self.mlp(h, ResidualNorm(x, next_norm)), None
+            return x + out, None, None
+        return *add_norm(out, x, next_norm), None
 
 
 class NanbeigeForCausalLM(LoopedCausalLM):

@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, ResidualNorm, RMSNorm, SwiGLU, add_norm_hazard
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, add_norm_hazard
 
 
 class OuroDecoderLayer(nn.Module):
@@ -50,14 +50,14 @@ class OuroDecoderLayer(nn.Module):
         launch (layers.add_norm), or (output, None, None) without next_norm. Bit-identical to
         `forward` with fused norms. `exit_gate` (fp32 weight and bias, with next_norm): the
         last launch also computes the exit hazard of next_norm's output, returned third."""
-        then = ResidualNorm(x, self.post_attention_layernorm, self.input_layernorm_2)
-        x, h = self.self_attn(h, rope, meta, backend, then)
+        attn = self.self_attn(h, rope, meta, backend)
+        x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
+        out = self.mlp(h)
         if next_norm is None:
-            return self.post_attention_layernorm_2(self.mlp(h), residual=x), None, None
+            return self.post_attention_layernorm_2(out, residual=x), None, None
         if exit_gate is not None:
-            out = self.mlp(h)
             return add_norm_hazard(out, x, next_norm, self.post_attention_layernorm_2, exit_gate)
-        return *self.mlp(h, ResidualNorm(x, next_norm, self.post_attention_layernorm_2)), None
+        return *add_norm(out, x, next_norm, self.post_attention_layernorm_2), None
 
 
 class OuroForCausalLM(LoopedCausalLM):
