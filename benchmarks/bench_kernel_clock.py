@@ -30,6 +30,10 @@ where in the layer the weight stream stops.
 
 --qkv-rope: RoPE + the K/V write in the qkv GEMM's epilogue (`ws_gemm(..., rope=QkvRope)`,
 what the engine's decode runs), not in their own launch.
+
+--unreduced: the o_proj's and down_proj's split-K partials summed by the add + norm launch
+(`ws_gemm(..., unreduced=True)`, kernels/split_sums; what the engine's decode runs), not by
+the GEMM's last split.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class Chain:
         tiles: dict | None = None,
         gemms: bool = False,
         qkv_rope: bool = False,
+        unreduced: bool = False,
     ) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -98,7 +103,7 @@ class Chain:
             }
             for _ in range(layers)
         ]
-        self.gemm_probes, self.qkv_rope = gemms, qkv_rope
+        self.gemm_probes, self.qkv_rope, self.unreduced = gemms, qkv_rope, unreduced
         self.x = rnd(rows, h)
         if gemms:  # one probe per ws GEMM launch, sized by the table's config for these rows
             for layer in self.layers:
@@ -130,9 +135,10 @@ class Chain:
                 if out is None:
                     raise SystemExit("--qkv-rope: the table runs no ws kernel for the qkv")
                 return out
-            return linear(x, layer[name], **kw)
+            return linear(x, layer[name], unreduced=self.unreduced and name != "qkv", **kw)
         return ws_gemm(x, layer[name], layer[f"{name}_config"], swiglu=name == "gate_up",
-                       probe=layer[f"{name}_probe"], rope=rope)  # fmt: skip
+                       probe=layer[f"{name}_probe"], rope=rope,
+                       unreduced=self.unreduced and name in ("o", "down"))  # fmt: skip
 
     def run(self) -> torch.Tensor:
         x = self.x
@@ -150,6 +156,7 @@ class Chain:
                 D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"], **self.tiles,
             )  # fmt: skip
             o = self.gemm(layer, "o", attn.reshape(self.rows, HEADS * D), prefetch_whole=True)
+            # (o and down are SplitSums with --unreduced: the add + norm sums them)
             n1, n2, n3, n4 = layer["norms"]
             x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
             act = self.gemm(layer, "gate_up", h)
@@ -193,8 +200,9 @@ def measure(
     tiles: dict | None = None,
     timeline: bool = False,
     qkv_rope: bool = False,
+    unreduced: bool = False,
 ) -> dict:
-    chain = Chain(rows, keys, layers, tiles, gemms=timeline, qkv_rope=qkv_rope)
+    chain = Chain(rows, keys, layers, tiles, timeline, qkv_rope, unreduced)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -253,6 +261,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--timeline", action="store_true", help="see the module docstring")
     ap.add_argument("--qkv-rope", action="store_true", help="see the module docstring")
+    ap.add_argument("--unreduced", action="store_true", help="see the module docstring")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
@@ -263,7 +272,14 @@ def main() -> None:
             for rows in (1, 8):
                 results.append(
                     measure(
-                        rows, keys, args.layers, args.replays, tiles, args.timeline, args.qkv_rope
+                        rows,
+                        keys,
+                        args.layers,
+                        args.replays,
+                        tiles,
+                        args.timeline,
+                        args.qkv_rope,
+                        args.unreduced,
                     )
                 )
                 print(json.dumps(results[-1]), flush=True)

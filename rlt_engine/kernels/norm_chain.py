@@ -20,6 +20,11 @@ sigmoid) outside the PDL chain. Its dot sums in the norm's reduction tree instea
 order, so it agrees with `torch.sigmoid(F.linear(h.float(), w, b))` to a few fp32 ulps, not
 bit for bit; sigmoid itself is torch's CUDA formula (libdevice expf, an IEEE division).
 
+y may also be a split-K GEMM's unsummed partials (kernels/split_sums.SplitSums, from ws_gemm's
+`unreduced`): the program then sums its row's partials in split order from 0.0 in fp32 and
+rounds once, as the GEMM would have, so x, h and the hazard are the same bits as from the
+summed y, and the GEMM's tail loses its ticket and reload.
+
 Rows are independent (batch invariant). CUDA-graph capturable: no host synchronisation, the
 grid depends only on the shapes. triton is imported lazily (see paged_attention).
 """
@@ -32,6 +37,7 @@ from rlt_engine.kernels import norm as _norm
 from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels.norm import rms_norm_reference, supported
+from rlt_engine.kernels.split_sums import SplitSums
 
 __all__ = ["add_rms_norm", "add_rms_norm_hazard", "add_rms_norm_reference", "supported"]
 
@@ -40,7 +46,7 @@ triton = tl = libdevice = round_bf16 = normed_row = None
 
 
 def add_rms_norm_reference(
-    y: torch.Tensor,
+    y: torch.Tensor | SplitSums,
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -48,6 +54,8 @@ def add_rms_norm_reference(
     y_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch semantics: (x, rms_norm(x)) with x = residual + (norm(y) or y)."""
+    if isinstance(y, SplitSums):
+        y = y.total()
     if y_weight is None:
         x = residual + y
     else:
@@ -56,14 +64,15 @@ def add_rms_norm_reference(
 
 
 def add_rms_norm(
-    y: torch.Tensor,
+    y: torch.Tensor | SplitSums,
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
     y_weight: torch.Tensor | None = None,
     y_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y, residual: [rows, H] of one float dtype (last dimension contiguous); weight and
+    """y, residual: [rows, H] of one float dtype (last dimension contiguous; y may be a
+    SplitSums of that shape and dtype, summed here); weight and
     y_weight: [H] (any float dtype, read in fp32). Returns new tensors (x, h), both [rows, H] in
     y's dtype: x = residual + norm(y; y_weight, y_eps) (or residual + y without y_weight) and
     h = norm(x; weight, eps)."""
@@ -71,7 +80,7 @@ def add_rms_norm(
 
 
 def add_rms_norm_hazard(
-    y: torch.Tensor,
+    y: torch.Tensor | SplitSums,
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -96,7 +105,16 @@ def add_rms_norm_hazard(
 
 def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
     """(x, h, hazard or None); `gate`: (weight, bias) fp32."""
-    if y.dim() != 2 or y.dtype not in _norm._DTYPES:
+    parts = None
+    if isinstance(y, SplitSums):
+        parts = y.parts
+        if parts.dim() != 3 or parts.dtype != torch.float32 or y.dtype not in _norm._DTYPES:
+            raise ValueError(
+                f"split sums must be fp32 [splits, rows, H] of a {_norm._DTYPES} output, got "
+                f"{parts.dtype} {tuple(parts.shape)} of {y.dtype}"
+            )
+        parts = parts.contiguous()
+    if len(y.shape) != 2 or y.dtype not in _norm._DTYPES:
         raise ValueError(f"y must be [rows, H] of {_norm._DTYPES}, got {y.dtype} {tuple(y.shape)}")
     if residual.shape != y.shape or residual.dtype != y.dtype or residual.device != y.device:
         raise ValueError(
@@ -113,11 +131,12 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
                 f"weights must be [{hidden}] float on {y.device}, got {tuple(w.shape)} "
                 f"{w.dtype} on {w.device}"
             )
-    y = y if y.stride(-1) == 1 else y.contiguous()
+    if parts is None:
+        y = y if y.stride(-1) == 1 else y.contiguous()
     residual = residual if residual.stride(-1) == 1 else residual.contiguous()
     weight = weight.contiguous()
     y_weight = weight if y_weight is None else y_weight.contiguous()
-    x = torch.empty_like(y, memory_format=torch.contiguous_format)
+    x = torch.empty(rows, hidden, dtype=y.dtype, device=y.device)
     h = torch.empty_like(x)
     hazard = None if gate is None else torch.empty(rows, dtype=torch.float32, device=y.device)
     if rows == 0:
@@ -133,7 +152,7 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
     pdl = _pdl.enabled(y.device)
     with _pa._on_device(y.device):
         kernel[(rows,)](
-            y,
+            y if parts is None else parts,
             residual,
             y_weight,
             weight,
@@ -142,13 +161,15 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
             gate_w,
             gate_b,
             h if hazard is None else hazard,
-            y.stride(0),
+            y.stride(0) if parts is None else hidden,
             residual.stride(0),
+            rows * hidden,
             float(eps if y_eps is None else y_eps),
             float(eps),
             H=hidden,
             BLOCK=block,
             INV_H=1.0 / hidden,
+            SPLITS=0 if parts is None else parts.shape[0],
             NORM_Y=len(weights) == 2,
             GATE=gate is not None,
             EXACT_MUL=not interpret,
@@ -176,7 +197,7 @@ def _import_triton() -> None:
 
 
 def _add_rms_norm_kernel(
-    y_ptr,
+    y_ptr,  # y [rows, H] (last dimension contiguous), or SPLITS fp32 partials [SPLITS, rows, H]
     res_ptr,
     wy_ptr,
     w_ptr,
@@ -187,11 +208,13 @@ def _add_rms_norm_kernel(
     hazard_ptr,  # GATE: out, fp32 [rows]
     stride_y,
     stride_r,
+    stride_split,  # SPLITS: one split's partials, rows * H
     eps_y,
     eps,
     H: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two of H
     INV_H: tl.constexpr,  # fp32(1 / H)
+    SPLITS: tl.constexpr,  # y is that many partials to sum (kernels/split_sums), or 0
     NORM_Y: tl.constexpr,  # x = residual + norm(y) (else residual + y)
     GATE: tl.constexpr,  # also the exit hazard sigmoid(h . gw + gb)
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
@@ -204,7 +227,16 @@ def _add_rms_norm_kernel(
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
+    if SPLITS:  # the GEMM's sum: 0.0 + p0 + p1 + ... in fp32, rounded once
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            at = y_ptr + s * stride_split + row * stride_y + cols
+            total += tl.load(at, mask=mask, other=0.0)
+        if ROUND_BF16:
+            total = round_bf16(total)
+        y = total.to(x_ptr.dtype.element_ty)
+    else:
+        y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
     r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
     if NORM_Y:
         wy = tl.load(wy_ptr + cols, mask=mask, other=0.0).to(tl.float32)

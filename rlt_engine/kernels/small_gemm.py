@@ -45,6 +45,7 @@ from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
 from rlt_engine.kernels.paged_attention import supported
+from rlt_engine.kernels.split_sums import SplitSums
 
 __all__ = [
     "MAX_M",
@@ -175,7 +176,8 @@ def linear(
     w: torch.Tensor,
     gate: torch.Tensor | None = None,
     prefetch_whole: bool = False,
-) -> torch.Tensor:
+    unreduced: bool = False,
+) -> torch.Tensor | SplitSums:
     """`F.linear(x, w)` (no bias): x [..., K], w [N, K] -> [..., N], through the Triton kernel
     where the table says it beats cuBLAS, else through cuBLAS.
 
@@ -186,11 +188,19 @@ def linear(
     `prefetch_whole`: the caller's word that the kernel before this GEMM leaves the HBM mostly
     idle (decode attention before the o_proj): under PDL the launch then streams its whole
     weight into L2 while that kernel runs, and it takes the Triton kernel (which can) up to
-    PREFETCH_WHOLE_MAX_M rows even where cuBLAS alone is a little faster."""
+    PREFETCH_WHOLE_MAX_M rows even where cuBLAS alone is a little faster.
+
+    `unreduced`: the caller's word that it can take a kernels/split_sums.SplitSums (rows
+    flattened) where the table runs the warp-specialised kernel with split-K (norm_chain's
+    add_rms_norm sums it); elsewhere the output as always."""
     whole = prefetch_whole and x.numel() <= PREFETCH_WHOLE_MAX_M * w.shape[-1]
     config = choose(x, w, gated=gate is not None or whole)
     if config is None or (config.kernel == "ws" and not _ws_available(x.device)):
         return F.linear(x, w)
+    if unreduced and config.kernel == "ws" and gate is None:
+        from rlt_engine.kernels.ws_gemm import ws_gemm
+
+        return ws_gemm(x, w, config, unreduced=True)
     return gemm(x, w, config, gate, prefetch_whole=whole)
 
 

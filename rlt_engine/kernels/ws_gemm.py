@@ -17,7 +17,9 @@ split between warps:
   operands read from shared memory, BM = 8 or 16 the MMA's narrow side;
 - split-K as in kernels/small_gemm: fp32 partials to a workspace, a ticket per N tile drawn
   with an acq_rel atomic, the last split sums the partials in split order 0..S-1 and rounds
-  once. Bitwise deterministic run to run; a CUDA graph replay equals eager.
+  once. Bitwise deterministic run to run; a CUDA graph replay equals eager. `unreduced`
+  leaves the sum to the kernel that reads the output next (kernels/split_sums: no ticket and
+  no reload on the GEMM's tail).
 
 Measured on the H200 (benchmarks/results/2026-12-02-ws-gemm-h200.md), Ouro at M = 8, back to
 back under PDL: qkv 7.8 us (Triton kernel 9.2, cuBLAS 10.1), o_proj 4.4 (5.2, 6.4), down_proj
@@ -45,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from rlt_engine.kernels import pdl as _pdl
+from rlt_engine.kernels.split_sums import SplitSums
 
 __all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
@@ -152,13 +155,17 @@ def ws_gemm(
     swiglu: bool = False,
     probe: torch.Tensor | None = None,
     rope: QkvRope | None = None,
-) -> torch.Tensor:
+    unreduced: bool = False,
+) -> torch.Tensor | SplitSums:
     """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
     num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
     [..., I] with kernels/gate_up_swiglu's roundings (block_n / 2 rows of each a program, no
     split-K). `probe` (benchmarks): int64 [programs, len(PROBE_FIELDS)], programs in grid
-    order (N tile major, then split): a PROBE build stamps each program's PROBE_FIELDS."""
+    order (N tile major, then split): a PROBE build stamps each program's PROBE_FIELDS.
+    `unreduced`: with split-K, each split stores its fp32 partial and the launch returns them
+    as a SplitSums for the next kernel to sum (no ticket, no sum here: kernels/split_sums);
+    without split-K the output as always."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -177,6 +184,9 @@ def ws_gemm(
     why = check(n, k, m, config.block_n, bk, splits, swiglu)
     if why is None and rope is not None:
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
+    unreduced = unreduced and splits > 1
+    if why is None and unreduced and (swiglu or rope is not None):
+        why = "unreduced partials are for the plain GEMM (no SwiGLU, no RoPE)"
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
@@ -200,7 +210,11 @@ def ws_gemm(
     n_tiles = n_out // bn
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
-    partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
+    if unreduced:
+        partials = torch.empty((splits, m, n_out), dtype=torch.float32, device=x.device)
+        counters = out
+    else:
+        partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
     if rope is None:
         cos = sin = k_pool = v_pool = slots = out
         num_heads = kv_heads = 0
@@ -217,9 +231,11 @@ def ws_gemm(
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, PROBE=probe is not None, num_warps=4,
+        PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced, num_warps=4,
         **_pdl.launch_options(pdl),
     )  # fmt: skip
+    if unreduced:  # rows flattened: [splits, rows, N]
+        return SplitSums(partials, x.dtype)
     return out.view(*lead, n_out)
 
 
@@ -371,7 +387,8 @@ def _build():
                  PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
                  scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
-                 ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
+                 ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr,
+                 UNREDUCED: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
@@ -419,6 +436,9 @@ def _build():
                           kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN, D)  # fmt: skip
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
+        elif UNREDUCED:  # partials [split, M, N], summed by the next kernel (split_sums.py)
+            gl.store(part_ptr + gl.program_id(1) * M * N + cols[None, :] * N
+                     + (gl.program_id(0) * BN + rows)[:, None], acc, mask=keep)  # fmt: skip
         else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
@@ -449,7 +469,8 @@ def _build():
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
                        PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
-                       D: gl.constexpr, LATE: gl.constexpr):  # fmt: skip
+                       D: gl.constexpr, LATE: gl.constexpr,
+                       UNREDUCED: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -471,7 +492,8 @@ def _build():
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                            kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE)),
+                            kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE,
+                            UNREDUCED)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             PROBE, ROPE, D)),
             ],

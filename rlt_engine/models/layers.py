@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_engine.kernels.split_sums import SplitSums
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.configs import LoopedLMConfig
 
@@ -31,11 +32,15 @@ class RMSNorm(nn.Module):
 
 
 def add_norm(
-    y: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, y_norm: RMSNorm | None = None
+    y: torch.Tensor | SplitSums,
+    residual: torch.Tensor,
+    norm: RMSNorm,
+    y_norm: RMSNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, norm(x)) with x = residual + y_norm(y), or residual + y without y_norm: the residual
     add and the next norm in one launch (kernels/norm_chain; fast path only), bit-identical to
-    `y_norm(y, residual=residual)` (or `residual + y`) followed by `norm(x)` with fused norms."""
+    `y_norm(y, residual=residual)` (or `residual + y`) followed by `norm(x)` with fused norms.
+    y may be a split-K GEMM's unsummed partials (`project(..., unreduced=True)`)."""
     from rlt_engine.kernels.norm_chain import add_rms_norm
 
     if y_norm is None:
@@ -44,7 +49,7 @@ def add_norm(
 
 
 def add_norm_hazard(
-    y: torch.Tensor,
+    y: torch.Tensor | SplitSums,
     residual: torch.Tensor,
     norm: RMSNorm,
     y_norm: RMSNorm | None,
@@ -108,15 +113,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def project(
-    x: torch.Tensor, weight: torch.Tensor, small_gemm: bool, prefetch_whole: bool = False
-) -> torch.Tensor:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    small_gemm: bool,
+    prefetch_whole: bool = False,
+    unreduced: bool = False,
+) -> torch.Tensor | SplitSums:
     """`F.linear(x, weight)`; with `small_gemm` (the fast path) through kernels/small_gemm,
     which picks its Triton split-K kernel for decode-sized x where it beats cuBLAS
-    (`prefetch_whole`: see small_gemm.linear)."""
+    (`prefetch_whole`, `unreduced`: see small_gemm.linear; an unreduced output goes only to
+    `add_norm`)."""
     if small_gemm:
         from rlt_engine.kernels.small_gemm import linear
 
-        return linear(x, weight, prefetch_whole=prefetch_whole)
+        return linear(x, weight, prefetch_whole=prefetch_whole, unreduced=unreduced)
     return F.linear(x, weight)
 
 
@@ -145,7 +155,8 @@ class SwiGLU(nn.Module):
     def pack(self) -> None:
         self.gate_up = pack_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, unreduced: bool = False) -> torch.Tensor | SplitSums:
+        """`unreduced`: the down projection may return split-K partials (see `project`)."""
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.fused_act and self.small_gemm:  # the GEMM and the activation in one launch
@@ -153,7 +164,7 @@ class SwiGLU(nn.Module):
 
             act = gate_up_silu(x, self.gate_up)
             if act is not None:
-                return project(act, self.down_proj.weight, True)
+                return project(act, self.down_proj.weight, True, unreduced=unreduced)
         gate_up = project(x, self.gate_up, self.small_gemm)
         if self.fused_act:
             from rlt_engine.kernels.swiglu import silu_mul
@@ -162,7 +173,7 @@ class SwiGLU(nn.Module):
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return project(act, self.down_proj.weight, self.small_gemm)
+        return project(act, self.down_proj.weight, self.small_gemm, unreduced=unreduced)
 
 
 class Attention(nn.Module):
@@ -191,14 +202,16 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
+        unreduced: bool = False,
+    ) -> torch.Tensor | SplitSums:
+        """`unreduced`: the o_proj may return split-K partials (see `project`)."""
         rows, d = x.shape[0], self.head_dim
         project_attend = getattr(backend, "project_attend", None)
         if self.qkv is not None and self.small_gemm and self.fused_rope and project_attend:
             # decode rows: RoPE and the K/V write in the qkv GEMM's epilogue where it can
             out = project_attend(self.layer, x, self.qkv, rope, meta)
             if out is not None:
-                return self._o_proj(out.reshape(rows, self.num_heads * d))
+                return self._o_proj(out.reshape(rows, self.num_heads * d), unreduced)
         if self.qkv is None:
             q = self.q_proj(x).view(rows, self.num_heads, d)
             k = self.k_proj(x).view(rows, self.num_kv_heads, d)
@@ -218,9 +231,9 @@ class Attention(nn.Module):
             else:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = backend.attend(self.layer, q, k, v, meta)
-        return self._o_proj(out.reshape(rows, self.num_heads * d))
+        return self._o_proj(out.reshape(rows, self.num_heads * d), unreduced)
 
-    def _o_proj(self, out: torch.Tensor) -> torch.Tensor:
+    def _o_proj(self, out: torch.Tensor, unreduced: bool) -> torch.Tensor | SplitSums:
         if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
-            return project(out, self.o_proj.weight, True, prefetch_whole=True)
+            return project(out, self.o_proj.weight, True, prefetch_whole=True, unreduced=unreduced)
         return self.o_proj(out)

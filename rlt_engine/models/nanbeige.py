@@ -43,8 +43,9 @@ class NanbeigeDecoderLayer(nn.Module):
         residual add and the norm after it in one launch."""
         if exit_gate is not None:
             raise ValueError("Nanbeige has no exit gate")
-        x, h = add_norm(self.self_attn(h, rope, meta, backend), x, self.post_attention_layernorm)
-        out = self.mlp(h)
+        attn = self.self_attn(h, rope, meta, backend, unreduced=True)  # summed by add_norm
+        x, h = add_norm(attn, x, self.post_attention_layernorm)
+        out = self.mlp(h, unreduced=next_norm is not None)
         if next_norm is None:
             return x + out, None, None
         return *add_norm(out, x, next_norm), None

@@ -50,9 +50,10 @@ class OuroDecoderLayer(nn.Module):
         launch (layers.add_norm), or (output, None, None) without next_norm. Bit-identical to
         `forward` with fused norms. `exit_gate` (fp32 weight and bias, with next_norm): the
         last launch also computes the exit hazard of next_norm's output, returned third."""
-        attn = self.self_attn(h, rope, meta, backend)
+        # the o_proj's and the down_proj's split-K partials are summed by the add + norm launch
+        attn = self.self_attn(h, rope, meta, backend, unreduced=True)
         x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
-        out = self.mlp(h)
+        out = self.mlp(h, unreduced=next_norm is not None)
         if next_norm is None:
             return self.post_attention_layernorm_2(out, residual=x), None, None
         if exit_gate is not None:

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 
 from rlt_engine.kernels.norm import rms_norm
 from rlt_engine.kernels.norm_chain import add_rms_norm, add_rms_norm_hazard, add_rms_norm_reference
+from rlt_engine.kernels.split_sums import SplitSums
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -87,6 +88,61 @@ def test_rejects_bad_arguments():
         add_rms_norm(y, res, wb, 1e-6, y_weight=wa[:8])
     with pytest.raises(ValueError, match="y must be"):
         add_rms_norm(y[None], res[None], wb, 1e-6)
+
+
+# -- y as a split-K GEMM's unsummed partials (kernels/split_sums) ---------------------------------
+
+
+def split_sums(rows: int, hidden: int, splits: int, dtype, device: str = "cpu", seed: int = 7):
+    """Partials whose sum lands on rounding ties and signed zeros often: the order and the
+    single rounding are what the test can see."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = torch.randn(splits, rows, hidden, generator=gen) * 4
+    parts[:, :, ::5] = parts[:, :, ::5].to(torch.bfloat16).float()  # exact in bf16: ties
+    parts[0, :, 1::7] = -0.0
+    parts[1:, :, 1::7] = 0.0  # a sum of -0.0 and +0.0: the start from 0.0 decides its sign
+    parts[1:, :, 2::9] *= 1e-8  # small addends the order and the single rounding can lose
+    return SplitSums(parts.to(device), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_split_sums_are_the_gemms_sum_bit_for_bit(dtype, splits):
+    """add_rms_norm of a SplitSums = add_rms_norm of its sum as the GEMM rounds it (0.0 + p0 +
+    p1 + ... in fp32, once to the dtype), x, h and the hazard; the reference agrees."""
+    y = split_sums(5, 96, splits, dtype)
+    _, res, wa, wb = make(5, 96, dtype, seed=4)
+    summed = y.total()
+    assert summed.dtype == dtype and y.shape == summed.shape == (5, 96)
+    exact(add_rms_norm(y, res, wb, 1e-6, wa, 1e-5), add_rms_norm(summed, res, wb, 1e-6, wa, 1e-5))
+    exact(add_rms_norm(y, res, wb, 1e-6), add_rms_norm(summed, res, wb, 1e-6))
+    gw, gb = gate_of(96)
+    exact(
+        add_rms_norm_hazard(y, res, wb, 1e-6, gw, gb, wa, 1e-5),
+        add_rms_norm_hazard(summed, res, wb, 1e-6, gw, gb, wa, 1e-5),
+    )
+    exact(add_rms_norm_reference(y, res, wb, 1e-6), add_rms_norm_reference(summed, res, wb, 1e-6))
+
+
+def test_split_sums_order_is_visible():
+    """The test data tells the kernels' sum from others: in fp32 summing the splits backwards
+    changes bits, in bf16 rounding each partial before the sum does."""
+    y = split_sums(5, 96, 4, torch.float32)
+    assert not torch.equal(SplitSums(y.parts.flip(0), y.dtype).total(), y.total())
+    y = split_sums(5, 96, 4, torch.bfloat16)
+    rounded = y.parts.to(torch.bfloat16).float().sum(0).to(torch.bfloat16)
+    assert not torch.equal(rounded, y.total())
+
+
+def test_split_sums_rejects_bad_partials():
+    _, res, _, wb = make(3, 48, torch.bfloat16)
+    parts = torch.zeros(2, 3, 48)
+    with pytest.raises(ValueError, match="split sums must be fp32"):
+        add_rms_norm(SplitSums(parts.bfloat16(), torch.bfloat16), res, wb, 1e-6)
+    with pytest.raises(ValueError, match="residual must be"):
+        add_rms_norm(SplitSums(parts[:, :2], torch.bfloat16), res, wb, 1e-6)
+    with pytest.raises(ValueError, match="residual must be"):
+        add_rms_norm(SplitSums(parts, torch.float16), res, wb, 1e-6)
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -161,6 +217,19 @@ def test_hazard_rejects_a_bad_gate():
         add_rms_norm_hazard(y, res, wb, 1e-6, gw.bfloat16(), gb)
     _, _, empty = add_rms_norm_hazard(y[:0], res[:0], wb, 1e-6, gw, gb)
     assert empty.shape == (0,)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_gpu_split_sums_are_the_gemms_sum_bit_for_bit(rows, splits, dtype):
+    y = split_sums(rows, 2048, splits, dtype, device="cuda", seed=rows + splits)
+    _, res, wa, wb = make(rows, 2048, dtype, device="cuda", seed=rows)
+    summed = y.total()
+    exact(add_rms_norm(y, res, wb, 1e-6, wa, 1e-6), add_rms_norm(summed, res, wb, 1e-6, wa, 1e-6))
+    exact(add_rms_norm(y, res, wb, 1e-6), add_rms_norm(summed, res, wb, 1e-6))
 
 
 @gpu

@@ -132,18 +132,23 @@ from rlt_engine.kernels import ws_gemm
 fn = ws_gemm._build()
 names = fn.arg_names
 out = {}
-configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0), (16, 64, 128, 4, 4, 1, "fp16", False, 0),
-           (8, 64, 128, 3, 1, 2, "bf16", False, 0), (8, 64, 256, 2, 4, 1, "bf16", True, 0),
-           (8, 64, 128, 4, 1, 1, "bf16", True, 0), (8, 64, 256, 5, 1, 1, "bf16", False, 128),
-           (16, 128, 256, 2, 2, 1, "bf16", False, 128))
-for bm, bn, bk, stages, split, parts, dt, probe, rope in configs:
+configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
+           (16, 64, 128, 4, 4, 1, "fp16", False, 0, False),
+           (8, 64, 128, 3, 1, 2, "bf16", False, 0, False),
+           (8, 64, 256, 2, 4, 1, "bf16", True, 0, False),
+           (8, 64, 128, 4, 1, 1, "bf16", True, 0, False),
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False),
+           (16, 128, 256, 2, 2, 1, "bf16", False, 128, False),
+           (8, 64, 256, 2, 4, 1, "bf16", False, 0, True))
+for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced in configs:
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0)
+                 PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0,
+                 UNREDUCED=unreduced)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
         "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
@@ -154,6 +159,7 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope in configs:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
     name += f"_rope_bn{bn}" if rope else ""
+    name += "_unreduced" if unreduced else ""
     out[name] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
@@ -174,6 +180,12 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         assert code.count("griddepcontrol.launch_dependents") == 1, name
     assert "atom.global.gpu.acq_rel.add" in ptx["split4"]  # the partials' tickets
     assert "atom.global" not in ptx["split1"]
+    # unreduced partials (kernels/split_sums): stored, no ticket, no reload of the others'
+    assert (
+        "atom.global" not in ptx["split4_unreduced"]
+        and "ld.global.cg" not in (ptx["split4_unreduced"])
+    )
+    assert "ld.global.cg" in ptx["split4"]
     # the qkv epilogue: rope.py's products (mul.rn, never an FMA); a program holds whole RoPE
     # pairs (two half boxes a stage): no ticket but split-K's
     assert "mul.rn.f32" in ptx["split1_rope_bn64"] and "mul.rn.f32" not in ptx["split1"]
@@ -326,4 +338,49 @@ def test_gpu_qkv_rope_epilogue_equals_rope_write_kv(m, heads, kv_heads, hidden, 
         assert torch.equal(fused, plain)
         for fused_pool, plain_pool in zip(pools[2:], pools[:2], strict=True):
             assert torch.equal(fused_pool[: slots - 1], plain_pool[: slots - 1])
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
+
+
+@gpu
+@needs_ws
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize("name", ["ouro_o", "ouro_down", "nanbeige_down"])
+def test_gpu_unreduced_partials_sum_to_the_gemm_bit_for_bit(name, m):
+    """`unreduced`: the split-K partials, summed in split order and rounded (SplitSums.total,
+    or the add + norm launch that reads them), are the GEMM's output bit for bit; no counter
+    touched; without split-K the plain output; inside a CUDA graph the same."""
+    from rlt_engine.kernels.norm_chain import add_rms_norm
+    from rlt_engine.kernels.split_sums import SplitSums
+    from rlt_engine.kernels.ws_gemm import ws_gemm
+
+    (n, k), configs = SHAPES[name]
+    x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m)
+    g = torch.Generator(device="cuda").manual_seed(m)
+    res = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+    norm_w = (torch.rand(n, device="cuda", generator=g) + 0.5).bfloat16()
+    for config in configs:
+        plain = ws_gemm(x, w, config)
+        parts = ws_gemm(x, w, config, unreduced=True)
+        assert isinstance(parts, SplitSums) and parts.parts.shape == (config.split_k, m, n)
+        assert torch.equal(parts.total(), plain)
+        chain = add_rms_norm(parts, res, norm_w, 1e-6, norm_w, 1e-6)
+        for got, want in zip(
+            chain, add_rms_norm(plain, res, norm_w, 1e-6, norm_w, 1e-6), strict=True
+        ):
+            assert torch.equal(got, want)
+    unsplit = ws_gemm(x, w, ws(64, 128, 1, 4), unreduced=True)
+    assert isinstance(unsplit, torch.Tensor)
+    config = configs[0]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        add_rms_norm(ws_gemm(x, w, config, unreduced=True), res, norm_w, 1e-6)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = add_rms_norm(ws_gemm(x, w, config, unreduced=True), res, norm_w, 1e-6)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = add_rms_norm(ws_gemm(x, w, config), res, norm_w, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(captured, want, strict=True))
     assert int(small_gemm._counters(x.device).abs().sum()) == 0
