@@ -22,7 +22,8 @@ Reported as medians over layers and replays, at 1 and 8 rows.
 --timeline: the chain's warp-specialised GEMMs (qkv, o_proj, gate/up + SwiGLU, down_proj, as
 the table configures them) carry probes too (`ws_gemm(..., probe=...)`, its PROBE_FIELDS), and
 each kernel of a layer is placed on one time line whose zero is the layer's qkv wait return:
-when its first program started (placed under PDL), when its producers' first ring of weight
+when its first program started (placed under PDL), when its median program was placed (its
+producer warp's start), when its producers' first ring of weight
 tiles had landed (median over programs), when its waits returned (median), its activation
 rows landed, its last MMA retired, and its last program ended. What it answers: how full each
 GEMM's ring is when its wait returns, what a GEMM does between its wait and its end, and
@@ -175,6 +176,7 @@ def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
         p = layer[f"{name}_probe"].cpu().double()
         marks[name] = {
             "start": float(p[:, [fields["start"], fields["producer_start"]]].min()),
+            "placed": float(p[:, fields["producer_start"]].median()),
             "ring_full": float(p[:, fields["ring_full"]].median()),
             "waited": float(p[:, fields["waited"]].median()),
             "x_ready": float(p[:, fields["x_ready"]].median()),
@@ -184,6 +186,7 @@ def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
     a = layer["probe"].cpu().double()  # attention: start, waited, end (ns), then cycles
     marks["attention"] = {
         "start": float(a[:, 0].min()),
+        "placed": float(a[:, 0].median()),
         "waited": float(a[:, 1].median()),
         "end": float(a[:, 2].max()),
     }

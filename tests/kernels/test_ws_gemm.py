@@ -368,8 +368,9 @@ def test_gpu_unreduced_partials_sum_to_the_gemm_bit_for_bit(name, m):
             chain, add_rms_norm(plain, res, norm_w, 1e-6, norm_w, 1e-6), strict=True
         ):
             assert torch.equal(got, want)
-    unsplit = ws_gemm(x, w, ws(64, 128, 1, 4), unreduced=True)
-    assert isinstance(unsplit, torch.Tensor)
+    x1, w1 = make(m, 2048, 2048, torch.bfloat16, device="cuda", seed=m)  # fits one split's ring
+    unsplit = ws_gemm(x1, w1, ws(64, 128, 1, 4), unreduced=True)
+    assert isinstance(unsplit, torch.Tensor) and torch.equal(unsplit, ws_gemm(x1, w1, ws()))
     config = configs[0]
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
