@@ -52,6 +52,12 @@ from rlt_engine.kernels.split_sums import SplitSums
 __all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
+# Registers a thread is launched with (PTX .maxnreg; setmaxnreg then gives the producer warp 24-40
+# and the MMA warps the rest, 136 at 80). Triton's default for a warp-specialised kernel is the
+# whole register file (255 x 8 warps = 65,280 of the SM's 65,536), so nothing else could run on
+# an SM beside a GEMM program: the o_proj's programs waited for attention's to leave before they
+# could start their weight stream (placed 11.26 us into the layer, attention ending at 11.26).
+MAX_REGISTERS = 80
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -232,7 +238,7 @@ def ws_gemm(
         LATE=rope is not None and m > 1,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced, num_warps=4,
-        **_pdl.launch_options(pdl),
+        maxnreg=MAX_REGISTERS, **_pdl.launch_options(pdl),
     )  # fmt: skip
     if unreduced:  # rows flattened: [splits, rows, N]
         return SplitSums(partials, x.dtype)
