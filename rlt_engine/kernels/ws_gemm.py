@@ -52,12 +52,12 @@ from rlt_engine.kernels.split_sums import SplitSums
 __all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
-# Registers a thread is launched with (PTX .maxnreg; setmaxnreg then gives the producer warp 24-40
-# and the MMA warps the rest, 136 at 80). Triton's default for a warp-specialised kernel is the
-# whole register file (255 x 8 warps = 65,280 of the SM's 65,536), so nothing else could run on
-# an SM beside a GEMM program: the o_proj's programs waited for attention's to leave before they
-# could start their weight stream (placed 11.26 us into the layer, attention ending at 11.26).
-MAX_REGISTERS = 80
+# Registers a thread is launched with (PTX .maxnreg), None: Triton's default for a warp-specialised
+# kernel, the whole register file (255 x 8 warps = 65,280 of the SM's 65,536), so nothing runs on
+# an SM beside a GEMM program. 80 (setmaxnreg then gives the MMA warps 136) let the down_proj's
+# programs start beside the gate/up's and stream their ring under it: the gate/up slowed as much,
+# c=1 -1.5%, c=8 -2.5% on the H200 (results/2026-12-03-split-sums-h200.md).
+MAX_REGISTERS: int | None = None
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
