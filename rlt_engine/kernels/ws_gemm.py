@@ -52,12 +52,6 @@ from rlt_engine.kernels.split_sums import SplitSums
 __all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
-# Registers a thread is launched with (PTX .maxnreg), None: Triton's default for a warp-specialised
-# kernel, the whole register file (255 x 8 warps = 65,280 of the SM's 65,536), so nothing runs on
-# an SM beside a GEMM program. 80 (setmaxnreg then gives the MMA warps 136) let the down_proj's
-# programs start beside the gate/up's and stream their ring under it: the gate/up slowed as much,
-# c=1 -1.5%, c=8 -2.5% on the H200 (results/2026-12-03-split-sums-h200.md).
-MAX_REGISTERS: int | None = None
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -238,7 +232,11 @@ def ws_gemm(
         LATE=rope is not None and m > 1,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced, num_warps=4,
-        maxnreg=MAX_REGISTERS, **_pdl.launch_options(pdl),
+        # launched with the whole register file (Triton's default here), so no other kernel's
+        # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
+        # programs started beside the gate/up's and streamed under it, c=8 -2.5%
+        # (results/2026-12-03-split-sums-h200.md)
+        **_pdl.launch_options(pdl),
     )  # fmt: skip
     if unreduced:  # rows flattened: [splits, rows, N]
         return SplitSums(partials, x.dtype)
