@@ -35,5 +35,8 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
     assert line["qkv"]["waited"] == 0.0
     assert line["qkv"]["start"] == pytest.approx(-2.5)  # its producers began first
     assert line["qkv"]["end"] == pytest.approx(5.1)  # the last program's end
-    assert line["attention"] == pytest.approx({"start": 5.0, "waited": 6.0, "end": 7.0})
+    assert line["qkv"]["placed"] == pytest.approx(-2.5)  # the median producer's start
+    assert line["attention"] == pytest.approx(
+        {"start": 5.0, "placed": 5.0, "waited": 6.0, "end": 7.0}
+    )
     assert line["down"]["ring_full"] == pytest.approx(29.0)
