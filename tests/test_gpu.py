@@ -92,17 +92,35 @@ def test_cuda_slots_handed_on_early_match_cpu(tiny_ouro_dir):
     assert got == want
 
 
+def ouro_decode_at_1_and_8(prompts: list[list[int]]) -> dict[int, list]:
+    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs, 8 slots): (token ids, exit depths)
+    of 16 greedy tokens for the first 1 and the first 8 prompts, each from a fresh engine that
+    returns every block."""
+    import gc
+    from pathlib import Path
+
+    model = Path(__file__).parent / "fixtures" / "ouro-1.4b"
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = {}
+    for n in (1, 8):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda",
+                  max_num_seqs=8)  # fmt: skip
+        outs = llm.generate(prompts[:n], params)
+        assert llm.engine.blocks.num_used == 0
+        runs[n] = [(o.token_ids, o.exit_depths) for o in outs]
+        del llm
+    return runs
+
+
 def test_cuda_unreduced_split_k_equals_the_gemms_own_sum(monkeypatch):
     """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs), decode at 1 and 8 sequences: the
     o_proj's and down_proj's split-K partials summed by the add + norm launch
     (kernels/split_sums) give the tokens and exit depths of the GEMM summing them itself."""
-    import gc
-    from pathlib import Path
-
     from rlt_engine.kernels import small_gemm
     from rlt_engine.kernels.split_sums import SplitSums
 
-    model = Path(__file__).parent / "fixtures" / "ouro-1.4b"
     taken: list[bool] = []
     real = small_gemm.linear
 
@@ -113,18 +131,7 @@ def test_cuda_unreduced_split_k_equals_the_gemms_own_sum(monkeypatch):
 
     monkeypatch.setattr(small_gemm, "linear", spy)
     prompts = [[(41 * i + 13 * j) % 49000 + 3 for j in range(36 + i)] for i in range(8)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-
-    def run(n: int):
-        gc.collect()
-        torch.cuda.empty_cache()
-        llm = LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda",
-                  max_num_seqs=8)  # fmt: skip
-        outs = llm.generate(prompts[:n], params)
-        assert llm.engine.blocks.num_used == 0
-        return [(o.token_ids, o.exit_depths) for o in outs]
-
-    unreduced = {n: run(n) for n in (1, 8)}
+    unreduced = ouro_decode_at_1_and_8(prompts)
     from rlt_engine.kernels.ws_gemm import available
 
     if available(torch.device("cuda")):
@@ -136,20 +143,16 @@ def test_cuda_unreduced_split_k_equals_the_gemms_own_sum(monkeypatch):
             x, w, gate, prefetch_whole
         ),
     )
-    assert {n: run(n) for n in (1, 8)} == unreduced
+    assert ouro_decode_at_1_and_8(prompts) == unreduced
 
 
 def test_cuda_qkv_rope_epilogue_equals_its_own_launch(monkeypatch):
     """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs), decode at 1 and 8 sequences:
     RoPE + the K/V write in the qkv GEMM's epilogue (worker/attention's project_attend, taken
     on an H200) gives the tokens and exit depths of their own launch, bit for bit."""
-    import gc
-    from pathlib import Path
-
     from rlt_engine.kernels import small_gemm
     from rlt_engine.worker.attention import TritonPagedAttention
 
-    model = Path(__file__).parent / "fixtures" / "ouro-1.4b"
     taken: list[bool] = []
     real = small_gemm.linear_rope
 
@@ -160,21 +163,10 @@ def test_cuda_qkv_rope_epilogue_equals_its_own_launch(monkeypatch):
 
     monkeypatch.setattr(small_gemm, "linear_rope", spy)
     prompts = [[(37 * i + 11 * j) % 49000 + 3 for j in range(40 + i)] for i in range(8)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-
-    def run(n: int):
-        gc.collect()
-        torch.cuda.empty_cache()
-        llm = LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda",
-                  max_num_seqs=8)  # fmt: skip
-        outs = llm.generate(prompts[:n], params)
-        assert llm.engine.blocks.num_used == 0
-        return [(o.token_ids, o.exit_depths) for o in outs]
-
-    fused = {n: run(n) for n in (1, 8)}
+    fused = ouro_decode_at_1_and_8(prompts)
     from rlt_engine.kernels.ws_gemm import available
 
     if available(torch.device("cuda")):
         assert any(taken)
     monkeypatch.setattr(TritonPagedAttention, "project_attend", lambda self, *a: None)
-    assert {n: run(n) for n in (1, 8)} == fused
+    assert ouro_decode_at_1_and_8(prompts) == fused

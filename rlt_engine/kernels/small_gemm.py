@@ -197,11 +197,7 @@ def linear(
     config = choose(x, w, gated=gate is not None or whole)
     if config is None or (config.kernel == "ws" and not _ws_available(x.device)):
         return F.linear(x, w)
-    if unreduced and config.kernel == "ws" and gate is None:
-        from rlt_engine.kernels.ws_gemm import ws_gemm
-
-        return ws_gemm(x, w, config, unreduced=True)
-    return gemm(x, w, config, gate, prefetch_whole=whole)
+    return gemm(x, w, config, gate, prefetch_whole=whole, unreduced=unreduced)
 
 
 def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
@@ -228,15 +224,16 @@ def gemm(
     config: GemmConfig,
     gate: torch.Tensor | None = None,
     prefetch_whole: bool = False,
-) -> torch.Tensor:
+    unreduced: bool = False,
+) -> torch.Tensor | SplitSums:
     """`x @ w.T` with the kernel of an explicit config (tests, the benchmark): x [..., K] with at
     most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device. `gate`,
-    `prefetch_whole`: see `linear` (the "ws" kernel always runs the GEMM and streams its
-    weights ahead of the PDL wait by itself)."""
+    `prefetch_whole`, `unreduced`: see `linear` (the "ws" kernel always runs the GEMM and
+    streams its weights ahead of the PDL wait by itself; only it leaves partials unreduced)."""
     if config.kernel == "ws":
         from rlt_engine.kernels.ws_gemm import ws_gemm
 
-        return ws_gemm(x, w, config)
+        return ws_gemm(x, w, config, unreduced=unreduced)
     if x.dtype not in _DTYPES or w.dtype != x.dtype or w.dim() != 2 or x.dim() < 1:
         raise ValueError(
             f"x [..., K] and w [N, K] must share a dtype in {_DTYPES}, got x {x.dtype} "

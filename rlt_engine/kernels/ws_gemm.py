@@ -184,9 +184,9 @@ def ws_gemm(
     why = check(n, k, m, config.block_n, bk, splits, swiglu)
     if why is None and rope is not None:
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
-    unreduced = unreduced and splits > 1
-    if why is None and unreduced and (swiglu or rope is not None):
-        why = "unreduced partials are for the plain GEMM (no SwiGLU, no RoPE)"
+    unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
+    if why is None and unreduced and rope is not None:
+        why = "unreduced partials are for the plain GEMM, not the RoPE epilogue"
     if why is not None:
         raise ValueError(why)
     if not available(x.device):
