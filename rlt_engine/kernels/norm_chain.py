@@ -41,8 +41,9 @@ from rlt_engine.kernels.split_sums import SplitSums
 
 __all__ = ["add_rms_norm", "add_rms_norm_hazard", "add_rms_norm_reference", "supported"]
 
-# set by _import_triton(); the kernel's body reads `tl`, `libdevice`, `round_bf16`, `normed_row`
-triton = tl = libdevice = round_bf16 = normed_row = None
+# set by _import_triton(); the kernel's body reads `tl`, `libdevice`, `round_bf16`, `normed_row`,
+# `prefetch_lines`
+triton = tl = libdevice = round_bf16 = normed_row = prefetch_lines = None
 
 
 def add_rms_norm_reference(
@@ -175,6 +176,8 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
+            LINE=_pdl.LINE_BYTES // x.element_size(),
+            LINES=max(1, block * x.element_size() // _pdl.LINE_BYTES),
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
             **_pdl.launch_options(pdl),
         )
@@ -182,13 +185,14 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
 
 
 def _import_triton() -> None:
-    global triton, tl, libdevice, round_bf16, normed_row
+    global triton, tl, libdevice, round_bf16, normed_row, prefetch_lines
     from rlt_engine.kernels import swiglu as _swiglu
 
     _norm._import_triton()
     _swiglu._import_triton()
+    _pdl._import_triton()
     triton, tl, libdevice = _norm.triton, _norm.tl, _swiglu.libdevice
-    round_bf16, normed_row = _norm.round_bf16, _norm.normed_row
+    round_bf16, normed_row, prefetch_lines = _norm.round_bf16, _norm.normed_row, _pdl.prefetch_lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,11 +224,25 @@ def _add_rms_norm_kernel(
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    LINE: tl.constexpr,  # PDL: elements per 128-byte line (the residual's L2 prefetch)
+    LINES: tl.constexpr,  # PDL: lines a row spans, a power of two (max(1, BLOCK // LINE))
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+    # the norms' weights (parameters: no kernel writes them) before the wait: a decode layer's
+    # weight stream has evicted them from L2, and the second norm would otherwise wait for
+    # its weights' round trip only after the first norm's reduction (kernels/pdl.py)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM_Y:
+        wy = tl.load(wy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATE:
+        gw = tl.load(gw_ptr + cols, mask=mask, other=0.0)
+        gb = tl.load(gb_ptr)
+    if PDL:  # ask L2 for the residual row, wait for the previous kernel, release the next
+        lines = tl.arange(0, LINES) * LINE
+        at = res_ptr + row * stride_r
+        prefetch_lines(tl.where(lines < H, at + lines, at))
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if SPLITS:  # the GEMM's sum: 0.0 + p0 + p1 + ... in fp32, rounded once
@@ -239,7 +257,6 @@ def _add_rms_norm_kernel(
         y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
     r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
     if NORM_Y:
-        wy = tl.load(wy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         o = r.to(tl.float32) + normed_row(y, wy, eps_y, INV_H, EXACT_MUL, ROUND_BF16)
     else:
         o = r.to(tl.float32) + y.to(tl.float32)
@@ -247,12 +264,10 @@ def _add_rms_norm_kernel(
         o = round_bf16(o)
     x = o.to(y.dtype)  # exact for the interpreter's truncating cast once rounded
     tl.store(x_ptr + row * H + cols, x, mask=mask)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = normed_row(x, w, eps, INV_H, EXACT_MUL, ROUND_BF16)
     tl.store(h_ptr + row * H + cols, h.to(y.dtype), mask=mask)
     if GATE:  # the gate reads h as stored (exact for the interpreter once rounded)
-        gw = tl.load(gw_ptr + cols, mask=mask, other=0.0)
-        logit = tl.sum(h.to(y.dtype).to(tl.float32) * gw, axis=0) + tl.load(gb_ptr)
+        logit = tl.sum(h.to(y.dtype).to(tl.float32) * gw, axis=0) + gb
         if EXACT_MUL:  # torch's CUDA sigmoid: libdevice expf, an IEEE division
             hazard = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-logit))
         else:  # the interpreter has no libdevice

@@ -15,7 +15,9 @@ The protocol every kernel launched with PDL keeps, which is what keeps it exact:
   exception: decode attention's K/V prefetch reads the block table, seq_lens and
   query_start, which its caller vouches the kernel just before does not write (every kernel
   before that one has completed once this one's programs run, by the next rule); the L2
-  prefetches themselves are hints, coherent whatever they touch;
+  prefetches themselves are hints, coherent whatever they touch. Model parameters, which no
+  kernel writes, may be read before the wait (the GEMMs' weight tiles, the add + norm's
+  weights);
 - every program executes `gdc_wait`, even one that returns early (a gated GEMM): a kernel then
   completes only after its predecessor has, so completion stays transitive down the chain;
 - successors are released (`gdc_launch_dependents`) only after the wait: at most one kernel

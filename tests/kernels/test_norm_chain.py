@@ -239,3 +239,50 @@ def test_gpu_split_sums_are_the_gemms_sum_bit_for_bit(rows, splits, dtype):
 def test_gpu_hazard_within_ulps_of_the_torch_gate(rows, dtype):
     y, res, wa, wb = make(rows, 2048, dtype, device="cuda", seed=rows)
     check_hazard(y, res, wa, wb, *gate_of(2048, "cuda"))
+
+
+# compiled in a process of its own: this one imported triton for the interpreter
+_COMPILE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rlt_engine.kernels import norm_chain, paged_attention
+
+norm_chain._import_triton()
+fn = paged_attention._kernel(norm_chain._add_rms_norm_kernel, False)
+names = fn.arg_names
+out = {}
+for splits, norm_y, gate in ((4, True, True), (0, False, False)):
+    const = dict(H=2048, BLOCK=2048, INV_H=1.0 / 2048, SPLITS=splits, NORM_Y=norm_y, GATE=gate,
+                 EXACT_MUL=True, ROUND_BF16=False, PDL=True, LINE=64, LINES=32)
+    sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr")
+    sig |= {n: "*bf16" for n in names if n.endswith("_ptr")} | {"eps_y": "fp32", "eps": "fp32"}
+    sig |= {"gw_ptr": "*fp32", "gb_ptr": "*fp32", "hazard_ptr": "*fp32"}
+    sig["y_ptr"] = "*fp32" if splits else "*bf16"
+    aligned = [a for a in names if a.endswith("_ptr") or a.startswith("stride")]
+    src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    out[f"splits{splits}" + ("_gate" if gate else "")] = kernel.asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_sm90_with_the_weights_ahead_of_the_pdl_wait():
+    """The norms' weights (and the gate's) are loaded before the wait and the residual's lines
+    are asked of L2 there; after the wait every load (y or its partials, the residual) is
+    issued before the first store: no round trip waits on a reduction (sm_90 PTX)."""
+    from sm90_compile import run_compile_script
+
+    for name, code in run_compile_script(_COMPILE).items():
+        lines = code.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        loads = [i for i, line in enumerate(lines) if "ld.global" in line]
+        first_store = next(i for i, line in enumerate(lines) if "st.global" in line)
+        before = sum(i < wait for i in loads)
+        assert before == (5 if "gate" in name else 1), name  # w [, wy, gw (2 vectors), gb]
+        assert any("prefetch.global.L2" in line for line in lines[:wait]), name
+        assert all(i < first_store for i in loads), name
+        assert sum(i > wait for i in loads) == (4 * 2 + 1 if "splits4" in name else 2), name
