@@ -4,14 +4,14 @@ with a `PDL` constexpr, nothing before its `if PDL:` block reads or writes memor
 (`gdc_wait`) before it releases the next kernel (`gdc_launch_dependents`), touching memory
 only through L2 prefetch hints (`prefetch_l2` of weights, `prefetch_lines`, `prefetch_kv_l2`
 of K/V rows through the block table and seq_lens, which the kernel before a decode attention
-launch never writes) before the wait. A kernel whose caller vouches for what the kernel before never writes (X, such
-as paged attention's EARLY_META) may instead have `if PDL and not X:` then `if PDL and X:`,
-and between them only load that memory (EARLY_READS). A kernel that releases late has its
-release inside the wait's block under `if not LATE:` and a last `if PDL and LATE:` block that
-only releases. A kernel that broke this
-would race with its predecessor only on sm_90+ GPUs, and only sometimes; this test fails on
-any machine the moment such a kernel is written. Also: every launch that passes
-`launch_options(pdl)` passes `PDL=pdl` too (launched with PDL <=> compiled with the wait)."""
+launch never writes) before the wait. A kernel whose caller vouches for what the kernel
+before never writes (X, such as paged attention's EARLY_META) may instead have `if PDL and
+not X:` then `if PDL and X:`, and between them only load that memory (EARLY_READS). A kernel
+that releases late has its release inside the wait's block under `if not LATE:` and a last
+`if PDL and LATE:` block that only releases. A kernel that broke this would race with its
+predecessor only on sm_90+ GPUs, and only sometimes; this test fails on any machine the
+moment such a kernel is written. Also: every launch that passes `launch_options(pdl)` passes
+`PDL=pdl` too (launched with PDL <=> compiled with the wait)."""
 
 from __future__ import annotations
 
