@@ -298,20 +298,46 @@ def _build():
         return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
 
+    # the RoPE epilogue's layout of a tile's half [BN / 2, BM]: a thread a (dim, row)
+    ROPE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1]))
+
     @gluon.jit
-    def rope_tile(val, scratch, out_ptr, N, M, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                  kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM: gl.constexpr, BN: gl.constexpr,
-                  D: gl.constexpr):  # fmt: skip
+    def rope_operands(cos_ptr, sin_ptr, stride_cos, stride_sin, slot_ptr, M, H, KVH,
+                      BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):  # fmt: skip
+        """What the RoPE epilogue reads besides its tile: the rows' cos / sin at the tile's
+        dims (q and k tiles only) and their K/V slots. Loaded right after the wait, so their
+        round trip (from HBM: the layer's weight stream has evicted them from L2) overlaps
+        the MMA loop instead of following it."""
+        HB: gl.constexpr = BN // 2
+        HALF: gl.constexpr = D // 2
+        lay: gl.constexpr = ROPE_LAYOUT
+        i = gl.arange(0, HB, layout=gl.SliceLayout(1, lay))[:, None]
+        r = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))[None, :]
+        tile = gl.program_id(0)
+        d = (tile % (D // BN)) * HB + i  # the dim of x1 within its head; x2's is d + HALF
+        ok = (r < M) & (i >= 0) & (tile // (D // BN) < H + KVH)  # v tiles rotate nothing
+        c1 = gl.load(cos_ptr + r * stride_cos + d, mask=ok, other=0.0).to(gl.float32)
+        c2 = gl.load(cos_ptr + r * stride_cos + HALF + d, mask=ok, other=0.0).to(gl.float32)
+        s1 = gl.load(sin_ptr + r * stride_sin + d, mask=ok, other=0.0).to(gl.float32)
+        s2 = gl.load(sin_ptr + r * stride_sin + HALF + d, mask=ok, other=0.0).to(gl.float32)
+        slot = gl.load(slot_ptr + r, mask=r < M, other=0)  # int64: the pool is large
+        return c1, c2, s1, s2, slot
+
+    @gluon.jit
+    def rope_tile(val, scratch, out_ptr, N, M, operands, kpool_ptr, vpool_ptr, H, KVH,
+                  BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):  # fmt: skip
         """The qkv epilogue of one tile (fp32 [BN, BM], all M rows): its first BN / 2 weight
         rows are dims j*BN/2.. of head `head`, the others the same dims + D/2 (the producer's
         two half boxes), so the tile holds whole RoPE pairs. q / k dims rotated (k also to
-        k_pool), v to v_pool; rope_kv_write's roundings step by step."""
+        k_pool), v to v_pool; rope_kv_write's roundings step by step. `operands`: what
+        rope_operands loaded."""
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         HB: gl.constexpr = BN // 2
         HALF: gl.constexpr = D // 2
+        c1, c2, s1, s2, slot = operands
         scratch.store(val.to(dtype))  # rounded as the plain GEMM stores it
         gl.thread_barrier()  # a pair's halves live in different warps: meet in shared memory
-        lay: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 4], [0, 1])
+        lay: gl.constexpr = ROPE_LAYOUT
         x1 = scratch.slice(0, HB).load(lay)
         x2 = scratch.slice(HB, HB).load(lay)
         i = gl.arange(0, HB, layout=gl.SliceLayout(1, lay))[:, None]
@@ -321,12 +347,7 @@ def _build():
         d = (tile % (D // BN)) * HB + i  # the dim of x1 within its head; x2's is d + HALF
         ok = (r < M) & (i >= 0)
         x_at = out_ptr + r * N + head * D + d
-        slot = gl.load(slot_ptr + r, mask=r < M, other=0)  # int64: the pool is large
         if head < H + KVH:  # q or k: (x1*c1 - x2*s1, x2*c2 + x1*s2), products rounded
-            c1 = gl.load(cos_ptr + r * stride_cos + d, mask=ok, other=0.0).to(gl.float32)
-            c2 = gl.load(cos_ptr + r * stride_cos + HALF + d, mask=ok, other=0.0).to(gl.float32)
-            s1 = gl.load(sin_ptr + r * stride_sin + d, mask=ok, other=0.0).to(gl.float32)
-            s2 = gl.load(sin_ptr + r * stride_sin + HALF + d, mask=ok, other=0.0).to(gl.float32)
             f1, f2 = x1.to(gl.float32), x2.to(gl.float32)
             a1 = rope_mul(f1, c1).to(dtype).to(gl.float32)
             b1 = rope_mul(f2, s1).to(dtype).to(gl.float32)
@@ -406,6 +427,9 @@ def _build():
         mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
         for i in gl.static_range(KT):
             tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
+        if ROPE:  # in flight while the MMA loop runs
+            operands = rope_operands(cos_ptr, sin_ptr, stride_cos, stride_sin, slot_ptr, M, H,
+                                     KVH, BM, BN, D)  # fmt: skip
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16]
         )
@@ -436,8 +460,8 @@ def _build():
             if PARTS == 2:
                 gl.store(out, swiglu(acc, acc_up, dtype), mask=keep)
             elif ROPE:
-                rope_tile(acc, scratch, out_ptr, N, M, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                          kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN, D)  # fmt: skip
+                rope_tile(acc, scratch, out_ptr, N, M, operands, kpool_ptr, vpool_ptr, H, KVH,
+                          BM, BN, D)  # fmt: skip
             else:
                 gl.store(out, acc.to(dtype), mask=keep)
         elif UNREDUCED:  # partials [split, M, N], summed by the next kernel (split_sums.py)
@@ -456,9 +480,8 @@ def _build():
                     total += gl.load(part_ptr + (tile * SPLIT + j) * (BN * BM) + offs,
                                      cache_modifier=".cg")  # fmt: skip
                 if ROPE:
-                    rope_tile(total, scratch, out_ptr, N, M, cos_ptr, sin_ptr, stride_cos,
-                              stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, BM, BN,
-                              D)  # fmt: skip
+                    rope_tile(total, scratch, out_ptr, N, M, operands, kpool_ptr, vpool_ptr, H,
+                              KVH, BM, BN, D)  # fmt: skip
                 else:
                     gl.store(out, total.to(dtype), mask=keep)
                 gl.store(tick_ptr + tile, 0)  # ready for the next launch, which waits for this

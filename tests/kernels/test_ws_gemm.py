@@ -192,6 +192,12 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     assert "mul.rn.f32" in ptx["split1_rope_bn64"] and "mul.rn.f32" not in ptx["split1"]
     assert "atom.global" not in ptx["split1_rope_bn64"]
     assert ptx["split2_rope_bn128"].count("atom.global.gpu.acq_rel.add") == 1
+    # its cos / sin and slots are loaded before the MMA loop (their round trip overlaps it):
+    # without split-K no load follows the first MMA
+    rope = ptx["split1_rope_bn64"].splitlines()
+    first_mma = next(i for i, line in enumerate(rope) if "wgmma.mma_async" in line)
+    assert any("ld.global" in line for line in rope[:first_mma])
+    assert not any("ld.global" in line for line in rope[first_mma:])
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
