@@ -242,6 +242,10 @@ def _launch(
     block_n_override = block_n
     if block_n is None:
         block_n = max(16, min(64, 64 * 256 // row_bytes))
+        if max_query_len == 1 and num_splits == 1:  # unsplit decode: twice the keys a tile,
+            # half the dependent steps (results/2026-12-03-hoisted-loads-h200.md: c=8 +1.7%;
+            # split at c=1, one split would take every key: -12%)
+            block_n = max(16, min(128, 128 * 256 // row_bytes))
     rows = 64 if row_bytes <= 256 else 32  # target BLOCK_M for prefill tiles
     if block_q is None:  # decode: one query; prefill: fill about `rows` rows
         block_q = min(triton.next_power_of_2(max_query_len), max(1, rows // group))
