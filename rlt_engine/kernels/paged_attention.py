@@ -236,15 +236,16 @@ def _launch(
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
 
-    # Tiles sized by bytes per K/V row: bf16 d=128 -> 64 keys x 64 rows; fp32 or d=256 halve them.
+    # Tiles sized by bytes per K/V row: bf16 d=128 -> 64 keys x 64 rows (unsplit decode: 128
+    # keys); fp32 or d=256 halve them.
     block_d = max(16, triton.next_power_of_2(head_dim))
     row_bytes = block_d * q.element_size()
     block_n_override = block_n
     if block_n is None:
         block_n = max(16, min(64, 64 * 256 // row_bytes))
         if max_query_len == 1 and num_splits == 1:  # unsplit decode: twice the keys a tile,
-            # half the dependent steps (results/2026-12-03-hoisted-loads-h200.md: c=8 +1.7%;
-            # split at c=1, one split would take every key: -12%)
+            # half the dependent steps (results/2026-12-03-hoisted-loads-h200.md: c=8 +1.25%;
+            # also for split decode, c=1 lost 12%: its first split then takes every key)
             block_n = max(16, min(128, 128 * 256 // row_bytes))
     rows = 64 if row_bytes <= 256 else 32  # target BLOCK_M for prefill tiles
     if block_q is None:  # decode: one query; prefill: fill about `rows` rows
