@@ -15,7 +15,10 @@ cycle counter at its start, after its PDL wait and at its end. Per layer and rep
   after its wait, ns and SM cycles), end_after_last_wait: the launch's last end after its last
   wait return, gap: this launch's first wait return after the previous attention's last
   end (the layer's kernels between them), and layer: this launch's last end after the
-  previous attention's (a whole layer, a split-K merge launch included).
+  previous attention's (a whole layer, a split-K merge launch included);
+- a program's own time by phases (paged_attention.PROBE_FIELDS' data-dependent stamps):
+  metadata (its wait to its sequence's metadata landed), first_tile (to its first key tile's
+  P @ V done), other_tiles (to its last tile's), store (to its end: the output, a merge).
 
 Reported as medians over layers and replays, at 1 and 8 rows.
 
@@ -54,6 +57,7 @@ sys.path[:0] = [str(ROOT)]
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu  # noqa: E402
 from rlt_engine.kernels.norm import rms_norm  # noqa: E402
 from rlt_engine.kernels.norm_chain import add_rms_norm  # noqa: E402
+from rlt_engine.kernels.paged_attention import PROBE_FIELDS as ATTENTION_FIELDS  # noqa: E402
 from rlt_engine.kernels.paged_attention import _launch  # noqa: E402
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
 from rlt_engine.kernels.small_gemm import choose, linear, linear_rope  # noqa: E402
@@ -96,7 +100,7 @@ class Chain:
                 "norms": [1 + rnd(h, scale=0.1) for _ in range(4)],
                 "pool": (rnd(rows * keys, HEADS, D), rnd(rows * keys, HEADS, D)),
                 "probe": torch.full(
-                    (rows * HEADS * self.tiles.get("num_splits", 1), 6),
+                    (rows * HEADS * self.tiles.get("num_splits", 1), len(ATTENTION_FIELDS)),
                     -1,
                     dtype=torch.int64,
                     device="cuda",
@@ -195,6 +199,22 @@ def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
     return {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order}
 
 
+# a program's time after its wait, by the phases its stamps mark (us, per program)
+PHASES = ("metadata", "first_tile", "other_tiles", "store")
+
+
+def attention_phases(probe: torch.Tensor) -> dict[str, list[float]]:
+    """Per program (those that ran: padding programs leave -1): its wait to its metadata
+    landed, to its first key tile done, to its last, and to its end (the store, a merge)."""
+    f = {name: i for i, name in enumerate(ATTENTION_FIELDS)}
+    p = probe[probe[:, f["keys_done"]] >= 0].double()
+    marks = [f["waited"], f["metadata"], f["first_tile"], f["keys_done"], f["end"]]
+    return {
+        phase: ((p[:, b] - p[:, a]) / 1e3).tolist()
+        for phase, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True)
+    }
+
+
 def measure(
     rows: int,
     keys: int,
@@ -216,6 +236,7 @@ def measure(
     with torch.cuda.graph(graph):
         chain.run()
     keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap", "layer")
+    keys_ += PHASES
     stats: dict[str, list[float]] = {k: [] for k in keys_}
     lines: list[dict] = []
     for _ in range(replays):
@@ -234,6 +255,8 @@ def measure(
             stats["wait_spread"].append(float(waited.max() - waited.min()) / 1e3)
             stats["own"] += ((end - waited).double() / 1e3).tolist()
             stats["own_cycles"] += (p[:, 5] - p[:, 4]).double().tolist()
+            for phase, us in attention_phases(p).items():
+                stats[phase] += us
             stats["end_after_last_wait"].append(float(end.max() - waited.max()) / 1e3)
             previous_end = int(end.max())
     medians = {

@@ -46,7 +46,19 @@ triton = tl = None  # set by _import_triton(); the kernels' bodies read the modu
 # the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines, set by _prefetch_helpers (PDL only)
 prefetch_kv_l2 = prefetch_lines = None
 rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
-clocks = None  # pdl's @jit _clocks, set by _launch for a `probe`
+clocks = clock_after = None  # pdl's @jit _clocks and _clock_after, set by _launch for a `probe`
+
+PROBE_FIELDS = (  # what a PROBE build stamps per program, in this order
+    "start",  # %globaltimer ns: the program begins (before the PDL wait)
+    "waited",  # its PDL wait returned
+    "end",  # output (or partial, and the last split's merge) stored
+    "start_cycles",  # %clock64 at the same three points: the phases within a program
+    "waited_cycles",
+    "end_cycles",
+    "metadata",  # ns once the sequence's query range and length have landed
+    "first_tile",  # ns once its first key tile's P @ V is done (the metadata's, if no tile)
+    "keys_done",  # ns once its last key tile's P @ V is done
+)
 
 
 class RopeWrite(NamedTuple):
@@ -204,9 +216,10 @@ def _launch(
     """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
     `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
     where it was measured faster: `_rows_wins`). `probe` (benchmarks, tensor-core kernel,
-    compiled only): int64 [programs, 6] receiving each program's (%globaltimer ns, %clock64)
-    at its start, after its PDL wait and at its end (programs in launch-grid order; padding
-    programs that return early leave their row as it was)."""
+    compiled only): int64 [programs, len(PROBE_FIELDS)] receiving each program's stamps
+    (PROBE_FIELDS: %globaltimer ns and %clock64 at its start, after its PDL wait and at its
+    end; ns once its metadata, its first key tile and its last had landed), programs in
+    launch-grid order; padding programs that return early leave their row as it was."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, max_query_len)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -357,11 +370,12 @@ def _launch(
         else:
             grid = (num_seqs * q_tiles, num_kv_heads, num_splits)
             if probe is not None:
-                global clocks
-                if interpret or probe.shape != (grid[0] * grid[1] * grid[2], 6):
-                    raise ValueError(f"probe: int64 [{grid[0] * grid[1] * grid[2]}, 6], compiled")
+                global clocks, clock_after
+                shape = (grid[0] * grid[1] * grid[2], len(PROBE_FIELDS))
+                if interpret or probe.shape != shape:
+                    raise ValueError(f"probe: int64 {list(shape)}, compiled builds only")
                 _pdl._import_triton()
-                clocks = _pdl.clocks
+                clocks, clock_after = _pdl.clocks, _pdl.clock_after
             _kernel(_paged_attention_kernel, interpret)[grid](
                 *args,
                 q_tiles,
@@ -622,7 +636,7 @@ def _paged_attention_kernel(
     num_heads,
     prefetch_tiles,  # PREFETCH_KV: key tiles of its split a program asks L2 for
     q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
-    probe_ptr,  # PROBE: int64 [programs, 6]: (ns, cycles) at start, after the wait, at the end
+    probe_ptr,  # PROBE: int64 [programs, len(PROBE_FIELDS)]
     count_ptr,  # MERGE: int32 [sequences * kv heads], zero between launches: splits arrived
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -684,6 +698,9 @@ def _paged_attention_kernel(
     if q0 >= q_len:  # past this sequence's queries (or a padding sequence with none)
         return
     first_pos = seq_len - q_len  # position of the sequence's first query
+    if PROBE:  # (the stamps below wait for their data: a reduction each, PROBE builds only)
+        ns_meta = clock_after(first_pos)
+        ns_first = ns_meta
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = q0 + rows // GROUP
@@ -770,6 +787,9 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
             k, v, pos, pos_ok = k_n, v_n, pos_n, ok_n
+            if PROBE:  # noqa: SIM102  (a constexpr branch: nothing compiled without PROBE)
+                if t == t_begin:
+                    ns_first = clock_after(tl.sum(acc))
     else:
         q = tl.load(
             q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -811,6 +831,11 @@ def _paged_attention_kernel(
                 p, v = p.to(tl.float32), v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
+            if PROBE:  # noqa: SIM102  (a constexpr branch: nothing compiled without PROBE)
+                if t == t_begin:
+                    ns_first = clock_after(tl.sum(acc))
+    if PROBE:
+        ns_keys = clock_after(tl.sum(acc))
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -868,13 +893,16 @@ def _paged_attention_kernel(
     if PROBE:
         ns2, cy2 = clocks()
         pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
-        row = probe_ptr + (pid + tl.program_id(2)).to(tl.int64) * 6
+        row = probe_ptr + (pid + tl.program_id(2)).to(tl.int64) * 9  # PROBE_FIELDS' order
         tl.store(row + 0, ns0)
         tl.store(row + 1, ns1)
         tl.store(row + 2, ns2)
         tl.store(row + 3, cy0)
         tl.store(row + 4, cy1)
         tl.store(row + 5, cy2)
+        tl.store(row + 6, ns_meta)
+        tl.store(row + 7, ns_first)
+        tl.store(row + 8, ns_keys)
 
 
 def _decode_rows_kernel(

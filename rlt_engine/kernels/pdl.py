@@ -75,14 +75,15 @@ def prefetch_k(n_rows: int, programs_per_row: int, k_range: int, block_k: int, e
     return min(k_range, max(block_k, per_program // block_k * block_k))
 
 
-# the @jit forms of _prefetch_l2, _prefetch_lines and _clocks, set by _import_triton()
-prefetch_l2 = prefetch_lines = clocks = None
+# the @jit forms of _prefetch_l2, _prefetch_lines, _clocks and _clock_after, set by
+# _import_triton()
+prefetch_l2 = prefetch_lines = clocks = clock_after = None
 tl = None
 PROBE_CLOCKS = 2  # what `clocks` returns: the global ns timer, the SM's cycle counter
 
 
 def _import_triton() -> None:
-    global prefetch_l2, prefetch_lines, clocks, tl
+    global prefetch_l2, prefetch_lines, clocks, clock_after, tl
     from rlt_engine.kernels import paged_attention as _pa
 
     _pa._import_triton()
@@ -91,6 +92,7 @@ def _import_triton() -> None:
         prefetch_lines = _pa._kernel(_prefetch_lines, _pa._interpreter_mode())
         prefetch_l2 = _pa._kernel(_prefetch_l2, _pa._interpreter_mode())
         clocks = _pa._kernel(_clocks, _pa._interpreter_mode())
+        clock_after = _pa._kernel(_clock_after, _pa._interpreter_mode())
 
 
 def _clocks():
@@ -105,6 +107,15 @@ def _clocks():
         "mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
     )
     return ns, cycles
+
+
+def _clock_after(dep):
+    """The global ns timer once `dep` (an int32 computed from loaded data) is in a register: a
+    stamp that cannot be read before the loads it follows have landed, which %globaltimer
+    alone can (the timer read does not wait for outstanding loads). PROBE builds only."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1
+    )
 
 
 def _prefetch_l2(tile_ptr, rows, row_ok, K, k_lo, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):

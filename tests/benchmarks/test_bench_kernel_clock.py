@@ -27,8 +27,10 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
         }
         rows = [[base + stamps[f] + j * 100 for f in fields] for j in range(2)]  # fmt: skip
         layer[f"{name}_probe"] = torch.tensor(rows, dtype=torch.int64)
-    # attention between the qkv and the o_proj: start, waited, end, then cycles
-    layer["probe"] = torch.tensor([[7_000, 8_000, 9_000, 0, 0, 0]] * 3, dtype=torch.int64)
+    # attention between the qkv and the o_proj: start, waited, end, cycles, then its phases
+    layer["probe"] = torch.tensor(
+        [[7_000, 8_000, 9_000, 0, 0, 0, 8_100, 8_500, 8_800]] * 3, dtype=torch.int64
+    )
     line = bench.layer_timeline(layer)
     assert list(line) == ["qkv", "attention", "o", "gate_up", "down"]
     # the zero: the qkv's median wait return (torch's median: the lower middle value, 2 us)
@@ -40,3 +42,14 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
         {"start": 5.0, "placed": 5.0, "waited": 6.0, "end": 7.0}
     )
     assert line["down"]["ring_full"] == pytest.approx(29.0)
+
+
+def test_attention_phases_split_a_programs_time_after_its_wait():
+    bench = benchmark_scripts.load("bench_kernel_clock")
+    assert len(bench.ATTENTION_FIELDS) == 9
+    ran = [7_000, 8_000, 9_000, 0, 0, 0, 8_100, 8_500, 8_800]  # ns: waited 8.0 ... end 9.0
+    padding = [-1] * 9  # a program past its sequence's queries returns before any stamp
+    phases = bench.attention_phases(torch.tensor([ran, padding], dtype=torch.int64))
+    assert phases == pytest.approx(
+        {"metadata": [0.1], "first_tile": [0.4], "other_tiles": [0.3], "store": [0.2]}
+    )
