@@ -76,3 +76,16 @@ def test_torch_free(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_no_test_folder_is_a_package() -> None:
+    """tests/ goes on sys.path (conftest, pytest's rootdir insertion), so a test folder with an
+    __init__.py is an importable top-level package that hides any installed one of its name:
+    tests/kernels/ once hid huggingface's `kernels`, which transformers imports when it is
+    installed (transformers >= 5.25 depends on it), and the reference-model tests failed."""
+    packages = sorted(
+        str(p.parent.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("__init__.py")
+        if "fixtures" not in p.parts
+    )
+    assert packages == [], f"test folders must not be packages: {packages}"

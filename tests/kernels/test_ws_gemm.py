@@ -18,14 +18,14 @@ from sm90_compile import run_compile_script
 
 pytest.importorskip("triton")
 
+from test_small_gemm import ACC_TOL_GPU, assert_deterministic_under_contention, make
+from test_small_gemm import check as check_product
+
 from rlt_engine.kernels import small_gemm
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, lookup
 from rlt_engine.kernels.swiglu import silu_mul
 from rlt_engine.kernels.ws_gemm import QkvRope, available, check, check_rope
-
-from .test_small_gemm import ACC_TOL_GPU, assert_deterministic_under_contention, make
-from .test_small_gemm import check as check_product
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
