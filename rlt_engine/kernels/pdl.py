@@ -110,9 +110,10 @@ def _clocks():
 
 
 def _clock_after(dep):
-    """The global ns timer once `dep` (an int32 computed from loaded data) is in a register: a
-    stamp that cannot be read before the loads it follows have landed, which %globaltimer
-    alone can (the timer read does not wait for outstanding loads). PROBE builds only."""
+    """The global ns timer once `dep` (a 32-bit value computed from loaded data) is in a
+    register: a stamp that cannot be read before the loads it follows have landed, which
+    %globaltimer alone can (the timer read does not wait for outstanding loads). PROBE
+    builds only."""
     return tl.inline_asm_elementwise(
         "mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1
     )
