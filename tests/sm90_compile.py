@@ -22,3 +22,24 @@ def run_compile_script(script: str) -> dict:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# Prepended to a script for a plain Triton kernel: `triton_ptx(fn, const, sig, **options)`
+# compiles the @jit `fn` for sm_90 with those constexprs and argument types (every other
+# argument i32), pointers and strides 16-divisible as the launch specialises them.
+TRITON_PTX = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def triton_ptx(fn, const, sig, **options):
+    names = fn.arg_names
+    types = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | sig
+    aligned = [a for a in names if a.endswith("_ptr") or a.startswith("stride")]
+    src = ASTSource(fn, types, constexprs={(names.index(c),): v for c, v in const.items()},
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+"""

@@ -243,29 +243,19 @@ def test_gpu_hazard_within_ulps_of_the_torch_gate(rows, dtype):
 
 # compiled in a process of its own: this one imported triton for the interpreter
 _COMPILE = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from rlt_engine.kernels import norm_chain, paged_attention
 
 norm_chain._import_triton()
 fn = paged_attention._kernel(norm_chain._add_rms_norm_kernel, False)
-names = fn.arg_names
 out = {}
 for splits, norm_y, gate in ((4, True, True), (0, False, False)):
     const = dict(H=2048, BLOCK=2048, INV_H=1.0 / 2048, SPLITS=splits, NORM_Y=norm_y, GATE=gate,
                  EXACT_MUL=True, ROUND_BF16=False, PDL=True, LINE=64, LINES=32)
-    sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr")
-    sig |= {n: "*bf16" for n in names if n.endswith("_ptr")} | {"eps_y": "fp32", "eps": "fp32"}
-    sig |= {"gw_ptr": "*fp32", "gb_ptr": "*fp32", "hazard_ptr": "*fp32"}
-    sig["y_ptr"] = "*fp32" if splits else "*bf16"
-    aligned = [a for a in names if a.endswith("_ptr") or a.startswith("stride")]
-    src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
-                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-    out[f"splits{splits}" + ("_gate" if gate else "")] = kernel.asm["ptx"]
+    sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+    sig |= {"eps_y": "fp32", "eps": "fp32", "gw_ptr": "*fp32", "gb_ptr": "*fp32",
+            "hazard_ptr": "*fp32", "y_ptr": "*fp32" if splits else "*bf16"}
+    name = f"splits{splits}" + ("_gate" if gate else "")
+    out[name] = triton_ptx(fn, const, sig, num_warps=8)
 print(json.dumps(out))
 """
 
@@ -274,9 +264,9 @@ def test_compiles_for_sm90_with_the_weights_ahead_of_the_pdl_wait():
     """The norms' weights (and the gate's) are loaded before the wait and the residual's lines
     are asked of L2 there; after the wait every load (y or its partials, the residual) is
     issued before the first store: no round trip waits on a reduction (sm_90 PTX)."""
-    from sm90_compile import run_compile_script
+    from sm90_compile import TRITON_PTX, run_compile_script
 
-    for name, code in run_compile_script(_COMPILE).items():
+    for name, code in run_compile_script(TRITON_PTX + _COMPILE).items():
         lines = code.splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         loads = [i for i, line in enumerate(lines) if "ld.global" in line]

@@ -377,35 +377,24 @@ def test_probe_is_for_compiled_builds_of_the_right_shape():
 
 # compiled in a process of its own: this one imported triton for the interpreter
 _COMPILE_PROBE = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from rlt_engine.kernels import paged_attention as pa, pdl
 
 pa._import_triton(); pdl._import_triton(); pa._prefetch_helpers()
 pa.clocks, pa.clock_after = pdl.clocks, pdl.clock_after
 fn = pa._kernel(pa._paged_attention_kernel, False)
-names = fn.arg_names
 out = {}
 for splits, merge in ((1, False), (4, True)):
     const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, GROUP=1, BLOCK_Q=1, BLOCK_M=16,
                  BLOCK_N=64, NUM_SPLITS=splits, PRECISION="tf32", UPCAST=False, PDL=True,
                  PREFETCH_KV=True, ROW_LINES=2, LINE=64, PROBE=True, MERGE=merge,
                  EARLY_META=merge)
-    sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr")
-    sig |= {n: "*bf16" for n in names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
+    sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
     sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
     sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
                                 "count_ptr")}
     sig["probe_ptr"] = "*i64"
-    aligned = [a for a in names if a.endswith("_ptr") or a.startswith("stride")]
-    src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
-                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=1 if merge else 2))
-    out["merge" if merge else "plain"] = kernel.asm["ptx"]
+    out["merge" if merge else "plain"] = triton_ptx(fn, const, sig, num_warps=4,
+                                                   num_stages=1 if merge else 2)
 print(json.dumps(out))
 """
 
@@ -415,9 +404,9 @@ def test_probe_builds_compile_for_sm90_with_every_stamp():
     timer for each of its ns stamps: start, wait, end, and the three that wait for their data
     (metadata, first key tile, last), each stored to its field (a broken PROBE build would
     otherwise show only on the GPU)."""
-    from sm90_compile import run_compile_script
+    from sm90_compile import TRITON_PTX, run_compile_script
 
-    for name, code in run_compile_script(_COMPILE_PROBE).items():
+    for name, code in run_compile_script(TRITON_PTX + _COMPILE_PROBE).items():
         assert code.count("%globaltimer") == 6, name
         assert code.count("%clock64") == 3, name
         assert code.count("st.global.b64") >= len(pa.PROBE_FIELDS), name

@@ -105,6 +105,19 @@ def _pointers(node: ast.AST) -> set[str]:
     }
 
 
+def _assert_loads_only(name: str, stmt: ast.stmt, readable: set[str]) -> None:
+    """A statement before the wait: no return, and no call but index arithmetic and loads
+    through pointers in `readable`."""
+    assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
+    for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
+        callee = _calls(call)[0]
+        if callee == "load":
+            read = _pointers(call.args[0])
+            assert read and read <= readable, f"{name}: loads {read} before the wait"
+        else:
+            assert callee in PURE, f"{name}: {callee} before the wait (line {stmt.lineno})"
+
+
 def _partitions(fn: ast.FunctionDef) -> list[str] | None:
     """The partition functions a Gluon kernel hands to `warp_specialize`, or None."""
     for sub in ast.walk(fn):
@@ -157,27 +170,11 @@ def test_nothing_touches_memory_before_the_wait(name, fn):
         early = [c for c in _calls(body[blocks[0]]) if c == "gdc_launch_dependents"]
         assert early and _has_if(body[blocks[0]], "not LATE"), name
         blocks = blocks[:1]
-    for stmt in body[: blocks[0]]:
-        assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
-        for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
-            callee = _calls(call)[0]
-            if callee == "load":  # only parameters, which no kernel writes
-                read = _pointers(call.args[0])
-                weights = WEIGHT_READS.get(name, set())
-                assert read and read <= weights, f"{name}: loads {read} before the wait"
-            else:
-                assert callee in PURE, f"{name}: {callee} before the wait (line {stmt.lineno})"
+    for stmt in body[: blocks[0]]:  # before the first block: loads of parameters only
+        _assert_loads_only(name, stmt, WEIGHT_READS.get(name, set()))
     if len(blocks) == 2:  # between them: loads of what the kernel before never writes (X)
-        early = EARLY_READS[conditions[1]]
         for stmt in body[blocks[0] + 1 : blocks[1]]:
-            assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
-            for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
-                callee = _calls(call)[0]
-                if callee == "load":
-                    read = _pointers(call.args[0])
-                    assert read and read <= early, f"{name}: loads {read} before the wait"
-                else:
-                    assert callee in PURE, f"{name}: {callee} before the wait (line {stmt.lineno})"
+            _assert_loads_only(name, stmt, EARLY_READS[conditions[1]])
     for i in blocks:
         block = body[i].body
         calls = [c for stmt in block for c in _calls(stmt)]
