@@ -46,6 +46,7 @@ triton = tl = None  # set by _import_triton(); the kernels' bodies read the modu
 # the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines, set by _prefetch_helpers (PDL only)
 prefetch_kv_l2 = prefetch_lines = None
 rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
+attend_tile = None  # the @jit (or interpreted) _attend_tile, set by _launch
 clocks = clock_after = None  # pdl's @jit _clocks and _clock_after, set by _launch for a `probe`
 
 PROBE_FIELDS = (  # what a PROBE build stamps per program, in this order
@@ -134,9 +135,12 @@ def paged_attention(
     see `decode_splits`). `long_context`: the caller's hint that some sequence may see
     >= LONG_CONTEXT keys (it picks the kernel for decode rows; results agree either way).
     `prefetch_kv`: the caller's word that the kernel launched just before this one writes
-    neither `block_tables`, `seq_lens` nor `query_start` (RoPE + the K/V write does not): a
-    decode launch under PDL (kernels/pdl.py) then asks L2 for its programs' K/V rows while that
-    kernel still runs (a hint: L2 is coherent, so even rows it writes are read correctly).
+    nothing it reads but the rows' own q, K and V (the qkv GEMM with its RoPE epilogue, or
+    RoPE + the K/V write, write no metadata and no older key): a decode launch under PDL
+    (kernels/pdl.py) then asks L2 for its programs' K/V rows while that kernel still runs,
+    and reads its metadata before its wait where that pays (SETTLED: a split decode, or one
+    of at most EARLY_KEYS_SEQS sequences, which also reads its first key tile's older keys
+    there, EARLY_KEYS; the rows' own keys after the wait).
     `rope_write` (decode only, max_query_len 1): q and the new k come before RoPE and the pools
     do not hold the new K/V yet: the values of `rope_kv_write.rope_write_kv_` then this call
     without it. The rows kernel rotates q and k (rope.py's rounding) and writes k and v itself,
@@ -174,6 +178,11 @@ KV_PREFETCH_BYTES = 8 << 20
 
 SPLIT_SEQS = 16  # decode batches up to this many sequences may split their keys
 SHORT_SPLIT_SEQS = 2  # short-context decode batches up to this many sequences split theirs
+# decode batches up to this many sequences read their older keys before the PDL wait, where
+# the caller vouches for it (`prefetch_kv`): one sequence +0.4% at 96 keys and +3.8% at
+# 448-960 keys end to end; 2 to 8 sequences were 0.3-1.2% slower, their K/V (3-6 MB from
+# HBM) landing after the kernel before had ended (2026-12-04-settled-keys-h200.md)
+EARLY_KEYS_SEQS = 1
 
 
 def decode_splits(num_seqs: int, long_context: bool) -> int:
@@ -376,6 +385,9 @@ def _launch(
                     raise ValueError(f"probe: int64 {list(shape)}, compiled builds only")
                 _pdl._import_triton()
                 clocks, clock_after = _pdl.clocks, _pdl.clock_after
+            global attend_tile
+            attend_tile = _kernel(_attend_tile, interpret)
+            early_keys = prefetch_kv and max_query_len == 1 and num_seqs <= EARLY_KEYS_SEQS
             _kernel(_paged_attention_kernel, interpret)[grid](
                 *args,
                 q_tiles,
@@ -390,7 +402,8 @@ def _launch(
                 PRECISION=precision,
                 UPCAST=interpret and q.dtype == torch.bfloat16,
                 MERGE=merge_in_kernel,
-                EARLY_META=merge_in_kernel and prefetch_kv and pdl,
+                SETTLED=early_keys or (merge_in_kernel and prefetch_kv),
+                EARLY_KEYS=early_keys,
                 num_warps=num_warps or 4,
                 num_stages=num_stages or (1 if merge_in_kernel else 2),
                 **_pdl.launch_options(pdl),
@@ -654,7 +667,9 @@ def _paged_attention_kernel(
     LINE: tl.constexpr,
     PROBE: tl.constexpr,  # benchmarks: timer stamps per program (pdl.clocks)
     MERGE: tl.constexpr,  # decode split-K: register-pipelined walk, the last split merges
-    EARLY_META: tl.constexpr,  # MERGE under PDL and prefetch_kv: metadata read before the wait
+    SETTLED: tl.constexpr,  # decode whose kernel before writes only the rows' q, K, V:
+    # its metadata (and MERGE's first table entries) read before the wait
+    EARLY_KEYS: tl.constexpr,  # SETTLED, and its first key tile's older keys too
 ):
     if PROBE:
         ns0, cy0 = clocks()
@@ -663,7 +678,9 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if PDL and not EARLY_META:  # wait for the previous kernel, then release the next
+    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if PDL and not SETTLED:  # wait for the previous kernel, then release the next
         if PREFETCH_KV:
             prefetch_kv_l2(
                 block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
@@ -673,18 +690,46 @@ def _paged_attention_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    # The sequence's metadata, loaded together (none depends on another). Under EARLY_META
-    # the kernel before writes none of it (the caller's word), so it is read before the wait.
+    # The sequence's metadata, loaded together (none depends on another), and the key range
+    # of this program: [0, kv_end) for the query tile, its split's share of the key tiles.
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len  # position of the sequence's first query
+    kv_end = first_pos + tl.minimum(q_len, q0 + BLOCK_Q)
+    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
     n = tl.arange(0, BLOCK_N)
-    if MERGE:  # the first two key tiles' table entries (for split 0; others reload them)
-        blk = n // BLOCK_SIZE
-        phys = tl.load(table + blk, mask=blk < max_blocks, other=0)
-        blk = (BLOCK_N + n) // BLOCK_SIZE
-        phys_next = tl.load(table + blk, mask=blk < max_blocks, other=0)
-    if PDL and EARLY_META:
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    if SETTLED:
+        # Decode, and the kernel before writes nothing this one reads but the rows' own q, K
+        # and V (the caller's word): the first key tile's table entries (MERGE: the next
+        # tile's too) are read before the wait (under PDL), and with EARLY_KEYS its older keys
+        # (the rows' own keys join them after the wait).
+        pos = t_begin * BLOCK_N + n
+        blk = pos // BLOCK_SIZE
+        phys = tl.load(table + blk, mask=(pos < kv_end) & (blk < max_blocks), other=0)
+        if MERGE:
+            blk = (pos + BLOCK_N) // BLOCK_SIZE
+            phys_next = tl.load(table + blk, mask=(t_begin + 1 < t_end) & (blk < max_blocks),
+                                other=0)  # fmt: skip
+        if EARLY_KEYS:
+            slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # 64-bit: slot * stride
+            old = (pos < first_pos) & (t_begin < t_end)
+            k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
+                k_base + slot[None, :] * stride_ks + d[:, None],
+                mask=d_ok[:, None] & old[None, :],
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + slot[:, None] * stride_vs + d[None, :],
+                mask=old[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+    if PDL and SETTLED:
         if PREFETCH_KV:
             prefetch_kv_l2(
                 block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
@@ -697,7 +742,6 @@ def _paged_attention_kernel(
         ns1, cy1 = clocks()
     if q0 >= q_len:  # past this sequence's queries (or a padding sequence with none)
         return
-    first_pos = seq_len - q_len  # position of the sequence's first query
     if PROBE:  # (the stamps below wait for their data: a reduction each, PROBE builds only)
         ns_meta = clock_after(first_pos)
         ns_first = ns_meta
@@ -708,42 +752,35 @@ def _paged_attention_kernel(
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = first_pos + q_idx
     token = (q_begin + q_idx).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-
-    # Keys this query tile can see: [0, kv_end); this program takes its split's share of tiles.
-    kv_end = first_pos + tl.minimum(q_len, q0 + BLOCK_Q)
-    n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_begin = split * per_split
-    t_end = tl.minimum(t_begin + per_split, n_tiles)
-
-    k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if MERGE:
-        # Decode split-K (one query a program, few keys each): the walk is pipelined by hand
-        # in registers (launched with num_stages 1), the next tile's K/V and the table
-        # entries of the one after in flight while a tile is computed. The form the merged
-        # split was measured in (2026-12-02-decode-attention-splits-h200.md); alone, for
-        # every decode batch, it was no faster than the loop below.
-        if split > 0:
-            blk = (t_begin * BLOCK_N + n) // BLOCK_SIZE
-            phys = tl.load(table + blk, mask=blk < max_blocks, other=0)
-            blk = blk + BLOCK_N // BLOCK_SIZE
-            phys_next = tl.load(table + blk, mask=blk < max_blocks, other=0)
-        q = tl.load(
-            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        pos = t_begin * BLOCK_N + n
+    if EARLY_KEYS:  # the rows' own keys, written by the kernel before, join the first tile
+        own = (pos >= first_pos) & (pos < kv_end) & (t_begin < t_end)
+        k = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
+                    mask=d_ok[:, None] & own[None, :], other=k)  # fmt: skip
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
+                    mask=own[:, None] & d_ok[None, :], other=v)  # fmt: skip
         pos_ok = (pos < kv_end) & (t_begin < t_end)
-        slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # 64-bit: slot * stride > 2^31
-        k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
+    elif MERGE:
+        if not SETTLED:
+            pos = t_begin * BLOCK_N + n
+            blk = pos // BLOCK_SIZE
+            phys = tl.load(table + blk, mask=(pos < kv_end) & (blk < max_blocks), other=0)
+            blk = (pos + BLOCK_N) // BLOCK_SIZE
+            phys_next = tl.load(table + blk, mask=(t_begin + 1 < t_end) & (blk < max_blocks),
+                                other=0)  # fmt: skip
+        pos_ok = (pos < kv_end) & (t_begin < t_end)
+        slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(
             k_base + slot[None, :] * stride_ks + d[:, None],
             mask=d_ok[:, None] & pos_ok[None, :],
             other=0.0,
@@ -753,8 +790,13 @@ def _paged_attention_kernel(
             mask=pos_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        if UPCAST:
-            q = q.to(tl.float32)
+
+    if MERGE:
+        # Decode split-K (one query a program, few keys each): the walk is pipelined by hand
+        # in registers (launched with num_stages 1), the next tile's K/V and the table
+        # entries of the one after in flight while a tile is computed. The form the merged
+        # split was measured in (2026-12-02-decode-attention-splits-h200.md); alone, for
+        # every decode batch, it was no faster than the loop below.
         for t in range(t_begin, t_end):
             pos_n = pos + BLOCK_N
             ok_n = (pos_n < kv_end) & (t + 1 < t_end)
@@ -771,66 +813,41 @@ def _paged_attention_kernel(
             )
             blk = (pos_n + BLOCK_N) // BLOCK_SIZE
             phys_next = tl.load(table + blk, mask=(t + 2 < t_end) & (blk < max_blocks), other=0)
-
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-            s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-            p = tl.exp2(s - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p = p.to(v.dtype)  # P @ V in the cache dtype, as flash attention does
-            if UPCAST:
-                p, v = p.to(tl.float32), v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_tile(
+                q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, PRECISION, UPCAST
+            )
             k, v, pos, pos_ok = k_n, v_n, pos_n, ok_n
             if PROBE:  # noqa: SIM102  (a constexpr branch: nothing compiled without PROBE)
                 if t == t_begin:
                     ns_first = clock_after(tl.sum(acc))
     else:
-        q = tl.load(
-            q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            q = q.to(tl.float32)
-        for t in range(t_begin, t_end):
+        t_loop = t_begin
+        if EARLY_KEYS:  # the first tile, read early; the loop walks the rest
+            m_i, l_i, acc = attend_tile(
+                q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, PRECISION, UPCAST
+            )
+            t_loop = t_begin + 1
+            if PROBE:
+                ns_first = clock_after(tl.sum(acc))
+        for t in range(t_loop, t_end):
             pos = t * BLOCK_N + n
             pos_ok = pos < kv_end
             blk = pos // BLOCK_SIZE
             phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
             slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-
             k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
                 k_base + slot[None, :] * stride_ks + d[:, None],
                 mask=d_ok[:, None] & pos_ok[None, :],
                 other=0.0,
             )
-            if UPCAST:
-                k = k.to(tl.float32)
-            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-            s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
-            p = tl.exp2(s - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-
             v = tl.load(
                 v_base + slot[:, None] * stride_vs + d[None, :],
                 mask=pos_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            p = p.to(v.dtype)  # P @ V in the cache dtype, as flash attention does
-            if UPCAST:
-                p, v = p.to(tl.float32), v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = attend_tile(
+                q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, PRECISION, UPCAST
+            )
             if PROBE:  # noqa: SIM102  (a constexpr branch: nothing compiled without PROBE)
                 if t == t_begin:
                     ns_first = clock_after(tl.sum(acc))
@@ -903,6 +920,27 @@ def _paged_attention_kernel(
         tl.store(row + 6, ns_meta)
         tl.store(row + 7, ns_first)
         tl.store(row + 8, ns_keys)
+
+
+def _attend_tile(q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax: k [BLOCK_D, BLOCK_N] and v [BLOCK_N, BLOCK_D] of
+    key positions `pos` (`pos_ok`: inside the range), queries at `q_pos`; the running max,
+    sum and accumulator after it. Base-2, the scale folded in; P @ V in the cache dtype."""
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(v.dtype)  # P @ V in the cache dtype, as flash attention does
+    if UPCAST:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 def _decode_rows_kernel(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -364,6 +365,59 @@ def test_prefetch_kv_is_a_hint_only():
     assert torch.equal(case.run(kernel="auto", prefetch_kv=True)[:2], plain[:2])
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 5])
+@pytest.mark.parametrize(("num_splits", "merge"), [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("early_keys_seqs", [1, 6])
+def test_settled_decode_changes_no_bit(
+    early_keys_seqs, heads, num_splits, merge, block_size, monkeypatch
+):
+    """`prefetch_kv`'s word (the kernel before wrote only the rows' own q, K and V): the
+    metadata read before the wait (SETTLED, a merged split), and the first key tile's older
+    keys (EARLY_KEYS: 6 sequences here, the launch takes 1), the rows' own keys after, into
+    the same tile; every bit as without it. One-tile and many-tile contexts, a split with no
+    key, a tile of only the row's own key, a padding sequence; unseen slots are NaN."""
+    monkeypatch.setattr(pa, "EARLY_KEYS_SEQS", early_keys_seqs)
+    specs = [(1, 1), (1, 16), (1, 17), (1, 40), (0, 3), (1, 70)]
+    case = Case(specs, *heads, head_dim=16, block_size=block_size)
+    counters = torch.zeros(len(specs) * heads[1], dtype=torch.int32) if merge else None
+    tiles = dict(block_n=16, kernel="mma", split_counters=counters)
+    plain = case.run(num_splits, **tiles)
+    settled = case.run(num_splits, prefetch_kv=True, **tiles)
+    rows = sum(q for q, _ in specs)
+    assert torch.equal(settled[:rows], plain[:rows])
+    check(settled, case.reference(), FP32_TOL, rows)
+
+
+def test_settled_for_one_sequence_of_decode_on_the_callers_word_only(monkeypatch):
+    """The launch reads older keys before the wait (EARLY_KEYS) for a decode of at most
+    EARLY_KEYS_SEQS sequences, and only where the caller vouches for it (`prefetch_kv`)."""
+    seen, real = [], pa._kernel
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["EARLY_KEYS"])
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    def spy(fn, interpret):
+        kernel = real(fn, interpret)
+        return Spy(kernel) if fn is pa._paged_attention_kernel else kernel
+
+    monkeypatch.setattr(pa, "_kernel", spy)
+    one = Case([(1, 20)], 2, 2, head_dim=16, block_size=4)
+    two = Case([(1, 20), (1, 9)], 2, 2, head_dim=16, block_size=4)
+    prefill = Case([(3, 20)], 2, 2, head_dim=16, block_size=4)
+    for case, vouched in ((one, True), (one, False), (two, True), (prefill, True)):
+        case.run(kernel="mma", prefetch_kv=vouched)
+    assert pa.EARLY_KEYS_SEQS == 1 and seen == [True, False, False, False]
+
+
 def test_probe_is_for_compiled_builds_of_the_right_shape():
     """`probe` (benchmarks' timer stamps) needs the compiled kernel: refused under the
     interpreter, and a buffer of the launch's programs x len(PROBE_FIELDS)."""
@@ -381,35 +435,41 @@ from rlt_engine.kernels import paged_attention as pa, pdl
 
 pa._import_triton(); pdl._import_triton(); pa._prefetch_helpers()
 pa.clocks, pa.clock_after = pdl.clocks, pdl.clock_after
+pa.attend_tile = pa._kernel(pa._attend_tile, False)
 fn = pa._kernel(pa._paged_attention_kernel, False)
 out = {}
-for splits, merge in ((1, False), (4, True)):
+for splits, merge, settled in ((1, False, False), (1, False, True), (4, True, False),
+                               (4, True, True)):
     const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, GROUP=1, BLOCK_Q=1, BLOCK_M=16,
                  BLOCK_N=64, NUM_SPLITS=splits, PRECISION="tf32", UPCAST=False, PDL=True,
                  PREFETCH_KV=True, ROW_LINES=2, LINE=64, PROBE=True, MERGE=merge,
-                 EARLY_META=merge)
+                 SETTLED=settled or merge, EARLY_KEYS=settled)
     sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
     sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
     sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
                                 "count_ptr")}
     sig["probe_ptr"] = "*i64"
-    out["merge" if merge else "plain"] = triton_ptx(fn, const, sig, num_warps=4,
-                                                   num_stages=1 if merge else 2)
+    name = ("merge" if merge else "plain") + ("-settled" if settled else "")
+    out[name] = triton_ptx(fn, const, sig, num_warps=4, num_stages=1 if merge else 2)
 print(json.dumps(out))
 """
 
 
 def test_probe_builds_compile_for_sm90_with_every_stamp():
-    """A PROBE build (plain walk and split-merge walk) compiles for sm_90 and reads the
-    timer for each of its ns stamps: start, wait, end, and the three that wait for their data
-    (metadata, first key tile, last), each stored to its field (a broken PROBE build would
-    otherwise show only on the GPU)."""
+    """A PROBE build (plain walk and split-merge walk, EARLY_KEYS or not) compiles for sm_90
+    and reads the timer for each of its ns stamps: start, wait, end, and the three that wait
+    for their data (metadata, first key tile, last), each stored to its field (a broken PROBE
+    build would otherwise show only on the GPU); an EARLY_KEYS build's K/V loads are placed
+    before its PDL wait, another's are not."""
     from sm90_compile import TRITON_PTX, run_compile_script
 
     for name, code in run_compile_script(TRITON_PTX + _COMPILE_PROBE).items():
         assert code.count("%globaltimer") == 6, name
         assert code.count("%clock64") == 3, name
         assert code.count("st.global.b64") >= len(pa.PROBE_FIELDS), name
+        # an EARLY_KEYS build reads its older keys' K/V rows (16-byte loads) before the wait
+        early = re.findall(r"ld\.global[^\n]*\.v4", code.split("griddepcontrol.wait")[0])
+        assert bool(early) == name.endswith("-settled"), name
 
 
 def test_no_tokens():
@@ -674,10 +734,12 @@ def test_gpu_ouro_decode_rows_kernel(num_seqs, max_ctx):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("kernel", ["mma", "rows"])
-def test_gpu_prefetch_kv_changes_no_bit(kernel, num_splits):
-    """Decode rows with the K/V rows asked of L2 before the PDL wait (`prefetch_kv`): the same
-    bits as without, eagerly and replayed from a CUDA graph; a padding sequence included."""
+@pytest.mark.parametrize(("kernel", "settled"), [("mma", 1), ("mma", 16), ("rows", 1)])
+def test_gpu_prefetch_kv_changes_no_bit(kernel, settled, num_splits, monkeypatch):
+    """Decode rows with the K/V rows asked of L2 before the PDL wait (`prefetch_kv`), and
+    with every sequence's older keys read before it (EARLY_KEYS_SEQS 16): the same bits as
+    without, eagerly and replayed from a CUDA graph; a padding sequence included."""
+    monkeypatch.setattr(pa, "EARLY_KEYS_SEQS", settled)
     specs = [*_decode_specs(8, 300, 77), (0, 5)]
     case = Case(specs, 16, 16, 128, 16, torch.bfloat16, "cuda")
     plain = case.run(kernel=kernel, num_splits=num_splits)
@@ -698,11 +760,13 @@ def test_gpu_prefetch_kv_changes_no_bit(kernel, num_splits):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize(("kernel", "num_seqs"), [("mma", 8), ("rows", 64)])
+@pytest.mark.parametrize(("kernel", "num_seqs"), [("mma", 8), ("mma", 1), ("rows", 64)])
 def test_gpu_rope_write_changes_no_bit(kernel, num_seqs, num_splits):
-    """Ouro's decode shapes (bf16, 16 heads of 128) with `rope_write` and the K/V prefetch, as
+    """Ouro's decode shapes (bf16, 16 heads of 128) with `rope_write` and `prefetch_kv`, as
     the decode traversal launches it: output and pools equal rope_kv_write then attention,
-    eagerly and replayed from a CUDA graph."""
+    eagerly and replayed from a CUDA graph. The new rows' slots are NaN before every run, so
+    an attention launch that read a row's own key before the K/V write (under PDL: before its
+    wait) would return NaN."""
     from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 
     lens = tuple(n for _, n in _decode_specs(num_seqs, 300, 5))
@@ -720,6 +784,8 @@ def test_gpu_rope_write_changes_no_bit(kernel, num_seqs, num_splits):
     def run():  # fresh inputs each time: the tensor-core path rotates q and k in place
         q_in.copy_(case.q)
         k_in.copy_(new.k)
+        for pool in (k2, v2):  # the new rows' slots poisoned: read before their write, NaN
+            pool.index_fill_(0, new.slot_mapping, float("nan"))
         return _launch(
             q_in, k2, v2, *args, num_splits, out, kernel=kernel, prefetch_kv=True,
             rope_write=new._replace(k=k_in),

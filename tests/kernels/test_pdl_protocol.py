@@ -5,7 +5,7 @@ with a `PDL` constexpr, nothing before its `if PDL:` block reads or writes memor
 only through L2 prefetch hints (`prefetch_l2` of weights, `prefetch_lines`, `prefetch_kv_l2`
 of K/V rows through the block table and seq_lens, which the kernel before a decode attention
 launch never writes) before the wait. A kernel whose caller vouches for what the kernel
-before never writes (X, such as paged attention's EARLY_META) may instead have `if PDL and
+before never writes (X, such as paged attention's SETTLED) may instead have `if PDL and
 not X:` then `if PDL and X:`, and between them only load that memory (EARLY_READS). A kernel
 that releases late has its release inside the wait's block under `if not LATE:` and a last
 `if PDL and LATE:` block that only releases. A kernel that broke this would race with its
@@ -23,6 +23,7 @@ import pytest
 KERNELS = Path(__file__).resolve().parents[2] / "rlt_engine" / "kernels"
 # calls allowed before the wait: index arithmetic, no memory access
 PURE = {"program_id", "num_programs", "arange", "minimum", "maximum", "zeros", "to", "where"}
+PURE |= {"cdiv"}
 # pdl.clocks, ws_gemm's now: read the timers (a PROBE build's stamps), no memory
 PURE |= {"clocks", "now"}
 
@@ -85,9 +86,11 @@ def _has_if(block: ast.If, condition: str) -> bool:
 
 # Memory a kernel may read between `if PDL and not X:` and `if PDL and X:` (before the wait
 # when X holds): X is its caller's word that the kernel before writes none of it.
-# paged_attention's EARLY_META (prefetch_kv's word): the sequences' metadata (query_start,
-# seq_lens, the block table).
-EARLY_READS = {"EARLY_META": {"query_start_ptr", "seq_lens_ptr", "table"}}
+# paged_attention's SETTLED (prefetch_kv's word, decode): the sequences' metadata (query_start,
+# seq_lens, the block table) and the keys older than the rows' own (through k_base / v_base).
+EARLY_READS = {"SETTLED": {"query_start_ptr", "seq_lens_ptr", "table", "k_base", "v_base"}}
+# pointers derived from a kernel argument (names that do not end in _ptr)
+DERIVED = {"table", "k_base", "v_base"}
 
 
 # Memory a kernel may load before its `if PDL:` block: model parameters (no kernel writes
@@ -101,7 +104,7 @@ def _pointers(node: ast.AST) -> set[str]:
     return {
         n.id
         for n in ast.walk(node)
-        if isinstance(n, ast.Name) and (n.id.endswith("_ptr") or n.id == "table")
+        if isinstance(n, ast.Name) and (n.id.endswith("_ptr") or n.id in DERIVED)
     }
 
 
