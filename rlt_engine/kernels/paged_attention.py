@@ -46,7 +46,7 @@ triton = tl = None  # set by _import_triton(); the kernels' bodies read the modu
 # the @jit form of _prefetch_kv_l2 and pdl's prefetch_lines, set by _prefetch_helpers (PDL only)
 prefetch_kv_l2 = prefetch_lines = None
 rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
-attend_tile = None  # the @jit (or interpreted) _attend_tile, set by _launch
+attend_tile = kv_tile = None  # the @jit (or interpreted) _attend_tile, _kv_tile: by _launch
 clocks = clock_after = None  # pdl's @jit _clocks and _clock_after, set by _launch for a `probe`
 
 PROBE_FIELDS = (  # what a PROBE build stamps per program, in this order
@@ -385,8 +385,8 @@ def _launch(
                     raise ValueError(f"probe: int64 {list(shape)}, compiled builds only")
                 _pdl._import_triton()
                 clocks, clock_after = _pdl.clocks, _pdl.clock_after
-            global attend_tile
-            attend_tile = _kernel(_attend_tile, interpret)
+            global attend_tile, kv_tile
+            attend_tile, kv_tile = _kernel(_attend_tile, interpret), _kernel(_kv_tile, interpret)
             early_keys = prefetch_kv and max_query_len == 1 and num_seqs <= EARLY_KEYS_SEQS
             _kernel(_paged_attention_kernel, interpret)[grid](
                 *args,
@@ -719,16 +719,7 @@ def _paged_attention_kernel(
         if EARLY_KEYS:
             slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # 64-bit: slot * stride
             old = (pos < first_pos) & (t_begin < t_end)
-            k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
-                k_base + slot[None, :] * stride_ks + d[:, None],
-                mask=d_ok[:, None] & old[None, :],
-                other=0.0,
-            )
-            v = tl.load(
-                v_base + slot[:, None] * stride_vs + d[None, :],
-                mask=old[:, None] & d_ok[None, :],
-                other=0.0,
-            )
+            k, v = kv_tile(k_base, v_base, slot, old, d, d_ok, stride_ks, stride_vs, 0.0, 0.0)
     if PDL and SETTLED:
         if PREFETCH_KV:
             prefetch_kv_l2(
@@ -765,10 +756,7 @@ def _paged_attention_kernel(
 
     if EARLY_KEYS:  # the rows' own keys, written by the kernel before, join the first tile
         own = (pos >= first_pos) & (pos < kv_end) & (t_begin < t_end)
-        k = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
-                    mask=d_ok[:, None] & own[None, :], other=k)  # fmt: skip
-        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
-                    mask=own[:, None] & d_ok[None, :], other=v)  # fmt: skip
+        k, v = kv_tile(k_base, v_base, slot, own, d, d_ok, stride_ks, stride_vs, k, v)
         pos_ok = (pos < kv_end) & (t_begin < t_end)
     elif MERGE:
         if not SETTLED:
@@ -780,16 +768,7 @@ def _paged_attention_kernel(
                                 other=0)  # fmt: skip
         pos_ok = (pos < kv_end) & (t_begin < t_end)
         slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        k = tl.load(
-            k_base + slot[None, :] * stride_ks + d[:, None],
-            mask=d_ok[:, None] & pos_ok[None, :],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + slot[:, None] * stride_vs + d[None, :],
-            mask=pos_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        k, v = kv_tile(k_base, v_base, slot, pos_ok, d, d_ok, stride_ks, stride_vs, 0.0, 0.0)
 
     if MERGE:
         # Decode split-K (one query a program, few keys each): the walk is pipelined by hand
@@ -801,16 +780,8 @@ def _paged_attention_kernel(
             pos_n = pos + BLOCK_N
             ok_n = (pos_n < kv_end) & (t + 1 < t_end)
             slot_n = phys_next.to(tl.int64) * BLOCK_SIZE + pos_n % BLOCK_SIZE
-            k_n = tl.load(
-                k_base + slot_n[None, :] * stride_ks + d[:, None],
-                mask=d_ok[:, None] & ok_n[None, :],
-                other=0.0,
-            )
-            v_n = tl.load(
-                v_base + slot_n[:, None] * stride_vs + d[None, :],
-                mask=ok_n[:, None] & d_ok[None, :],
-                other=0.0,
-            )
+            k_n, v_n = kv_tile(k_base, v_base, slot_n, ok_n, d, d_ok, stride_ks, stride_vs,
+                               0.0, 0.0)  # fmt: skip
             blk = (pos_n + BLOCK_N) // BLOCK_SIZE
             phys_next = tl.load(table + blk, mask=(t + 2 < t_end) & (blk < max_blocks), other=0)
             m_i, l_i, acc = attend_tile(
@@ -835,16 +806,7 @@ def _paged_attention_kernel(
             blk = pos // BLOCK_SIZE
             phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
             slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-            k = tl.load(  # [BLOCK_D, BLOCK_N], contiguous along head_dim
-                k_base + slot[None, :] * stride_ks + d[:, None],
-                mask=d_ok[:, None] & pos_ok[None, :],
-                other=0.0,
-            )
-            v = tl.load(
-                v_base + slot[:, None] * stride_vs + d[None, :],
-                mask=pos_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
+            k, v = kv_tile(k_base, v_base, slot, pos_ok, d, d_ok, stride_ks, stride_vs, 0.0, 0.0)
             m_i, l_i, acc = attend_tile(
                 q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, PRECISION, UPCAST
             )
@@ -920,6 +882,17 @@ def _paged_attention_kernel(
         tl.store(row + 6, ns_meta)
         tl.store(row + 7, ns_first)
         tl.store(row + 8, ns_keys)
+
+
+def _kv_tile(k_base, v_base, slot, ok, d, d_ok, stride_ks, stride_vs, k_else, v_else):
+    """A key tile's K [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] at cache slots `slot`
+    (64-bit), each row head_dim contiguous elements, read where `ok` (else k_else, v_else:
+    0, or the values read before, into which the rows' own keys are merged)."""
+    k = tl.load(k_base + slot[None, :] * stride_ks + d[:, None],
+                mask=d_ok[:, None] & ok[None, :], other=k_else)  # fmt: skip
+    v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :],
+                mask=ok[:, None] & d_ok[None, :], other=v_else)  # fmt: skip
+    return k, v
 
 
 def _attend_tile(q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale,

@@ -435,7 +435,7 @@ from rlt_engine.kernels import paged_attention as pa, pdl
 
 pa._import_triton(); pdl._import_triton(); pa._prefetch_helpers()
 pa.clocks, pa.clock_after = pdl.clocks, pdl.clock_after
-pa.attend_tile = pa._kernel(pa._attend_tile, False)
+pa.attend_tile, pa.kv_tile = pa._kernel(pa._attend_tile, False), pa._kernel(pa._kv_tile, False)
 fn = pa._kernel(pa._paged_attention_kernel, False)
 out = {}
 for splits, merge, settled in ((1, False, False), (1, False, True), (4, True, False),

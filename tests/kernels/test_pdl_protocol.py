@@ -91,6 +91,8 @@ def _has_if(block: ast.If, condition: str) -> bool:
 EARLY_READS = {"SETTLED": {"query_start_ptr", "seq_lens_ptr", "table", "k_base", "v_base"}}
 # pointers derived from a kernel argument (names that do not end in _ptr)
 DERIVED = {"table", "k_base", "v_base"}
+# calls that only load: tl.load, paged attention's _kv_tile (K and V rows at given slots)
+LOADERS = {"load", "kv_tile"}
 
 
 # Memory a kernel may load before its `if PDL:` block: model parameters (no kernel writes
@@ -114,8 +116,8 @@ def _assert_loads_only(name: str, stmt: ast.stmt, readable: set[str]) -> None:
     assert not isinstance(stmt, ast.Return), f"{name}: returns before the wait"
     for call in (c for c in ast.walk(stmt) if isinstance(c, ast.Call)):
         callee = _calls(call)[0]
-        if callee == "load":
-            read = _pointers(call.args[0])
+        if callee in LOADERS:  # loads through the pointers among its arguments
+            read = _pointers(call.args[0] if callee == "load" else ast.Tuple(call.args))
             assert read and read <= readable, f"{name}: loads {read} before the wait"
         else:
             assert callee in PURE, f"{name}: {callee} before the wait (line {stmt.lineno})"
