@@ -3,11 +3,12 @@
     PYTHONPATH=. python benchmarks/bench_decode_splits.py --out $OUT [--upto 0 1 2 4 8]
 
 One engine per rule (Ouro-1.4B dummy bf16, 8 slots, 64-token prompts, 32 outputs, depth 4):
-short-context decode batches of at most `upto` sequences split four ways, merged in the
-attention kernel (0: none split), long contexts as committed. Committed decode tok/s at
-c = 1, 2, 4, 8 (h200_decode._median_rate), the rule patched before the engine is built so its
-CUDA graphs capture it. The committed rule is upto paged_attention.SHORT_SPLIT_SEQS = 2
-(2026-12-02-l2-ahead-h200.md: c=2 +1.6% against upto 1, c=4 -0.1% to -0.4% with 2 or 4).
+short-context decode batches of n <= `upto` sequences split paged_attention.SHORT_SPLITS // n
+ways (at least 1), merged in the attention kernel (0: none split), long contexts as
+committed. Committed decode tok/s at c = 1, 2, 4, 8 (h200_decode._median_rate), the rule
+patched before the engine is built so its CUDA graphs capture it. The committed rule is
+upto paged_attention.SHORT_SPLIT_SEQS = 2 (2026-12-02-l2-ahead-h200.md: c=2 +1.6% against
+upto 1, c=4 -0.1% to -0.4% with 2 or 4, when short batches split four ways).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from rlt_engine.kernels import paged_attention  # noqa: E402
 
 
-def rule(upto: int, splits: int = 4) -> Callable[[int, bool], int]:
+def rule(upto: int) -> Callable[[int, bool], int]:
     """decode_splits with short contexts splitting batches of at most `upto` sequences."""
 
     def decode_splits(num_seqs: int, long_context: bool) -> int:
-        if num_seqs <= upto or (long_context and num_seqs <= paged_attention.SPLIT_SEQS):
-            return splits
+        if num_seqs <= upto:
+            return max(1, paged_attention.SHORT_SPLITS // num_seqs)
+        if long_context and num_seqs <= paged_attention.SPLIT_SEQS:
+            return paged_attention.LONG_SPLITS
         return 1
 
     return decode_splits

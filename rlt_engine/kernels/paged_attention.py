@@ -20,8 +20,9 @@ Split-K (num_splits > 1): the key tiles of a program's range are cut into num_sp
 parts on the device (from seq_lens), each program writes its unnormalised partial (acc, max, sum)
 to a workspace and a second kernel merges them by log-sum-exp; a split with no keys writes
 (0, -inf, 0) and merges as empty. Decode rows given `split_counters` need no second kernel:
-each split counts its arrival (acq_rel, per (sequence, kv head)) and the last one merges;
-those programs walk their few keys with the loads pipelined in registers (MERGE).
+each split with keys counts its arrival (acq_rel, per (sequence, kv head)) and the last one
+merges, a split with none leaves at once; those programs walk their few keys with the loads
+pipelined in registers (MERGE).
 
 CUDA-graph capturable: no host synchronisation, the grids depend only on num_seqs, num_heads,
 max_query_len, num_splits and static shapes.
@@ -177,12 +178,18 @@ KV_PREFETCH_BYTES = 8 << 20
 
 
 SPLIT_SEQS = 16  # decode batches up to this many sequences may split their keys
-SHORT_SPLIT_SEQS = 2  # short-context decode batches up to this many sequences split theirs
+SHORT_SPLIT_SEQS = 2  # decode batches up to this many sequences split theirs at any context
 # decode batches up to this many sequences read their older keys before the PDL wait, where
 # the caller vouches for it (`prefetch_kv`): one sequence +0.4% at 96 keys and +3.8% at
 # 448-960 keys end to end; 2 to 8 sequences were 0.3-1.2% slower, their K/V (3-6 MB from
 # HBM) landing after the kernel before had ended (2026-12-04-settled-keys-h200.md)
 EARLY_KEYS_SEQS = 1
+# Ways a decode batch of n <= SHORT_SPLIT_SEQS sequences splits its keys: SHORT_SPLITS // n,
+# whatever its context (a split with no keys leaves at once). One sequence, against 4 ways:
+# -0.9% at 96 keys, +1.6% / +10.4% / +22.6% at 448 / 960 / 2,000 (8 ways: -0.4%, +2.2%, +7.1%,
+# +12.9%; 32: slower from 448 on) (2026-12-04-more-splits-h200.md)
+SHORT_SPLITS = 16
+LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 -4.8% at 2k)
 
 
 def decode_splits(num_seqs: int, long_context: bool) -> int:
@@ -192,9 +199,13 @@ def decode_splits(num_seqs: int, long_context: bool) -> int:
     on and no help at 64 (2026-12-01-paged-attention-h200.json); at 96 keys, merged in the
     kernel, 4 splits are 3% faster end to end at 1 sequence and 6% slower at 8
     (2026-12-02-decode-attention-splits-h200.md), 1.6% faster at 2 and even at 4
-    (2026-12-02-l2-ahead-h200.md): short contexts split up to SHORT_SPLIT_SEQS sequences."""
-    if num_seqs <= SHORT_SPLIT_SEQS or (long_context and num_seqs <= SPLIT_SEQS):
-        return 4
+    (2026-12-02-l2-ahead-h200.md): short contexts split up to SHORT_SPLIT_SEQS sequences.
+    Those split SHORT_SPLITS // n ways: a longer context then keeps more programs busy, a
+    shorter one leaves its extra splits empty."""
+    if num_seqs <= SHORT_SPLIT_SEQS:
+        return SHORT_SPLITS // num_seqs
+    if long_context and num_seqs <= SPLIT_SEQS:
+        return LONG_SPLITS
     return 1
 
 
@@ -701,6 +712,11 @@ def _paged_attention_kernel(
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
+    if MERGE and t_begin >= t_end:
+        # A split with no keys leaves at once (SETTLED: before the wait, its SM free for the
+        # kernel after), and the last of the others merges: a launch may split more ways
+        # than a short context has tiles.
+        return
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -838,26 +854,28 @@ def _paged_attention_kernel(
             tl.debug_barrier()
             counter = count_ptr + seq * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
+            used = tl.cdiv(n_tiles, per_split)  # the splits with keys (n_tiles >= 1 here)
+            if arrived == used - 1:
                 tl.store(counter, 0)  # every split has arrived: ready for the next launch
                 base = (token * num_heads + head) * NUM_SPLITS
                 m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 for i in tl.static_range(NUM_SPLITS):
-                    m_s = tl.load(ws_m_ptr + base + i, mask=row_ok, other=float("-inf"),
-                                  cache_modifier=".cg")  # fmt: skip
+                    m_s = tl.load(ws_m_ptr + base + i, mask=row_ok & (i < used),
+                                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
                     m_max = tl.maximum(m_max, m_s)
                 m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)  # all empty: weights 0
                 total = tl.zeros([BLOCK_M], dtype=tl.float32)
                 o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for i in tl.static_range(NUM_SPLITS):
-                    m_s = tl.load(ws_m_ptr + base + i, mask=row_ok, other=float("-inf"),
+                for i in tl.static_range(NUM_SPLITS):  # an empty split adds 0 * 0: no bit
+                    ok = row_ok & (i < used)
+                    m_s = tl.load(ws_m_ptr + base + i, mask=ok, other=float("-inf"),
                                   cache_modifier=".cg")  # fmt: skip
                     w = tl.exp2(m_s - m_ref)
-                    l_s = tl.load(ws_l_ptr + base + i, mask=row_ok, other=0.0,
+                    l_s = tl.load(ws_l_ptr + base + i, mask=ok, other=0.0,
                                   cache_modifier=".cg")  # fmt: skip
                     a_s = tl.load(
                         ws_acc_ptr + (base + i)[:, None] * HEAD_DIM + d[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :],
+                        mask=ok[:, None] & d_ok[None, :],
                         other=0.0,
                         cache_modifier=".cg",
                     )

@@ -187,6 +187,22 @@ def test_decode_split_k_merged_in_the_kernel(heads, num_splits):
         assert torch.equal(merged[7:], sentinel[7:])  # rows of no sequence: untouched
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa2", "mha"])
+def test_empty_splits_change_no_bit(heads):
+    """A merged decode split more ways than its contexts have key tiles: the splits with no
+    keys leave at once (before the wait where settled) and the last split with keys merges.
+    The same bits as 4 ways (one tile a split either way), the counters back to zero."""
+    specs = [(1, n) for n in (1, 16, 17, 40, 64)]  # 1 to 4 tiles of 16 keys
+    case = Case(specs, *heads, head_dim=32, block_size=16, seed=9)
+    counters = torch.zeros(len(specs) * heads[1], dtype=torch.int32)
+    tiles = dict(block_n=16, kernel="mma", split_counters=counters)
+    want = case.run(4, **tiles)
+    check(want, case.reference(), FP32_TOL)
+    for splits, settled in ((5, False), (16, False), (16, True)):
+        assert torch.equal(case.run(splits, prefetch_kv=settled, **tiles), want), splits
+        assert not counters.any()
+
+
 def test_split_counters_are_checked():
     case = Case([(1, 20), (1, 5)], 2, 2, head_dim=16, block_size=16)
     for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
@@ -301,7 +317,8 @@ def test_auto_takes_the_rows_kernel_for_many_short_decode_rows_only(monkeypatch)
     assert torch.equal(paged_attention(*args, case.scale, 1, long_context=True), mma)
     assert seen == [(8, 1, False), (8, 1, True)]  # programs = 4 sequences x 2 heads
     assert decode_splits(8, True) == 4 and decode_splits(8, False) == decode_splits(64, True) == 1
-    assert decode_splits(1, False) == decode_splits(2, False) == 4 and decode_splits(3, False) == 1
+    assert decode_splits(1, False) == decode_splits(1, True) == 16
+    assert decode_splits(2, False) == 8 and decode_splits(3, False) == 1
 
 
 def test_decode_rows_kernel_refuses_what_it_cannot_run():
@@ -576,20 +593,21 @@ def test_gpu_ouro_decode_split_1_vs_4(num_seqs):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("num_seqs", [1, 8])
-def test_gpu_decode_split_k_merged_in_the_kernel_under_graph_replays(num_seqs):
+@pytest.mark.parametrize(("num_seqs", "num_splits"), [(1, 4), (8, 4), (1, 16), (2, 32)])
+def test_gpu_decode_split_k_merged_in_the_kernel_under_graph_replays(num_seqs, num_splits):
     """Ouro's shape, bf16, the last split merging (split_counters) inside a CUDA graph replayed
     many times: the same output as the merge launch on every replay (a missed arrival or a
-    partial read before it was written would show), counters back to zero."""
+    partial read before it was written would show), counters back to zero. 32 splits of
+    32-key tiles leave the shorter contexts' last splits empty."""
     case = Case(_decode_specs(num_seqs, 700, num_seqs), 16, 16, 128, 16, torch.bfloat16, "cuda")
     counters = torch.zeros(num_seqs * 16, dtype=torch.int32, device="cuda")
-    want = case.run(4, block_n=32)
+    want = case.run(num_splits, block_n=32)
     check(want, case.reference(), BF16_TOL)
     out = torch.empty_like(case.q)
-    case.run(4, out, block_n=32, split_counters=counters)  # compiled before the capture
+    case.run(num_splits, out, block_n=32, split_counters=counters)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        case.run(4, out, block_n=32, split_counters=counters)
+        case.run(num_splits, out, block_n=32, split_counters=counters)
     graph.replay()
     check(out, want.float().cpu(), BF16_TOL)
     first = out.clone()
