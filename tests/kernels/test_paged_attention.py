@@ -201,6 +201,11 @@ def test_empty_splits_change_no_bit(heads):
     for splits, settled in ((5, False), (16, False), (16, True)):
         assert torch.equal(case.run(splits, prefetch_kv=settled, **tiles), want), splits
         assert not counters.any()
+    # a context of one tile: the merge of its one partial (weight exp2(0) = 1, sums 0 + x)
+    one_tile = Case(specs[:2], *heads, head_dim=32, block_size=16, seed=9)
+    unsplit = one_tile.run(1, block_n=16, kernel="mma")
+    assert torch.equal(one_tile.run(16, **tiles), unsplit)
+    assert not counters.any()
 
 
 def test_split_counters_are_checked():
