@@ -1,0 +1,115 @@
+"""A/B of the decode path: one engine per process, its `rlt_engine` taken from a tree, so two
+commits (or one commit with some module constants set otherwise) run on one machine.
+
+    git archive BASE rlt_engine ':!rlt_engine/assets' | tar -x -C $TREES/base   # a base tree
+    PYTHONPATH=. python benchmarks/ab_decode.py --out $OUT --label base-1 --tree $TREES/base
+    PYTHONPATH=. python benchmarks/ab_decode.py --out $OUT --label new-1 \\
+        --set kernels.paged_attention.SHORT_SPLITS=8 --long 1:960 --long 2:2000
+
+A run: Ouro-1.4B config, dummy bf16 weights (`h200_decode._engine`, 8 slots); committed
+decode tok/s (`h200_decode._median_rate`: 64-token prompts, 32 outputs, fixed depth 4) at each
+`--concurrency` (5 repeats) and at each `--long C:PROMPT_LEN` (3 repeats); then the sha256 of
+the greedy token ids of 8 prompts (equal hashes: the variants' bf16 outputs agree). One JSON
+line on stdout, appended to OUT/ab.jsonl. `--set` applies before the engine is built, so its
+CUDA graphs capture the change. H200 machines differ by a few percent: alternate the variants
+within one device call (base, new, new, base) and compare only rows of one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_set(text: str) -> tuple[str, str, object]:
+    """'kernels.paged_attention.SHORT_SPLITS=8' -> ('kernels.paged_attention', 'SHORT_SPLITS',
+    8): a module of rlt_engine, one of its names, a Python literal."""
+    target, sep, value = text.partition("=")
+    module, dot, attr = target.rpartition(".")
+    if not sep or not dot or not module or not attr:
+        raise ValueError(f"--set expects module.NAME=VALUE, got {text!r}")
+    try:
+        literal = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--set {target}: {value!r} is not a Python literal") from None
+    return module, attr, literal
+
+
+def parse_long(text: str) -> tuple[int, int]:
+    """'2:960' -> (concurrency 2, prompt length 960)."""
+    c, sep, pl = text.partition(":")
+    if not sep or not c.isdigit() or not pl.isdigit() or int(c) < 1 or int(pl) < 1:
+        raise ValueError(f"--long expects CONCURRENCY:PROMPT_LEN, got {text!r}")
+    return int(c), int(pl)
+
+
+def use_tree(tree: Path) -> Path:
+    """Import rlt_engine from `tree` (a directory holding the package); refuses when another
+    copy is already imported, which would silently measure that one instead."""
+    tree = tree.resolve()
+    if not (tree / "rlt_engine" / "__init__.py").is_file():
+        raise ValueError(f"--tree {tree}: no rlt_engine package there")
+    loaded = sys.modules.get("rlt_engine")
+    if loaded is None:
+        sys.path.insert(0, str(tree))
+        loaded = importlib.import_module("rlt_engine")
+    origin = Path(loaded.__file__).resolve()
+    if not origin.is_relative_to(tree):
+        raise ValueError(f"--tree {tree}: rlt_engine is already imported from {origin.parent}")
+    return origin.parent
+
+
+def apply_sets(sets: list[tuple[str, str, object]]) -> None:
+    """Set each name on its rlt_engine module; a name the module lacks is an error (a typo
+    would otherwise measure the base twice)."""
+    for module, attr, value in sets:
+        mod = importlib.import_module(f"rlt_engine.{module}")
+        if not hasattr(mod, attr):
+            raise ValueError(f"--set: rlt_engine.{module} has no {attr}")
+        setattr(mod, attr, value)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--tree", type=Path, default=ROOT, help="a directory holding rlt_engine")
+    ap.add_argument("--set", dest="sets", action="append", default=[], type=parse_set)
+    ap.add_argument("--concurrency", default="1,8", help="comma-separated, 64-token prompts")
+    ap.add_argument("--long", action="append", default=[], type=parse_long)
+    args = ap.parse_args()
+    package = use_tree(args.tree)
+    apply_sets(args.sets)
+    sys.path.insert(1, str(ROOT / "benchmarks"))
+    import h200_decode as hd  # imports torch and the engine: after the tree is chosen
+
+    t0 = time.time()
+    llm = hd._engine(hd.OURO, max_num_seqs=8)
+    row: dict = {"label": args.label, "rlt_engine": str(package)}
+    row["set"] = [f"{m}.{a}={v!r}" for m, a, v in args.sets]
+    for c in (int(x) for x in args.concurrency.split(",") if x):
+        r = hd._median_rate(llm, c, repeats=5)
+        row[f"c{c}"], row[f"c{c}_runs"] = r["decode_tok_s_median"], r["decode_tok_s_runs"]
+    for c, pl in args.long:
+        r = hd._median_rate(llm, c, prompt_len=pl, repeats=3)
+        row[f"c{c}_p{pl}"] = r["decode_tok_s_median"]
+    prompts, params = hd._workload(8, 64, 32)
+    tokens = [list(map(int, o[0])) for o in hd._outs(llm, prompts, params[0])]
+    row["tokens_sha"] = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+    row["wall_s"] = round(time.time() - t0, 1)
+    print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "ab.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

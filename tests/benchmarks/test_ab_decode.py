@@ -1,0 +1,55 @@
+"""benchmarks/ab_decode.py: its arguments, and that it measures the tree it is given (or
+refuses), with the constants it is told to set."""
+
+from __future__ import annotations
+
+import benchmark_scripts
+import pytest
+
+import rlt_engine
+from rlt_engine.kernels import paged_attention
+
+
+@pytest.fixture(scope="module")
+def ab():
+    return benchmark_scripts.load("ab_decode")
+
+
+def test_set_takes_a_module_a_name_and_a_literal(ab):
+    assert ab.parse_set("kernels.paged_attention.SHORT_SPLITS=8") == (
+        "kernels.paged_attention",
+        "SHORT_SPLITS",
+        8,
+    )
+    assert ab.parse_set("worker.x.FLAG=False")[2] is False
+    for bad in ("SHORT_SPLITS=8", "kernels.paged_attention.SHORT_SPLITS", "a.B=eight"):
+        with pytest.raises(ValueError, match="--set"):
+            ab.parse_set(bad)
+
+
+def test_long_takes_concurrency_and_prompt_length(ab):
+    assert ab.parse_long("2:960") == (2, 960)
+    for bad in ("960", "0:960", "2:", "a:1"):
+        with pytest.raises(ValueError, match="--long"):
+            ab.parse_long(bad)
+
+
+def test_the_tree_is_the_one_imported_or_refused(ab, tmp_path):
+    here = ab.use_tree(ab.ROOT)
+    assert here == ab.ROOT.resolve() / "rlt_engine"
+    with pytest.raises(ValueError, match="no rlt_engine package"):
+        ab.use_tree(tmp_path)
+    (tmp_path / "rlt_engine").mkdir()
+    (tmp_path / "rlt_engine" / "__init__.py").write_text("")
+    with pytest.raises(ValueError, match="already imported"):  # this process has the checkout's
+        ab.use_tree(tmp_path)
+    assert rlt_engine.__file__.startswith(str(ab.ROOT.resolve()))
+
+
+def test_sets_apply_to_the_module_and_refuse_unknown_names(ab, monkeypatch):
+    monkeypatch.setattr(paged_attention, "SHORT_SPLITS", paged_attention.SHORT_SPLITS)
+    ab.apply_sets([("kernels.paged_attention", "SHORT_SPLITS", 8)])
+    assert paged_attention.SHORT_SPLITS == 8
+    assert paged_attention.decode_splits(1, False) == 8
+    with pytest.raises(ValueError, match=r"has no SHORT_SPLIT$"):
+        ab.apply_sets([("kernels.paged_attention", "SHORT_SPLIT", 8)])
