@@ -10,7 +10,8 @@
 # 1. the GPU tests (the server's need the openai package, which the device image lacks);
 # 2. h200_decode.py --only exact (fp32: official code = torch = triton = graphs = CPU);
 # 3. rlt bench, Ouro-1.4B dummy bf16, 64/32, depth 4, c = 1/8/64/256 (with AB: once per value);
-# 4. rlt profile at c=8 and PROFILE_C (kernels per traversal, GPU busy, top kernels).
+# 4. the same at 2,000-token prompts, c = 1/2/8 (where attention reads more K/V than weights);
+# 5. rlt profile at c=8 and PROFILE_C (kernels per traversal, GPU busy, top kernels).
 set -uo pipefail
 OUT_DIR=${1:-${OUT:-h200-check-out}}
 mkdir -p "$OUT_DIR"
@@ -57,6 +58,10 @@ for value in ${AB:+0 1} default; do
     && summary "$OUT_DIR/$name.json" "$name" || tail -3 "$OUT_DIR/$name.err"
   elapsed
 done
+timeout 200 "$PY" -m rlt_cli.main bench --model "$MODEL" --load-format dummy --prompt-len 2000 \
+  --output-len 32 -c 1,2,8 --json > "$OUT_DIR/bench-long.json" 2> "$OUT_DIR/bench-long.err" \
+  && summary "$OUT_DIR/bench-long.json" bench-long || tail -3 "$OUT_DIR/bench-long.err"
+elapsed
 for c in 8 ${PROFILE_C:-}; do  # PROFILE_C="64 256": profiles at more concurrencies
   timeout 150 "$PY" -m rlt_cli.main profile --model "$MODEL" --load-format dummy \
     --prompt-len 64 --output-len 32 -c "$c" --top 40 --trace-out "/tmp/check-c$c.json" --json \
