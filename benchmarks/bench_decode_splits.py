@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,18 +25,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from rlt_engine.kernels import paged_attention  # noqa: E402
 
+_COMMITTED = paged_attention.decode_splits  # bound here: main() patches the module's name
+
 
 def rule(upto: int) -> Callable[[int, bool], int]:
     """decode_splits with short contexts splitting batches of at most `upto` sequences."""
-
-    def decode_splits(num_seqs: int, long_context: bool) -> int:
-        if num_seqs <= upto:
-            return max(1, paged_attention.SHORT_SPLITS // num_seqs)
-        if long_context and num_seqs <= paged_attention.SPLIT_SEQS:
-            return paged_attention.LONG_SPLITS
-        return 1
-
-    return decode_splits
+    return partial(_COMMITTED, short_seqs=upto)
 
 
 def main() -> None:
@@ -47,7 +42,6 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 2, 4, 8])
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    committed = paged_attention.decode_splits
     rows = []
     try:
         for upto in args.upto:
@@ -59,7 +53,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
             del llm
     finally:
-        paged_attention.decode_splits = committed
+        paged_attention.decode_splits = _COMMITTED
     (args.out / "decode_splits.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 

@@ -192,7 +192,7 @@ SHORT_SPLITS = 16
 LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 -4.8% at 2k)
 
 
-def decode_splits(num_seqs: int, long_context: bool) -> int:
+def decode_splits(num_seqs: int, long_context: bool, short_seqs: int | None = None) -> int:
     """Split-K for decode rows: few sequences leave most SMs idle with one program per
     (sequence, kv head), each as slow as the keys it must keep in flight. Measured on the H200
     (Ouro shapes): over long contexts 4 splits are 1.3-1.9x faster at 8 sequences from 1k keys
@@ -201,9 +201,10 @@ def decode_splits(num_seqs: int, long_context: bool) -> int:
     (2026-12-02-decode-attention-splits-h200.md), 1.6% faster at 2 and even at 4
     (2026-12-02-l2-ahead-h200.md): short contexts split up to SHORT_SPLIT_SEQS sequences.
     Those split SHORT_SPLITS // n ways: a longer context then keeps more programs busy, a
-    shorter one leaves its extra splits empty."""
-    if num_seqs <= SHORT_SPLIT_SEQS:
-        return SHORT_SPLITS // num_seqs
+    shorter one leaves its extra splits empty. `short_seqs` (benchmarks): another bound than
+    SHORT_SPLIT_SEQS."""
+    if num_seqs <= (SHORT_SPLIT_SEQS if short_seqs is None else short_seqs):
+        return max(1, SHORT_SPLITS // num_seqs)
     if long_context and num_seqs <= SPLIT_SEQS:
         return LONG_SPLITS
     return 1
