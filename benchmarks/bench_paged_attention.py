@@ -11,6 +11,7 @@ the choices `paged_attention` makes).
 
     python benchmarks/bench_paged_attention.py                      # table + JSON to $OUT if set
     python benchmarks/bench_paged_attention.py --concurrency 8 --contexts 4096 --splits 1 4 16
+    python benchmarks/bench_paged_attention.py --merged --concurrency 8 --contexts 2000 --splits 4
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def bench_cell(num_seqs, q_len, ctx, args, dtype, gen):
             "block_n": args.block_n,
             "kernel": args.kernel,
         }
+        # --merged: the decode form the engine runs (the last split merges, no second launch)
+        counters = (
+            torch.zeros(num_seqs * args.kv_heads, dtype=torch.int32, device="cuda")
+            if args.merged and splits > 1 and q_len == 1
+            else None
+        )
         return lambda: _launch(
             q,
             k,
@@ -94,6 +101,7 @@ def bench_cell(num_seqs, q_len, ctx, args, dtype, gen):
             q_len,
             splits,
             out,
+            split_counters=counters,
             **tune,
         )
 
@@ -146,6 +154,9 @@ def main() -> None:
         choices=("auto", "mma", "rows"),
         default="auto",
         help="tensor-core kernel, decode-rows kernel (MHA decode only), or the engine's choice",
+    )
+    parser.add_argument(
+        "--merged", action="store_true", help="decode splits merged in the kernel (the engine's)"
     )
     parser.add_argument("--out", default=None, help="JSON path (default: $OUT/... when set)")
     args = parser.parse_args()

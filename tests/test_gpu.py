@@ -170,3 +170,33 @@ def test_cuda_qkv_rope_epilogue_equals_its_own_launch(monkeypatch):
         assert any(taken)
     monkeypatch.setattr(TritonPagedAttention, "project_attend", lambda self, *a: None)
     assert ouro_decode_at_1_and_8(prompts) == fused
+
+
+def test_cuda_long_context_mha_decode_on_the_rows_kernel_matches_cpu(
+    ouro_real_dir, tmp_path, monkeypatch
+):
+    """Contexts past LONG_CONTEXT keys with one kv head per head (a tiny MHA Ouro, fp32): from
+    two sequences on the decode takes the rows kernel split ROWS_SPLIT_BUDGET // n ways, merged
+    by its last split, inside the CUDA graphs (one sequence keeps the tensor-core walk); tokens
+    and exit depths equal the CPU engine's, early exits on."""
+    from tiny_checkpoints import write_tiny_ouro
+
+    from rlt_engine.kernels import paged_attention as pa
+
+    model = write_tiny_ouro(tmp_path / "mha", tokenizer_from=ouro_real_dir, num_key_value_heads=4)
+    prompts = [[(13 * i + 7 * j) % 900 + 3 for j in range(1030 + 40 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, exit_threshold=0.6)
+    picked: list[bool] = []
+    rule = pa._rows_wins
+    monkeypatch.setattr(pa, "_rows_wins", lambda *a: picked.append(rule(*a)) or picked[-1])
+
+    def run(device: str, n: int):
+        llm = LLM(str(model), dtype="float32", device=device, block_size=16, max_num_seqs=4)
+        outs = llm.generate(prompts[:n], params)
+        assert llm.engine.blocks.num_used == 0
+        return [(o.token_ids, o.exit_depths) for o in outs]
+
+    for n in (1, 3):
+        picked.clear()
+        assert run("cuda", n) == run("cpu", n)
+        assert any(picked) == (n >= pa.ROWS_LONG_SEQS)

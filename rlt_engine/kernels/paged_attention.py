@@ -48,6 +48,7 @@ triton = tl = None  # set by _import_triton(); the kernels' bodies read the modu
 prefetch_kv_l2 = prefetch_lines = None
 rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
 attend_tile = kv_tile = None  # the @jit (or interpreted) _attend_tile, _kv_tile: by _launch
+merge_partials = None  # the @jit (or interpreted) _merge_partials: by _launch
 clocks = clock_after = None  # pdl's @jit _clocks and _clock_after, set by _launch for a `probe`
 
 PROBE_FIELDS = (  # what a PROBE build stamps per program, in this order
@@ -171,7 +172,11 @@ def paged_attention(
     )
 
 
-LONG_CONTEXT = 1024  # keys from which a decode batch counts as long (another launch plan)
+# Keys from which a decode batch counts as long (another launch plan). 200 against 1,024:
+# Ouro's 8 sequences +4% / +5% / +12.5% at 192 / 320 / 960-token prompts, 32 / 64 sequences
+# +26% / +27% at 448 / 960 (the unsplit rows kernel before), 96 keys unchanged
+# (2026-12-04-rows-long-h200.md)
+LONG_CONTEXT = 200
 # K/V bytes a decode launch asks L2 for before its PDL wait (`prefetch_kv`): a few tiles a
 # program at small batches; none where they would not stay in the 50 MB L2 until read
 KV_PREFETCH_BYTES = 8 << 20
@@ -190,9 +195,20 @@ EARLY_KEYS_SEQS = 1
 # +12.9%; 32: slower from 448 on) (2026-12-04-more-splits-h200.md)
 SHORT_SPLITS = 16
 LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 -4.8% at 2k)
+# A long-context MHA batch of ROWS_LONG_SEQS to SPLIT_SEQS sequences runs the rows kernel
+# split ROWS_SPLIT_BUDGET // n ways (at most MAX_SPLITS; c=8: 16), merged by its last split:
+# one warp a program, thousands of them, keeps more K/V in flight than the tensor-core walk's
+# 4-warp programs. c=8 +16%, c=4 +6%, c=2 +3% at 1,100-2,000-token prompts; one sequence
+# -6.5% (its tensor-core walk reads older keys before the wait), so it keeps that walk
+# (2026-12-04-rows-long-h200.md)
+ROWS_LONG_SEQS = 2
+ROWS_SPLIT_BUDGET = 128
+MAX_SPLITS = 32
 
 
-def decode_splits(num_seqs: int, long_context: bool, short_seqs: int | None = None) -> int:
+def decode_splits(
+    num_seqs: int, long_context: bool, short_seqs: int | None = None, mha: bool = False
+) -> int:
     """Split-K for decode rows: few sequences leave most SMs idle with one program per
     (sequence, kv head), each as slow as the keys it must keep in flight. Measured on the H200
     (Ouro shapes): over long contexts 4 splits are 1.3-1.9x faster at 8 sequences from 1k keys
@@ -201,8 +217,11 @@ def decode_splits(num_seqs: int, long_context: bool, short_seqs: int | None = No
     (2026-12-02-decode-attention-splits-h200.md), 1.6% faster at 2 and even at 4
     (2026-12-02-l2-ahead-h200.md): short contexts split up to SHORT_SPLIT_SEQS sequences.
     Those split SHORT_SPLITS // n ways: a longer context then keeps more programs busy, a
-    shorter one leaves its extra splits empty. `short_seqs` (benchmarks): another bound than
-    SHORT_SPLIT_SEQS."""
+    shorter one leaves its extra splits empty. `mha` (one kv head per head): a long context
+    then takes the rows kernel (`_rows_wins`), split ROWS_SPLIT_BUDGET // n ways. `short_seqs`
+    (benchmarks): another bound than SHORT_SPLIT_SEQS."""
+    if long_context and mha and ROWS_LONG_SEQS <= num_seqs <= SPLIT_SEQS:
+        return min(MAX_SPLITS, ROWS_SPLIT_BUDGET // num_seqs)
     if num_seqs <= (SHORT_SPLIT_SEQS if short_seqs is None else short_seqs):
         return max(1, SHORT_SPLITS // num_seqs)
     if long_context and num_seqs <= SPLIT_SEQS:
@@ -303,13 +322,11 @@ def _launch(
         kernel == "auto"
         and max_query_len == 1
         and group == 1
-        and _rows_wins(num_seqs * num_heads, num_splits, long_context)
+        and _rows_wins(num_seqs, num_heads, num_splits, long_context)
     )
     if rows_kernel and (max_query_len != 1 or group != 1):
         raise ValueError("the rows kernel runs decode rows (max_query_len 1) of MHA (group 1)")
-    merge_in_kernel = (
-        split_counters is not None and num_splits > 1 and max_query_len == 1 and not rows_kernel
-    )
+    merge_in_kernel = split_counters is not None and num_splits > 1 and max_query_len == 1
     if merge_in_kernel and (
         split_counters.dtype != torch.int32
         or split_counters.numel() < num_seqs * num_kv_heads
@@ -318,7 +335,7 @@ def _launch(
         raise ValueError(
             f"split_counters must be int32 [>= {num_seqs * num_kv_heads}] on {q.device}"
         )
-    rows_block_n, warps, stages = _rows_tiles(row_bytes)
+    rows_block_n, warps, stages = _rows_tiles(row_bytes, num_splits)
     if rows_kernel:
         rows_block_n = block_n_override or rows_block_n
     prefetch_tiles = 0  # key tiles per program asked of L2 before the wait (PREFETCH_KV)
@@ -373,12 +390,17 @@ def _launch(
         "ROW_LINES": max(1, row_bytes // _pdl.LINE_BYTES),
         "LINE": _pdl.LINE_BYTES // q.element_size(),
     }
+    global merge_partials
+    merge_partials = _kernel(_merge_partials, interpret)
     with _on_device(q.device):
         if rows_kernel:
             _kernel(_decode_rows_kernel, interpret)[(num_seqs, num_heads, num_splits)](
                 *args,
                 *_rope_args(rw, q),
+                q if not merge_in_kernel else split_counters,
                 **shapes,
+                SPLITS_PAD=triton.next_power_of_2(num_splits),
+                MERGE=merge_in_kernel,
                 ROPE=rw is not None,
                 HALF=head_dim // 2,
                 EXACT_MUL=not interpret,  # rope.py: mul.rn, no FMA contraction
@@ -488,20 +510,29 @@ def _check_rope_write(rw: RopeWrite, q: torch.Tensor, k_cache: torch.Tensor, max
         raise ValueError(f"rope_write slot_mapping must be [{rows}] int64")
 
 
-def _rows_wins(programs: int, num_splits: int, long_context: bool) -> bool:
+def _rows_wins(num_seqs: int, num_heads: int, num_splits: int, long_context: bool) -> bool:
     """Whether the rows kernel beats the tensor-core one on MHA decode rows. Measured on the
     H200, Ouro shapes, bf16, CUDA graphs (benchmarks/results/2026-12-01-decode-attention-h200.md):
     at 96 keys 13.4 vs 18.7 us (64 sequences) and 54.3 vs 62.1 us (256); a tie or worse with
-    fewer than 32 sequences (one program per SM at most, latency-bound either way) and 9%
-    slower at 64 sequences x 1k keys, where the tensor-core kernel's pipelined tiles win."""
-    return programs >= 512 and num_splits == 1 and not long_context
+    fewer than 32 sequences (one program per SM at most, latency-bound either way). From
+    LONG_CONTEXT keys the tensor-core kernel's pipelined tiles win unsplit (end to end 32
+    sequences x 448-token prompts +26%, 64 x 960 +27%), and the rows kernel split
+    (`decode_splits` with `mha`) wins for 2-16 sequences: standalone, 8 x 2,000 keys split 16
+    ways 46.2 us merged by its last split (37.5 before a merge launch) against 48.2 for the
+    tensor-core kernel; end to end c=8 +16% merged, +9.6% with the merge launch
+    (2026-12-04-rows-long-h200.md)."""
+    if long_context:
+        return num_splits > 1 and num_seqs >= ROWS_LONG_SEQS
+    return num_seqs * num_heads >= 512 and num_splits == 1
 
 
-def _rows_tiles(row_bytes: int) -> tuple[int, int, int]:
+def _rows_tiles(row_bytes: int, num_splits: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the rows kernel for K/V rows of `row_bytes`: one
     warp per program was best at every measured shape (more programs resident per SM, more
-    loads in flight)."""
-    block_n = max(16, min(32, 32 * 256 // row_bytes))
+    loads in flight). Split, 16 keys a tile (bf16 d=128): 8 sequences x 2,000 keys split 16
+    ways 37.5 us against 43.9 with 32 (before a merge launch; 2026-12-04-rows-long-h200.md)."""
+    keys = 16 if num_splits > 1 else 32
+    block_n = max(16, min(keys, keys * 256 // row_bytes))
     return block_n, 1, 2
 
 
@@ -970,11 +1001,14 @@ def _decode_rows_kernel(
     stride_vnt,
     stride_vnh,
     slot_ptr,
+    count_ptr,  # MERGE: int32 [sequences * heads], zero between launches: splits arrived
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+    MERGE: tl.constexpr,  # split-K merged by the split that arrives last (no merge launch)
     PDL: tl.constexpr,
     PREFETCH_KV: tl.constexpr,
     ROW_LINES: tl.constexpr,
@@ -1014,6 +1048,8 @@ def _decode_rows_kernel(
     per_split = tl.cdiv(n_tiles, NUM_SPLITS)
     t_begin = split * per_split
     t_end = tl.minimum(t_begin + per_split, n_tiles)
+    if MERGE and t_begin >= t_end:  # no keys: the last of the splits with keys merges
+        return
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + head.to(tl.int64) * stride_kh
     v_base = v_ptr + head.to(tl.int64) * stride_vh
@@ -1069,6 +1105,17 @@ def _decode_rows_kernel(
         tl.store(ws_acc_ptr + part * HEAD_DIM + d, acc, mask=d_ok)
         tl.store(ws_m_ptr + part, m_i)
         tl.store(ws_l_ptr + part, l_i)
+        if MERGE:  # as the tensor-core kernel's MERGE: the stores, one release, the last merges
+            tl.debug_barrier()
+            counter = count_ptr + seq * num_heads + head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            used = tl.cdiv(n_tiles, per_split)  # the splits with keys (n_tiles >= 1 here)
+            if arrived == used - 1:
+                tl.store(counter, 0)  # every split has arrived: ready for the next launch
+                merge_partials(
+                    out_ptr + token * stride_ot + head * stride_oh, ws_acc_ptr, ws_m_ptr,
+                    ws_l_ptr, part - split, used, HEAD_DIM, BLOCK_D, SPLITS_PAD, ".cg",
+                )  # fmt: skip
 
 
 def _prefetch_kv_l2(
@@ -1143,12 +1190,24 @@ def _merge_splits_kernel(
     if i >= tl.load(query_start_ptr + seq + 1) - q_begin:
         return
     token = (q_begin + i).to(tl.int64)
+    merge_partials(
+        out_ptr + token * stride_ot + head * stride_oh, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
+        (token * num_heads + head) * NUM_SPLITS, NUM_SPLITS, HEAD_DIM, BLOCK_D, SPLITS_PAD, "",
+    )  # fmt: skip
 
+
+def _merge_partials(out_row, ws_acc_ptr, ws_m_ptr, ws_l_ptr, part0, used,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    CACHE: tl.constexpr):  # fmt: skip
+    """Log-sum-exp merge of the partials part0 .. part0 + used - 1 (acc, max, sum) into the
+    output row `out_row`. A split with no keys (0, -inf, 0) weighs 0, as does one past `used`,
+    so the bits do not depend on how many empty splits there were. CACHE ".cg": partials
+    stored by other programs of the same launch (read through L2, not L1)."""
     sp = tl.arange(0, SPLITS_PAD)
-    sp_ok = sp < NUM_SPLITS
-    part = (token * num_heads + head) * NUM_SPLITS + sp
-    m = tl.load(ws_m_ptr + part, mask=sp_ok, other=float("-inf"))
-    sums = tl.load(ws_l_ptr + part, mask=sp_ok, other=0.0)
+    sp_ok = sp < used
+    part = part0 + sp
+    m = tl.load(ws_m_ptr + part, mask=sp_ok, other=float("-inf"), cache_modifier=CACHE)
+    sums = tl.load(ws_l_ptr + part, mask=sp_ok, other=0.0, cache_modifier=CACHE)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split: weight 0
     total = tl.sum(w * sums, axis=0)
@@ -1159,10 +1218,7 @@ def _merge_splits_kernel(
         ws_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
         mask=sp_ok[:, None] & d_ok[None, :],
         other=0.0,
+        cache_modifier=CACHE,
     )
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + d,
-        o.to(out_ptr.dtype.element_ty),
-        mask=d_ok,
-    )
+    tl.store(out_row + d, o.to(out_row.dtype.element_ty), mask=d_ok)

@@ -278,7 +278,11 @@ class TritonPagedAttention(PagedKVCache):
             scale=self.scale,
             max_query_len=meta.max_query_len,
             num_splits=(
-                decode_splits(meta.block_tables.shape[0], self.long_context)
+                decode_splits(
+                    meta.block_tables.shape[0],
+                    self.long_context,
+                    mha=q.shape[1] == self.k.shape[-2],
+                )
                 if meta.max_query_len == 1
                 else 1
             ),

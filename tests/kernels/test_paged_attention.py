@@ -304,13 +304,16 @@ def test_rope_write_refuses_what_it_cannot_run():
         paged_attention(*args, case.block_size, case.scale, 1, rope_write=bad)
 
 
-def test_auto_takes_the_rows_kernel_for_many_short_decode_rows_only(monkeypatch):
-    """The measured rule: >= 512 (sequence, head) programs, no split, no long context; and
-    "auto" dispatches by it (the rule is patched here: 512 programs are slow to interpret)."""
-    assert pa._rows_wins(512, 1, False)
-    assert not pa._rows_wins(511, 1, False)
-    assert not pa._rows_wins(512, 2, False)
-    assert not pa._rows_wins(512, 1, True)
+def test_auto_takes_the_rows_kernel_for_many_short_or_split_long_decode_rows(monkeypatch):
+    """The measured rule: >= 512 (sequence, head) programs, no split, no long context; or a
+    long context split; and "auto" dispatches by it (the rule is patched here: 512 programs
+    are slow to interpret)."""
+    assert pa._rows_wins(32, 16, 1, False) and pa._rows_wins(512, 1, 1, False)
+    assert not pa._rows_wins(31, 16, 1, False)
+    assert not pa._rows_wins(32, 16, 2, False)
+    assert not pa._rows_wins(32, 16, 1, True)
+    assert pa._rows_wins(2, 16, 32, True) and pa._rows_wins(8, 16, 16, True)
+    assert not pa._rows_wins(1, 16, 16, True)  # one sequence keeps the tensor-core walk
     case = Case([(1, 5 + i) for i in range(4)], 2, 2, head_dim=16, block_size=4, seed=6)
     rows, mma = case.run(kernel="rows"), case.run(kernel="mma")
     assert not torch.equal(rows, mma)  # different arithmetic: tells them apart
@@ -320,10 +323,51 @@ def test_auto_takes_the_rows_kernel_for_many_short_decode_rows_only(monkeypatch)
     monkeypatch.setattr(pa, "_rows_wins", lambda *a: seen.append(a) or False)
     args = (case.q, case.k, case.v, case.block_tables, case.seq_lens, case.query_start, 4)
     assert torch.equal(paged_attention(*args, case.scale, 1, long_context=True), mma)
-    assert seen == [(8, 1, False), (8, 1, True)]  # programs = 4 sequences x 2 heads
+    assert seen == [(4, 2, 1, False), (4, 2, 1, True)]  # 4 sequences, 2 heads
     assert decode_splits(8, True) == 4 and decode_splits(8, False) == decode_splits(64, True) == 1
     assert decode_splits(1, False) == decode_splits(1, True) == 16
     assert decode_splits(2, False) == 8 and decode_splits(3, False) == 1
+    # a long MHA context: the rows kernel, split ROWS_SPLIT_BUDGET // n ways, at most 32
+    # (one sequence keeps its 16 ways on the tensor-core walk)
+    assert [decode_splits(n, True, mha=True) for n in (1, 2, 4, 8, 16)] == [16, 32, 32, 16, 8]
+    assert decode_splits(17, True, mha=True) == 1 and decode_splits(8, False, mha=True) == 1
+    assert decode_splits(2, True) == 8 and decode_splits(2, False, mha=True) == 8
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+def test_rows_kernel_merged_in_the_kernel_changes_no_bit(num_splits, rope):
+    """The rows kernel with `split_counters`: the split that arrives last merges (no merge
+    launch), with the same bits as the merge launch, splits with no keys leave at once,
+    padding sequences and rows of no sequence stay untouched, the counters are back to zero;
+    with `rope_write` too (the split holding the new key writes it)."""
+    if rope:
+        case, new = _rope_write_case("rows", torch.float32, "cpu", lens=(1, 5, 17, 40, 9))
+        extra = {"rope_write": new}
+    else:
+        specs = [(1, n) for n in (1, 15, 16, 17, 50, 3, 90)] + [(0, 7)]
+        case = Case(specs, 3, 3, head_dim=24, block_size=5, pad_rows=2, seed=5)
+        extra = {}
+    counters = torch.zeros(case.block_tables.shape[0] * 3, dtype=torch.int32)
+    sentinel = torch.full_like(case.q, 7.0)
+    tiles = {"kernel": "rows", "block_n": 16}
+
+    def run(**more):
+        k, v = case.k.clone(), case.v.clone()  # rope_write writes the new keys into them
+        args = (case.q.clone(), k, v, case.block_tables, case.seq_lens, case.query_start)
+        rest = (case.block_size, case.scale, case.max_query_len, num_splits, sentinel.clone())
+        return _launch(*args, *rest, **tiles, **extra, **more), k, v
+
+    merged, k1, v1 = run(split_counters=counters)
+    assert not counters.any()
+    two_launches, k2, v2 = run()
+    assert torch.equal(merged, two_launches)
+    for written, want in ((k1, k2), (v1, v2)):  # unused slots hold NaN
+        torch.testing.assert_close(written, want, rtol=0, atol=0, equal_nan=True)
+    owned = int(case.query_start[-1])
+    assert torch.equal(merged[owned:], sentinel[owned:])
+    if not rope:
+        check(merged, case.reference(), FP32_TOL, owned)
 
 
 def test_decode_rows_kernel_refuses_what_it_cannot_run():
@@ -598,21 +642,28 @@ def test_gpu_ouro_decode_split_1_vs_4(num_seqs):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize(("num_seqs", "num_splits"), [(1, 4), (8, 4), (1, 16), (2, 32)])
-def test_gpu_decode_split_k_merged_in_the_kernel_under_graph_replays(num_seqs, num_splits):
+@pytest.mark.parametrize(
+    ("num_seqs", "num_splits", "kernel"),
+    [(1, 4, "mma"), (8, 4, "mma"), (1, 16, "mma"), (2, 32, "mma"), (8, 16, "rows"),
+     (1, 32, "rows")],
+)  # fmt: skip
+def test_gpu_decode_split_k_merged_in_the_kernel_under_graph_replays(num_seqs, num_splits, kernel):
     """Ouro's shape, bf16, the last split merging (split_counters) inside a CUDA graph replayed
-    many times: the same output as the merge launch on every replay (a missed arrival or a
-    partial read before it was written would show), counters back to zero. 32 splits of
-    32-key tiles leave the shorter contexts' last splits empty."""
+    many times: the merge launch's output to bf16 rounding and the same bits on every replay
+    (a missed arrival or a partial read before it was written would show), counters back to
+    zero. (Bit for bit against the merge launch only in the interpreter: compiled, the merge
+    inlined into the rows kernel rounds a few outputs otherwise.) 32 splits of 32-key tiles
+    leave the shorter contexts' last splits empty."""
     case = Case(_decode_specs(num_seqs, 700, num_seqs), 16, 16, 128, 16, torch.bfloat16, "cuda")
     counters = torch.zeros(num_seqs * 16, dtype=torch.int32, device="cuda")
-    want = case.run(num_splits, block_n=32)
+    tiles = {"block_n": 32 if kernel == "mma" else 16, "kernel": kernel}
+    want = case.run(num_splits, **tiles)
     check(want, case.reference(), BF16_TOL)
     out = torch.empty_like(case.q)
-    case.run(num_splits, out, block_n=32, split_counters=counters)  # compiled before capture
+    case.run(num_splits, out, split_counters=counters, **tiles)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        case.run(num_splits, out, block_n=32, split_counters=counters)
+        case.run(num_splits, out, split_counters=counters, **tiles)
     graph.replay()
     check(out, want.float().cpu(), BF16_TOL)
     first = out.clone()
