@@ -6,7 +6,8 @@ commits (or one commit with some module constants set otherwise) run on one mach
     PYTHONPATH=. python benchmarks/ab_decode.py --out $OUT --label new-1 \\
         --set kernels.paged_attention.SHORT_SPLITS=8 --long 1:960 --long 2:2000
 
-A run: Ouro-1.4B config, dummy bf16 weights (`h200_decode._engine`, 8 slots); committed
+A run: Ouro-1.4B config, dummy bf16 weights (`h200_decode._engine`, as many slots as the
+largest concurrency asked, at least 8, so c=64 runs 64 sequences at once); committed
 decode tok/s (`h200_decode._median_rate`: 64-token prompts, 32 outputs, fixed depth 4) at each
 `--concurrency` (5 repeats) and at each `--long C:PROMPT_LEN` (3 repeats); then the sha256 of
 the greedy token ids of 8 prompts (equal hashes: the variants' bf16 outputs agree). One JSON
@@ -51,6 +52,12 @@ def parse_long(text: str) -> tuple[int, int]:
     return int(c), int(pl)
 
 
+def slots_for(concurrencies: list[int], longs: list[tuple[int, int]]) -> int:
+    """Engine slots: the largest concurrency asked (at least 8, the token-hash workload); fewer
+    would queue the rest and measure a smaller batch under a larger label."""
+    return max([8, *concurrencies, *(c for c, _ in longs)])
+
+
 def use_tree(tree: Path) -> Path:
     """Import rlt_engine from `tree` (a directory holding the package); refuses when another
     copy is already imported, which would silently measure that one instead."""
@@ -92,10 +99,11 @@ def main() -> None:
     import h200_decode as hd  # imports torch and the engine: after the tree is chosen
 
     t0 = time.time()
-    llm = hd._engine(hd.OURO, max_num_seqs=8)
+    concurrencies = [int(x) for x in args.concurrency.split(",") if x]
+    llm = hd._engine(hd.OURO, max_num_seqs=slots_for(concurrencies, args.long))
     row: dict = {"label": args.label, "rlt_engine": str(package)}
     row["set"] = [f"{m}.{a}={v!r}" for m, a, v in args.sets]
-    for c in (int(x) for x in args.concurrency.split(",") if x):
+    for c in concurrencies:
         r = hd._median_rate(llm, c, repeats=5)
         row[f"c{c}"], row[f"c{c}_runs"] = r["decode_tok_s_median"], r["decode_tok_s_runs"]
     for c, pl in args.long:

@@ -34,6 +34,13 @@ def test_long_takes_concurrency_and_prompt_length(ab):
             ab.parse_long(bad)
 
 
+def test_the_engine_has_a_slot_for_every_sequence_asked(ab):
+    assert ab.slots_for([1, 8], []) == 8
+    assert ab.slots_for([1], [(2, 960)]) == 8
+    assert ab.slots_for([1, 8], [(64, 448), (16, 960)]) == 64
+    assert ab.slots_for([256], []) == 256
+
+
 def test_the_tree_is_the_one_imported_or_refused(ab, tmp_path):
     here = ab.use_tree(ab.ROOT)
     assert here == ab.ROOT.resolve() / "rlt_engine"
