@@ -6,14 +6,15 @@ commits (or one commit with some module constants set otherwise) run on one mach
     PYTHONPATH=. python benchmarks/ab_decode.py --out $OUT --label new-1 \\
         --set kernels.paged_attention.SHORT_SPLITS=8 --long 1:960 --long 2:2000
 
-A run: Ouro-1.4B config, dummy bf16 weights (`h200_decode._engine`, as many slots as the
-largest concurrency asked, at least 8, so c=64 runs 64 sequences at once); committed
-decode tok/s (`h200_decode._median_rate`: 64-token prompts, 32 outputs, fixed depth 4) at each
-`--concurrency` (5 repeats) and at each `--long C:PROMPT_LEN` (3 repeats); then the sha256 of
-the greedy token ids of 8 prompts (equal hashes: the variants' bf16 outputs agree). One JSON
-line on stdout, appended to OUT/ab.jsonl. `--set` applies before the engine is built, so its
-CUDA graphs capture the change. H200 machines differ by a few percent: alternate the variants
-within one device call (base, new, new, base) and compare only rows of one call.
+A run: Ouro-1.4B config (`--model nanbeige`: Nanbeige4.2-3B's), dummy bf16 weights
+(`h200_decode._engine`, as many slots as the largest concurrency asked, at least 8, so c=64 runs
+64 sequences at once); committed decode tok/s (`h200_decode._median_rate`: 64-token prompts, 32
+outputs, fixed depth 4) at each `--concurrency` (5 repeats) and at each `--long C:PROMPT_LEN` (3
+repeats); then the sha256 of the greedy token ids of 8 prompts (equal hashes: the variants' bf16
+outputs agree). One JSON line on stdout, appended to OUT/ab.jsonl. `--set` applies before the
+engine is built, so its CUDA graphs capture the change. H200 machines differ by a few percent:
+alternate the variants within one device call (base, new, new, base) and compare only rows of
+one call.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], type=parse_set)
     ap.add_argument("--concurrency", default="1,8", help="comma-separated, 64-token prompts")
     ap.add_argument("--long", action="append", default=[], type=parse_long)
+    ap.add_argument(
+        "--model",
+        choices=("ouro", "nanbeige"),
+        default="ouro",
+        help="Ouro-1.4B (MHA) or Nanbeige4.2-3B (GQA, 8 kv heads for 48) config, dummy weights",
+    )
     args = ap.parse_args()
     package = use_tree(args.tree)
     apply_sets(args.sets)
@@ -100,8 +107,9 @@ def main() -> None:
 
     t0 = time.time()
     concurrencies = [int(x) for x in args.concurrency.split(",") if x]
-    llm = hd._engine(hd.OURO, max_num_seqs=slots_for(concurrencies, args.long))
-    row: dict = {"label": args.label, "rlt_engine": str(package)}
+    model = {"ouro": hd.OURO, "nanbeige": hd.NANBEIGE}[args.model]
+    llm = hd._engine(model, max_num_seqs=slots_for(concurrencies, args.long))
+    row: dict = {"label": args.label, "model": args.model, "rlt_engine": str(package)}
     row["set"] = [f"{m}.{a}={v!r}" for m, a, v in args.sets]
     for c in concurrencies:
         r = hd._median_rate(llm, c, repeats=5)
