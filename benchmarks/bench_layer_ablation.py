@@ -77,7 +77,7 @@ def _patch(removed: tuple[str, ...]):
     real_attend_rope, real_project = TritonPagedAttention.attend_rope, layers.project
     real_gate_up = gate_up_swiglu.gate_up_silu
 
-    def attend_rope(self, layer, q, k, v, rope, meta, o_proj=None):  # never folds
+    def attend_rope(self, layer, q, k, v, rope, meta):
         if "old_kv" in removed:
             from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 

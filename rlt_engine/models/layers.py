@@ -206,15 +206,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor | SplitSums:
         """`unreduced`: the o_proj may return split-K partials (see `project`)."""
         rows, d = x.shape[0], self.head_dim
-        # where the o_proj's partials may go out unsummed, the backend may fold attention
-        # into it (one decode sequence: worker/attention's `_folds`) and return them
-        o_proj = self.o_proj.weight if unreduced and self.small_gemm else None
         project_attend = getattr(backend, "project_attend", None)
         if self.qkv is not None and self.small_gemm and self.fused_rope and project_attend:
             # decode rows: RoPE and the K/V write in the qkv GEMM's epilogue where it can
-            out = project_attend(self.layer, x, self.qkv, rope, meta, o_proj=o_proj)
-            if isinstance(out, SplitSums):
-                return out
+            out = project_attend(self.layer, x, self.qkv, rope, meta)
             if out is not None:
                 return self._o_proj(out.reshape(rows, self.num_heads * d), unreduced)
         if self.qkv is None:
@@ -227,9 +222,7 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         attend_rope = getattr(backend, "attend_rope", None) if self.fused_rope else None
         if attend_rope is not None:  # RoPE and the K/V write in one launch (Triton backend)
-            out = attend_rope(self.layer, q, k, v, rope, meta, o_proj=o_proj)
-            if isinstance(out, SplitSums):
-                return out
+            out = attend_rope(self.layer, q, k, v, rope, meta)
         else:
             if self.fused_rope:
                 from rlt_engine.kernels.rope import apply_rope_

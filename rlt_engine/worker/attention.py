@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlt_engine.kernels import kv_copy
-from rlt_engine.kernels.split_sums import SplitSums
 from rlt_engine.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels are imported where they are used
@@ -196,20 +195,14 @@ class TritonPagedAttention(PagedKVCache):
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        o_proj: torch.Tensor | None = None,
-    ) -> torch.Tensor | SplitSums:
+    ) -> torch.Tensor:
         """`attend` for q and k before RoPE, the same values as apply_rope_ then `attend`:
         one launch rotates them and writes K/V (kernels/rope_kv_write), or for decode rows
-        on the rows kernel the attention launch itself (paged_attention's `rope_write`).
-        `o_proj` (its weight): the caller takes the o_proj's split partials instead where
-        attention folds into it (`_folds`)."""
+        on the rows kernel the attention launch itself (paged_attention's `rope_write`)."""
         from rlt_engine.kernels.paged_attention import RopeWrite
         from rlt_engine.kernels.rope_kv_write import rope_write_kv_
 
         assert isinstance(meta, (PagedMetadata, MixedMetadata))
-        if self._folds(meta, o_proj):
-            rope_write_kv_(q, k, v, *rope, self.k[layer], self.v[layer], meta.slot_mapping)
-            return self._fold(layer, q, meta, o_proj)
         if isinstance(meta, PagedMetadata) and meta.max_query_len == 1:
             # no launch before attention (the qkv GEMM, or RoPE + the K/V write before the
             # tensor-core kernel) writes metadata: its K/V prefetch is safe
@@ -227,13 +220,12 @@ class TritonPagedAttention(PagedKVCache):
         w_qkv: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        o_proj: torch.Tensor | None = None,
-    ) -> torch.Tensor | SplitSums | None:
+    ) -> torch.Tensor | None:
         """The packed qkv projection of decode rows x with RoPE and the K/V write in the
         GEMM's epilogue (kernels/ws_gemm.QkvRope: one launch and one PDL hop fewer), then
-        attention: `attend_rope`'s values bit for bit (`o_proj`: as there). None where the
-        small-GEMM table picks no warp-specialised kernel for the projection (prefill, larger
-        batches, other devices): the caller projects and calls `attend_rope`."""
+        attention: `attend_rope`'s values bit for bit. None where the small-GEMM table picks
+        no warp-specialised kernel for the projection (prefill, larger batches, other
+        devices): the caller projects and calls `attend_rope`."""
         from rlt_engine.kernels.small_gemm import linear_rope
         from rlt_engine.kernels.ws_gemm import QkvRope
 
@@ -247,34 +239,7 @@ class TritonPagedAttention(PagedKVCache):
         if qkv is None:
             return None
         q = qkv.view(x.shape[0], num_heads + 2 * kv_heads, head_dim)[:, :num_heads]
-        if self._folds(meta, o_proj):
-            return self._fold(layer, q, meta, o_proj)
         return self._read(layer, q, meta, prefetch_kv=True)
-
-    def _folds(self, meta: AttentionMetadata, o_proj: torch.Tensor | None) -> bool:
-        """Whether decode attention folds into the o_proj (kernels/attend_project): one
-        sequence below LONG_CONTEXT keys, called right after the launch that wrote its q and
-        K/V (so its settled keys may be read before the PDL wait)."""
-        from rlt_engine.kernels import attend_project
-
-        return (
-            o_proj is not None
-            and attend_project.FOLD
-            and isinstance(meta, PagedMetadata)
-            and meta.max_query_len == 1
-            and meta.block_tables.shape[0] == 1
-            and not self.long_context
-        )
-
-    def _fold(
-        self, layer: int, q: torch.Tensor, meta: PagedMetadata, o_proj: torch.Tensor
-    ) -> SplitSums:
-        from rlt_engine.kernels.attend_project import attend_project
-
-        return attend_project(
-            q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
-            self.block_size, self.scale, o_proj, settled=True,
-        )  # fmt: skip
 
     _copy_exits = staticmethod(kv_copy.exit_copies_)  # rows that stay move nothing
 

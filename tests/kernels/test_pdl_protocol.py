@@ -87,22 +87,19 @@ def _has_if(block: ast.If, condition: str) -> bool:
 
 # Memory a kernel may read between `if PDL and not X:` and `if PDL and X:` (before the wait
 # when X holds): X is its caller's word that the kernel before writes none of it.
-# paged_attention's and attend_project's SETTLED (decode): the sequences' metadata
-# (query_start, seq_lens, the block table) and the keys older than the rows' own (through
-# k_base / v_base).
+# paged_attention's SETTLED (prefetch_kv's word, decode): the sequences' metadata (query_start,
+# seq_lens, the block table) and the keys older than the rows' own (through k_base / v_base).
 EARLY_READS = {"SETTLED": {"query_start_ptr", "seq_lens_ptr", "table", "k_base", "v_base"}}
 # pointers derived from a kernel argument (names that do not end in _ptr)
 DERIVED = {"table", "k_base", "v_base"}
-# calls that only load: tl.load, paged attention's _kv_tile and attend_project's _kv_tile3 (K
-# and V rows at given slots)
-LOADERS = {"load", "kv_tile", "kv_tile3"}
+# calls that only load: tl.load, paged attention's _kv_tile (K and V rows at given slots)
+LOADERS = {"load", "kv_tile"}
 
 
 # Memory a kernel may load before its `if PDL:` block: model parameters (no kernel writes
 # them), such as the add + norm's weights, which the layer's weight stream has evicted from L2.
 WEIGHT_READS = {
     "norm_chain.py::_add_rms_norm_kernel": {"w_ptr", "wy_ptr", "gw_ptr", "gb_ptr"},
-    "attend_project.py::_attend_project_kernel": {"w_ptr"},  # the o_proj's weight tile
 }
 
 
