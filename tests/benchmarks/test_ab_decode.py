@@ -57,6 +57,6 @@ def test_sets_apply_to_the_module_and_refuse_unknown_names(ab, monkeypatch):
     monkeypatch.setattr(paged_attention, "SHORT_SPLITS", paged_attention.SHORT_SPLITS)
     ab.apply_sets([("kernels.paged_attention", "SHORT_SPLITS", 8)])
     assert paged_attention.SHORT_SPLITS == 8
-    assert paged_attention.decode_splits(1, False) == 8
+    assert paged_attention.decode_splits(1, True) == 8
     with pytest.raises(ValueError, match=r"has no SHORT_SPLIT$"):
         ab.apply_sets([("kernels.paged_attention", "SHORT_SPLIT", 8)])
