@@ -190,19 +190,21 @@ SHORT_SPLIT_SEQS = 2  # decode batches up to this many sequences split theirs at
 # HBM) landing after the kernel before had ended (2026-12-04-settled-keys-h200.md)
 EARLY_KEYS_SEQS = 1
 # Ways a decode batch of n <= SHORT_SPLIT_SEQS sequences splits its keys: SHORT_SPLITS // n,
-# whatever its context (a split with no keys leaves at once; one sequence below LONG_CONTEXT:
-# ONE_SEQ_SPLITS). One sequence, against 4 ways:
+# whatever its context (a split with no keys leaves at once; below LONG_CONTEXT keys, up to
+# WIDE_TILE_SEQS sequences: WIDE_TILE_SPLITS). One sequence, against 4 ways:
 # -0.9% at 96 keys, +1.6% / +10.4% / +22.6% at 448 / 960 / 2,000 (8 ways: -0.4%, +2.2%, +7.1%,
 # +12.9%; 32: slower from 448 on) (2026-12-04-more-splits-h200.md)
 SHORT_SPLITS = 16
 LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 -4.8% at 2k)
-# One sequence below LONG_CONTEXT keys splits ONE_SEQ_SPLITS ways with tiles of
-# ONE_SEQ_TILE = (keys, warps): a context of up to 128 keys is one tile, all read before the
-# wait, whose split writes the output itself (no merge); 129-199 keys are two tiles in two
-# splits. Against 16 ways of 64-key tiles: c=1 +2.0% at 64-token prompts (64-96 keys), +0.7% /
-# -0.7% / 0 at 110 / 150 / 166; unsplit: +2.1%, but -5.5% at 150 (2026-12-04-one-tile-h200.md)
-ONE_SEQ_SPLITS = 2
-ONE_SEQ_TILE = (128, 8)  # 4 warps spill the MERGE walk's two tiles in flight
+# Decode batches of at most WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split
+# WIDE_TILE_SPLITS ways with tiles of WIDE_TILE = (keys, warps): a context of up to 128 keys is
+# one tile (one sequence: all read before the wait) whose split writes the output itself (no
+# merge); 129-199 keys are two tiles in two splits. One sequence, against 16 ways of 64-key
+# tiles: c=1 +2.0% at 64-token prompts (64-96 keys), +0.7% / -0.7% / 0 at 110 / 150 / 166;
+# unsplit: +2.1%, but -5.5% at 150 (2026-12-04-wide-tile-h200.md)
+WIDE_TILE_SEQS = 1
+WIDE_TILE_SPLITS = 2
+WIDE_TILE = (128, 8)  # 4 warps spill the MERGE walk's two tiles in flight
 # A long-context MHA batch of ROWS_LONG_SEQS to SPLIT_SEQS sequences runs the rows kernel
 # split ROWS_SPLIT_BUDGET // n ways (at most MAX_SPLITS; c=8: 16), merged by its last split:
 # one warp a program, thousands of them, keeps more K/V in flight than the tensor-core walk's
@@ -226,14 +228,15 @@ def decode_splits(
     (2026-12-02-l2-ahead-h200.md): short contexts split up to SHORT_SPLIT_SEQS sequences.
     Those split SHORT_SPLITS // n ways: a longer context then keeps more programs busy, a
     shorter one leaves its extra splits empty. `mha` (one kv head per head): a long context
-    then takes the rows kernel (`_rows_wins`), split ROWS_SPLIT_BUDGET // n ways. One sequence
-    below LONG_CONTEXT keys splits ONE_SEQ_SPLITS ways (of ONE_SEQ_TILE tiles). `short_seqs`
+    then takes the rows kernel (`_rows_wins`), split ROWS_SPLIT_BUDGET // n ways. Up to
+    WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split WIDE_TILE_SPLITS ways (of WIDE_TILE
+    tiles). `short_seqs`
     (benchmarks): another bound than SHORT_SPLIT_SEQS."""
     if long_context and mha and ROWS_LONG_SEQS <= num_seqs <= SPLIT_SEQS:
         return min(MAX_SPLITS, ROWS_SPLIT_BUDGET // num_seqs)
     if num_seqs <= (SHORT_SPLIT_SEQS if short_seqs is None else short_seqs):
-        if num_seqs == 1 and not long_context:
-            return ONE_SEQ_SPLITS
+        if num_seqs <= WIDE_TILE_SEQS and not long_context:
+            return WIDE_TILE_SPLITS
         return max(1, SHORT_SPLITS // num_seqs)
     if long_context and num_seqs <= SPLIT_SEQS:
         return LONG_SPLITS
@@ -311,10 +314,10 @@ def _launch(
             # half the dependent steps (results/2026-12-03-hoisted-loads-h200.md: c=8 +1.25%;
             # also for split decode, c=1 lost 12%: its first split then takes every key)
             block_n = max(16, min(128, 128 * 256 // row_bytes))
-    one_seq = max_query_len == 1 and num_seqs == 1 and not long_context and num_splits > 1
-    if one_seq and block_n_override is None:
-        block_n = max(16, min(ONE_SEQ_TILE[0], ONE_SEQ_TILE[0] * 256 // row_bytes))
-        num_warps = num_warps or ONE_SEQ_TILE[1]
+    wide = max_query_len == 1 and num_seqs <= WIDE_TILE_SEQS and not long_context
+    if wide and num_splits > 1 and block_n_override is None:
+        block_n = max(16, min(WIDE_TILE[0], WIDE_TILE[0] * 256 // row_bytes))
+        num_warps = num_warps or WIDE_TILE[1]
     rows = 64 if row_bytes <= 256 else 32  # target BLOCK_M for prefill tiles
     if block_q is None:  # decode: one query; prefill: fill about `rows` rows
         block_q = min(triton.next_power_of_2(max_query_len), max(1, rows // group))
