@@ -213,6 +213,10 @@ WIDE_TILE = (128, 8)  # 4 warps spill the MERGE walk's two tiles in flight
 # (2026-12-04-rows-long-h200.md)
 ROWS_LONG_SEQS = 2
 ROWS_SPLIT_BUDGET = 128
+# Below LONG_CONTEXT keys, MHA batches of ROWS_SHORT_SEQS to SPLIT_SEQS sequences take the same
+# split rows kernel: c=16 +2.8% at 64-token prompts, c=8 +4.8% at 150 and equal at 64; c=4
+# lost 2.1%, c=2 +0.6% (2026-12-04-wide-tile-h200.md)
+ROWS_SHORT_SEQS = 8
 MAX_SPLITS = 32
 
 
@@ -228,11 +232,13 @@ def decode_splits(
     (2026-12-02-l2-ahead-h200.md): short contexts split up to SHORT_SPLIT_SEQS sequences.
     Those split SHORT_SPLITS // n ways: a longer context then keeps more programs busy, a
     shorter one leaves its extra splits empty. `mha` (one kv head per head): a long context
-    then takes the rows kernel (`_rows_wins`), split ROWS_SPLIT_BUDGET // n ways. Up to
+    then takes the rows kernel (`_rows_wins`), split ROWS_SPLIT_BUDGET // n ways, and from
+    ROWS_SHORT_SEQS sequences on a short one too. Up to
     WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split WIDE_TILE_SPLITS ways (of WIDE_TILE
     tiles). `short_seqs`
     (benchmarks): another bound than SHORT_SPLIT_SEQS."""
-    if long_context and mha and ROWS_LONG_SEQS <= num_seqs <= SPLIT_SEQS:
+    rows_from = ROWS_LONG_SEQS if long_context else ROWS_SHORT_SEQS
+    if mha and rows_from <= num_seqs <= SPLIT_SEQS:
         return min(MAX_SPLITS, ROWS_SPLIT_BUDGET // num_seqs)
     if num_seqs <= (SHORT_SPLIT_SEQS if short_seqs is None else short_seqs):
         if num_seqs <= WIDE_TILE_SEQS and not long_context:
@@ -538,10 +544,11 @@ def _rows_wins(num_seqs: int, num_heads: int, num_splits: int, long_context: boo
     (`decode_splits` with `mha`) wins for 2-16 sequences: standalone, 8 x 2,000 keys split 16
     ways 46.2 us merged by its last split (37.5 before a merge launch) against 48.2 for the
     tensor-core kernel; end to end c=8 +16% merged, +9.6% with the merge launch
-    (2026-12-04-rows-long-h200.md)."""
-    if long_context:
-        return num_splits > 1 and num_seqs >= ROWS_LONG_SEQS
-    return num_seqs * num_heads >= 512 and num_splits == 1
+    (2026-12-04-rows-long-h200.md). Split below LONG_CONTEXT, from ROWS_SHORT_SEQS sequences
+    on (2026-12-04-wide-tile-h200.md)."""
+    if num_splits > 1:
+        return num_seqs >= (ROWS_LONG_SEQS if long_context else ROWS_SHORT_SEQS)
+    return num_seqs * num_heads >= 512 and not long_context
 
 
 def _rows_tiles(row_bytes: int, num_splits: int = 1) -> tuple[int, int, int]:

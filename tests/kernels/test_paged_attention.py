@@ -327,9 +327,10 @@ def test_auto_takes_the_rows_kernel_for_many_short_or_split_long_decode_rows(mon
     are slow to interpret)."""
     assert pa._rows_wins(32, 16, 1, False) and pa._rows_wins(512, 1, 1, False)
     assert not pa._rows_wins(31, 16, 1, False)
-    assert not pa._rows_wins(32, 16, 2, False)
     assert not pa._rows_wins(32, 16, 1, True)
     assert pa._rows_wins(2, 16, 32, True) and pa._rows_wins(8, 16, 16, True)
+    # split below LONG_CONTEXT: from ROWS_SHORT_SEQS sequences on
+    assert pa._rows_wins(8, 16, 16, False) and not pa._rows_wins(7, 16, 16, False)
     assert not pa._rows_wins(1, 16, 16, True)  # one sequence keeps the tensor-core walk
     case = Case([(1, 5 + i) for i in range(4)], 2, 2, head_dim=16, block_size=4, seed=6)
     rows, mma = case.run(kernel="rows"), case.run(kernel="mma")
@@ -347,8 +348,11 @@ def test_auto_takes_the_rows_kernel_for_many_short_or_split_long_decode_rows(mon
     # a long MHA context: the rows kernel, split ROWS_SPLIT_BUDGET // n ways, at most 32
     # (one sequence keeps its 16 ways on the tensor-core walk)
     assert [decode_splits(n, True, mha=True) for n in (1, 2, 4, 8, 16)] == [16, 32, 32, 16, 8]
-    assert decode_splits(17, True, mha=True) == 1 and decode_splits(8, False, mha=True) == 1
+    assert decode_splits(17, True, mha=True) == 1 and decode_splits(7, False, mha=True) == 1
     assert decode_splits(2, True) == 8 and decode_splits(2, False, mha=True) == 8
+    # below LONG_CONTEXT, MHA batches of ROWS_SHORT_SEQS to SPLIT_SEQS sequences: the same
+    assert [decode_splits(n, False, mha=True) for n in (8, 12, 16, 17)] == [16, 10, 8, 1]
+    assert decode_splits(8, False) == 1  # GQA: the tensor-core walk, unsplit
 
 
 @pytest.mark.parametrize("rope", [False, True])
