@@ -88,6 +88,40 @@ def test_rows_kernel_with_rope_write_equals_the_torch_path(tmp_path, monkeypatch
     assert any(launches) and not all(launches)  # decode fused; prefill chunks as before
 
 
+def test_split_rows_kernel_below_long_context_equals_the_torch_path(tmp_path, monkeypatch):
+    """MHA decode batches of ROWS_SHORT_SEQS to SPLIT_SEQS sequences below LONG_CONTEXT keys run
+    the rows kernel split ROWS_SPLIT_BUDGET // n ways, merged by the last split (here from 2
+    sequences on, split 2 ways: the interpreter is slow), with early exits and their copies:
+    the torch backend's tokens and exit depths. Contexts of 13-28 keys: two 16-key tiles."""
+    from tiny_checkpoints import write_tiny_ouro
+
+    from rlt_engine.kernels import paged_attention
+
+    mha = write_tiny_ouro(tmp_path / "mha", tokenizer_from=None, num_key_value_heads=4)
+    chosen = [5, 6, 7]  # prompts of 13, 17 and 21 tokens
+
+    def run(backend: str):
+        llm = make_llm(mha, block_size=4, decode_window=3, attention_backend=backend)
+        outs = llm.generate([PROMPTS[i] for i in chosen], [params_for(i) for i in chosen])
+        return [(o.token_ids, o.exit_depths) for o in outs]
+
+    reference = run("torch")
+    picks = []
+    real = paged_attention._rows_wins
+
+    def spy(num_seqs, num_heads, num_splits, long_context):
+        won = real(num_seqs, num_heads, num_splits, long_context)
+        picks.append((num_seqs, num_splits, long_context, won))
+        return won
+
+    monkeypatch.setattr(slot_step, "_MODE", "")
+    monkeypatch.setattr(paged_attention, "ROWS_SHORT_SEQS", 2)
+    monkeypatch.setattr(paged_attention, "ROWS_SPLIT_BUDGET", 6)
+    monkeypatch.setattr(paged_attention, "_rows_wins", spy)
+    assert run("triton") == reference
+    assert (3, 2, False, True) in picks  # three sequences, short, split on the rows kernel
+
+
 def test_rope_table_covers_requests_to_the_last_position(tmp_path, monkeypatch):
     """The fast path gathers RoPE's cos / sin from a table over the model's context: requests
     that run to its last position (prompt + max_tokens = context) decode as on the torch
