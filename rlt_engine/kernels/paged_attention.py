@@ -214,8 +214,8 @@ WIDE_TILE = (128, 8)  # 4 warps spill the MERGE walk's two tiles in flight
 ROWS_LONG_SEQS = 2
 ROWS_SPLIT_BUDGET = 128
 # Below LONG_CONTEXT keys, MHA batches of ROWS_SHORT_SEQS to SPLIT_SEQS sequences take the same
-# split rows kernel: c=16 +2.8% at 64-token prompts, c=8 +4.8% at 150 and equal at 64; c=4
-# lost 2.1%, c=2 +0.6% (2026-12-04-wide-tile-h200.md)
+# split rows kernel: c=12 / 16 +2.0% / +2.4% at 64-token prompts, c=8 +2.7% / +4.8% at 110 /
+# 150 and equal at 64; from 2 sequences on, c=4 lost 2.1% (2026-12-04-wide-tile-h200.md)
 ROWS_SHORT_SEQS = 8
 MAX_SPLITS = 32
 
@@ -233,9 +233,8 @@ def decode_splits(
     Those split SHORT_SPLITS // n ways: a longer context then keeps more programs busy, a
     shorter one leaves its extra splits empty. `mha` (one kv head per head): a long context
     then takes the rows kernel (`_rows_wins`), split ROWS_SPLIT_BUDGET // n ways, and from
-    ROWS_SHORT_SEQS sequences on a short one too. Up to
-    WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split WIDE_TILE_SPLITS ways (of WIDE_TILE
-    tiles). `short_seqs`
+    ROWS_SHORT_SEQS sequences on a short one too. Up to WIDE_TILE_SEQS sequences below
+    LONG_CONTEXT keys split WIDE_TILE_SPLITS ways (of WIDE_TILE tiles). `short_seqs`
     (benchmarks): another bound than SHORT_SPLIT_SEQS."""
     rows_from = ROWS_LONG_SEQS if long_context else ROWS_SHORT_SEQS
     if mha and rows_from <= num_seqs <= SPLIT_SEQS:
