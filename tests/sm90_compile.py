@@ -27,7 +27,7 @@ def run_compile_script(script: str) -> dict:
 # Prepended to a script for a plain Triton kernel: `triton_ptx(fn, const, sig, **options)`
 # compiles the @jit `fn` for sm_90 with those constexprs and argument types (every other
 # argument i32), pointers and strides 16-divisible as the launch specialises them.
-TRITON_PTX = """
+TRITON_PTX = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import triton
@@ -42,4 +42,21 @@ def triton_ptx(fn, const, sig, **options):
     src = ASTSource(fn, types, constexprs={(names.index(c),): v for c, v in const.items()},
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def ptxas_usage(ptx):
+    # [registers a thread, spill bytes stored] of `ptx` as ptxas (triton's own) builds it for
+    # sm_90a
+    import re, subprocess, tempfile
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        done = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", f"{tmp}/k.ptx",
+                               "-o", f"{tmp}/k.cubin"], capture_output=True, text=True,
+                              check=True)
+    log = done.stdout + done.stderr
+    return [int(re.search(r"Used (\d+) registers", log).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", log).group(1))]
 """

@@ -560,6 +560,46 @@ def test_probe_builds_compile_for_sm90_with_every_stamp():
         assert bool(early) == name.endswith("-settled"), name
 
 
+# the decode launch plans as _launch configures them, compiled for sm_90a (see _COMPILE_PROBE)
+_COMPILE_PLANS = """
+from rlt_engine.kernels import paged_attention as pa
+
+pa._import_triton()
+pa.attend_tile, pa.kv_tile = pa._kernel(pa._attend_tile, False), pa._kernel(pa._kv_tile, False)
+pa.merge_partials = pa._kernel(pa._merge_partials, False)
+fn = pa._kernel(pa._paged_attention_kernel, False)
+plans = {  # name: (keys a tile, warps, splits, stages): bf16, d = 128, MHA
+    "wide tile, one short sequence": (*pa.WIDE_TILE, pa.WIDE_TILE_SPLITS, 1),
+    "short split": (64, 4, pa.SHORT_SPLITS, 1),
+    "unsplit": (128, 4, 1, 2),
+}
+out = {}
+for name, (block_n, warps, splits, stages) in plans.items():
+    const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, GROUP=1, BLOCK_Q=1, BLOCK_M=16,
+                 BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION="tf32", UPCAST=False, PDL=True,
+                 PREFETCH_KV=False, ROW_LINES=2, LINE=64, PROBE=False, MERGE=splits > 1,
+                 SETTLED=True, EARLY_KEYS=True)
+    sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
+    sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+    sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
+                                "count_ptr")}
+    sig["probe_ptr"] = "*i64"
+    out[name] = ptxas_usage(triton_ptx(fn, const, sig, num_warps=warps, num_stages=stages))
+print(json.dumps(out))
+"""
+
+
+def test_decode_launch_plans_do_not_spill_on_sm90():
+    """One decode sequence's launch plans (their tiles, warps and splits as the module's
+    constants set them; the older keys read before the wait) compile for sm_90a without
+    spilling registers: ptxas put the wide tile's merged walk (two 128-key tiles in flight)
+    at 233 registers with 8 warps, and spilled 568 bytes with 4."""
+    from sm90_compile import TRITON_PTX, run_compile_script
+
+    for name, (registers, spilled) in run_compile_script(TRITON_PTX + _COMPILE_PLANS).items():
+        assert spilled == 0 and registers <= 255, (name, registers, spilled)
+
+
 def test_no_tokens():
     case = Case([(0, 5)], 2, 2, head_dim=16, block_size=4)
     assert case.run().shape == (0, 2, 16)
