@@ -237,16 +237,25 @@ def decode_splits(
     ROWS_SHORT_SEQS sequences on a short one too; up to WIDE_TILE_SEQS sequences below
     LONG_CONTEXT keys split WIDE_TILE_SPLITS ways (of WIDE_TILE tiles). `short_seqs`
     (benchmarks): another bound than SHORT_SPLIT_SEQS."""
-    rows_from = ROWS_LONG_SEQS if long_context else ROWS_SHORT_SEQS
-    if mha and rows_from <= num_seqs <= SPLIT_SEQS:
+    if mha and _rows_from(long_context) <= num_seqs <= SPLIT_SEQS:
         return min(MAX_SPLITS, ROWS_SPLIT_BUDGET // num_seqs)
     if num_seqs <= (SHORT_SPLIT_SEQS if short_seqs is None else short_seqs):
-        if mha and num_seqs <= WIDE_TILE_SEQS and not long_context:
+        if _wide_tile(num_seqs, long_context, mha):
             return WIDE_TILE_SPLITS
         return max(1, SHORT_SPLITS // num_seqs)
     if long_context and num_seqs <= SPLIT_SEQS:
         return LONG_SPLITS
     return 1
+
+
+def _rows_from(long_context: bool) -> int:
+    """Sequences from which a split MHA decode batch takes the rows kernel."""
+    return ROWS_LONG_SEQS if long_context else ROWS_SHORT_SEQS
+
+
+def _wide_tile(num_seqs: int, long_context: bool, mha: bool) -> bool:
+    """Whether a decode batch splits in WIDE_TILE tiles (WIDE_TILE_SPLITS ways)."""
+    return mha and num_seqs <= WIDE_TILE_SEQS and not long_context
 
 
 def _launch(
@@ -320,7 +329,7 @@ def _launch(
             # half the dependent steps (results/2026-12-03-hoisted-loads-h200.md: c=8 +1.25%;
             # also for split decode, c=1 lost 12%: its first split then takes every key)
             block_n = max(16, min(128, 128 * 256 // row_bytes))
-    wide = max_query_len == 1 and group == 1 and num_seqs <= WIDE_TILE_SEQS and not long_context
+    wide = max_query_len == 1 and _wide_tile(num_seqs, long_context, group == 1)
     if wide and num_splits > 1 and block_n_override is None:
         block_n = max(16, min(WIDE_TILE[0], WIDE_TILE[0] * 256 // row_bytes))
         num_warps = num_warps or WIDE_TILE[1]
@@ -547,7 +556,7 @@ def _rows_wins(num_seqs: int, num_heads: int, num_splits: int, long_context: boo
     (2026-12-04-rows-long-h200.md). Split below LONG_CONTEXT, from ROWS_SHORT_SEQS sequences
     on (2026-12-04-wide-tile-h200.md)."""
     if num_splits > 1:
-        return num_seqs >= (ROWS_LONG_SEQS if long_context else ROWS_SHORT_SEQS)
+        return num_seqs >= _rows_from(long_context)
     return num_seqs * num_heads >= 512 and not long_context
 
 
