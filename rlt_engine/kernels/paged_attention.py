@@ -196,13 +196,13 @@ EARLY_KEYS_SEQS = 1
 # +12.9%; 32: slower from 448 on) (2026-12-04-more-splits-h200.md)
 SHORT_SPLITS = 16
 LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 -4.8% at 2k)
-# MHA decode batches of at most WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split
+# Decode batches of at most WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split
 # WIDE_TILE_SPLITS ways with tiles of WIDE_TILE = (keys, warps): a context of up to 128 keys is
 # one tile (one sequence: all read before the wait) whose split writes the output itself (no
 # merge); 129-199 keys are two tiles in two splits. One sequence, against 16 ways of 64-key
 # tiles: c=1 +2.0% at 64-token prompts (64-96 keys), +0.7% / -0.7% / 0 at 110 / 150 / 166;
-# unsplit: +2.1%, but -5.5% at 150 (2026-12-04-wide-tile-h200.md). GQA (one program per kv
-# head and split, fewer of them) was not measured and keeps SHORT_SPLITS
+# unsplit: +2.1%, but -5.5% at 150 (2026-12-04-wide-tile-h200.md); GQA (Nanbeige): c=1 +1.8%
+# (2026-12-04-rows-by-loads-h200.md)
 WIDE_TILE_SEQS = 1
 WIDE_TILE_SPLITS = 2
 WIDE_TILE = (128, 8)  # 4 warps spill the MERGE walk's two tiles in flight
@@ -234,13 +234,13 @@ def decode_splits(
     Those split SHORT_SPLITS // n ways: a longer context then keeps more programs busy, a
     shorter one leaves its extra splits empty. `mha` (one kv head per head): a long context
     then takes the rows kernel (`_rows_wins`), split ROWS_SPLIT_BUDGET // n ways, and from
-    ROWS_SHORT_SEQS sequences on a short one too; up to WIDE_TILE_SEQS sequences below
+    ROWS_SHORT_SEQS sequences on a short one too. Up to WIDE_TILE_SEQS sequences below
     LONG_CONTEXT keys split WIDE_TILE_SPLITS ways (of WIDE_TILE tiles). `short_seqs`
     (benchmarks): another bound than SHORT_SPLIT_SEQS."""
     if mha and _rows_from(long_context) <= num_seqs <= SPLIT_SEQS:
         return min(MAX_SPLITS, ROWS_SPLIT_BUDGET // num_seqs)
     if num_seqs <= (SHORT_SPLIT_SEQS if short_seqs is None else short_seqs):
-        if _wide_tile(num_seqs, long_context, mha):
+        if _wide_tile(num_seqs, long_context):
             return WIDE_TILE_SPLITS
         return max(1, SHORT_SPLITS // num_seqs)
     if long_context and num_seqs <= SPLIT_SEQS:
@@ -253,9 +253,9 @@ def _rows_from(long_context: bool) -> int:
     return ROWS_LONG_SEQS if long_context else ROWS_SHORT_SEQS
 
 
-def _wide_tile(num_seqs: int, long_context: bool, mha: bool) -> bool:
+def _wide_tile(num_seqs: int, long_context: bool) -> bool:
     """Whether a decode batch splits in WIDE_TILE tiles (WIDE_TILE_SPLITS ways)."""
-    return mha and num_seqs <= WIDE_TILE_SEQS and not long_context
+    return num_seqs <= WIDE_TILE_SEQS and not long_context
 
 
 def _launch(
@@ -329,7 +329,7 @@ def _launch(
             # half the dependent steps (results/2026-12-03-hoisted-loads-h200.md: c=8 +1.25%;
             # also for split decode, c=1 lost 12%: its first split then takes every key)
             block_n = max(16, min(128, 128 * 256 // row_bytes))
-    wide = max_query_len == 1 and _wide_tile(num_seqs, long_context, group == 1)
+    wide = max_query_len == 1 and _wide_tile(num_seqs, long_context)
     if wide and num_splits > 1 and block_n_override is None:
         block_n = max(16, min(WIDE_TILE[0], WIDE_TILE[0] * 256 // row_bytes))
         num_warps = num_warps or WIDE_TILE[1]

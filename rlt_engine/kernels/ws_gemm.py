@@ -12,9 +12,12 @@ split between warps:
   weights depend on no kernel, so it starts at once: under PDL the ring fills while the kernel
   before still runs;
 - four consumer warps (one warpgroup) execute the PDL wait, load the program's activation rows
-  for its whole K range with TMA in one go (rows >= M are filled with zeros by the copy), then
-  run one wgmma per stage, swap-AB: out.T[BLOCK_N, BM] = w[BLOCK_N, k] @ x.T[k, BM], both
-  operands read from shared memory, BM = 8 or 16 the MMA's narrow side;
+  for its whole K range in one go (rows >= M filled with zeros; TMA, or cp.async up to
+  X_BY_LOADS_ROWS rows), then run one wgmma per stage, swap-AB: out.T[BLOCK_N, BM] =
+  w[BLOCK_N, k] @ x.T[k, BM], both operands read from shared memory, BM = 8 or 16 the MMA's
+  narrow side. Everything queued before a copy lands before it (the memory system serves
+  requests about in order), so the rows wait for the weight tiles issued ahead of them:
+  `RING_AHEAD_BYTES` bounds those where that pays;
 - split-K as in kernels/small_gemm: fp32 partials to a workspace, a ticket per N tile drawn
   with an acq_rel atomic, the last split sums the partials in split order 0..S-1 and rounds
   once. Bitwise deterministic run to run; a CUDA graph replay equals eager. `unreduced`
@@ -52,6 +55,19 @@ from rlt_engine.kernels.split_sums import SplitSums
 __all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
 MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
+# Up to X_BY_LOADS_ROWS rows the consumer warps copy the activation rows with cp.async, not
+# TMA. Issued after the wait, the rows land only behind the weight tiles every program queued
+# before them, but a few rows by cp.async sooner (the kernel clock at 1 row: the qkv's rows
+# 0.5 us sooner, the layer 37.6 -> 36.6 us).
+# c=1 / 2 / 4 +3.0% / +1.5% / +1.0%; c=8 / 16 -0.3% / -0.8% (5-7 rows not measured)
+# (2026-12-04-rows-by-loads-h200.md)
+X_BY_LOADS_ROWS = 4
+# From RING_AHEAD_ROWS rows a program keeps at most RING_AHEAD_BYTES of weight tiles in flight
+# (where that is less than its ring): at 8 rows only the qkv's 5-stage ring of 32 KiB tiles
+# (3 in flight), c=8 +1.5% / +1.6% in two calls; from 1 row c=1 lost 2.1%, and 64 KiB lost
+# 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
+RING_AHEAD_BYTES = 96 * 1024
+RING_AHEAD_ROWS = 8
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -224,6 +240,7 @@ def ws_gemm(
     pdl = _pdl.enabled(x.device)
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
+        x_ptr=x2, K=k,
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
@@ -231,7 +248,10 @@ def ws_gemm(
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
         KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced, num_warps=4,
+        PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced,
+        XLOAD=m <= X_BY_LOADS_ROWS, AHEAD=_ahead(parts * config.block_n * bk * x.element_size(),
+                                                 config.num_stages, m),
+        num_warps=4,
         # launched with the whole register file (Triton's default here), so no other kernel's
         # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
         # programs started beside the gate/up's and streamed under it, c=8 -2.5%
@@ -241,6 +261,15 @@ def ws_gemm(
     if unreduced:  # rows flattened: [splits, rows, N]
         return SplitSums(partials, x.dtype)
     return out.view(*lead, n_out)
+
+
+def _ahead(tile_bytes: int, stages: int, m: int) -> int:
+    """Weight tiles a program of an m-row launch keeps in flight at most (RING_AHEAD_BYTES'
+    worth from RING_AHEAD_ROWS rows), 0 where that is the whole ring."""
+    if not RING_AHEAD_BYTES or m < RING_AHEAD_ROWS:
+        return 0
+    ahead = max(1, -(-RING_AHEAD_BYTES // tile_bytes))
+    return 0 if ahead >= stages else ahead
 
 
 def _kernel():
@@ -253,7 +282,9 @@ def _build():
     """Define the Gluon kernel (needs triton's Gluon; see `available`)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -371,7 +402,8 @@ def _build():
     @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
-                 PROBE: gl.constexpr, ROPE: gl.constexpr, D: gl.constexpr):  # fmt: skip
+                 PROBE: gl.constexpr, ROPE: gl.constexpr, D: gl.constexpr,
+                 AHEAD: gl.constexpr):  # fmt: skip
         if PROBE:
             stamp(probe_ptr, 5, now())
         n0 = gl.program_id(0) * BN
@@ -383,6 +415,12 @@ def _build():
                 mbarrier.wait(full.index(FIRST - 1), 0)  # consumers have freed)
                 stamp(probe_ptr, 6, now())
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap passes
+            # tile i - AHEAD landed (its slot's next lap is not issued yet); the constexpr test
+            # apart, so a build without the bound has no branch
+            if AHEAD > 0:  # noqa: SIM102
+                if i >= AHEAD:
+                    j = i - AHEAD
+                    mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
             if ROPE:  # two half boxes: dims j*BN/2.. of a head, then the same dims + D/2
                 HB: gl.constexpr = BN // 2
                 lo = (n0 // D) * D + (n0 % D) // 2
@@ -413,7 +451,7 @@ def _build():
                  scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
                  ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr,
-                 UNREDUCED: gl.constexpr):  # fmt: skip
+                 UNREDUCED: gl.constexpr, x_ptr, K, XLOAD: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
@@ -424,9 +462,23 @@ def _build():
             stamp(probe_ptr, 0, started)
             stamp(probe_ptr, 1, now())
         k0 = gl.program_id(1) * (KT * BK)
-        mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
-        for i in gl.static_range(KT):
-            tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
+        if XLOAD:  # few rows: by cp.async, 16 bytes a thread (rows >= M filled with zeros)
+            TK: gl.constexpr = 32 if BK >= 256 else BK // 8
+            xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [4, 1], [1, 0])
+            r = gl.arange(0, BM, layout=gl.SliceLayout(1, xl))[:, None]
+            c = gl.arange(0, BK, layout=gl.SliceLayout(0, xl))[None, :]
+            for i in gl.static_range(KT):
+                async_copy.async_copy_global_to_shared(
+                    xs.index(i), x_ptr + r * K + k0 + i * BK + c, mask=(r < M) & (c >= 0)
+                )
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+        else:
+            mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
+            for i in gl.static_range(KT):
+                tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
         if ROPE:  # in flight while the MMA loop runs
             operands = rope_operands(cos_ptr, sin_ptr, stride_cos, stride_sin, slot_ptr, M, H,
                                      KVH, BM, BN, D)  # fmt: skip
@@ -435,7 +487,8 @@ def _build():
         )
         acc = gl.zeros([BN, BM], gl.float32, mma)
         acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
-        mbarrier.wait(xbar, 0)
+        if not XLOAD:
+            mbarrier.wait(xbar, 0)
         if PROBE:
             stamp(probe_ptr, 2, now())
         for i in range(KT):
@@ -497,7 +550,8 @@ def _build():
                        PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
                        D: gl.constexpr, LATE: gl.constexpr,
-                       UNREDUCED: gl.constexpr):  # fmt: skip
+                       UNREDUCED: gl.constexpr, x_ptr, K, XLOAD: gl.constexpr,
+                       AHEAD: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
@@ -520,9 +574,9 @@ def _build():
                             full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE,
-                            UNREDUCED)),
+                            UNREDUCED, x_ptr, K, XLOAD)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
-                            PROBE, ROPE, D)),
+                            PROBE, ROPE, D, AHEAD)),
             ],
             [1],  # one producer warp
             [40],  # its registers: it only issues copies

@@ -209,15 +209,17 @@ def test_empty_splits_change_no_bit(heads):
     assert not counters.any()
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("settled", [False, True])
-def test_one_short_sequence_splits_in_tiles_of_128_keys(settled):
-    """One MHA decode sequence below LONG_CONTEXT keys: WIDE_TILE_SPLITS ways of WIDE_TILE's
-    128-key tiles. Up to 128 keys its one split walks one tile and writes the output itself:
-    the unsplit walk's bits (one 128-key tile too), no ticket drawn; more keys merge."""
+def test_one_short_sequence_splits_in_tiles_of_128_keys(settled, kv_heads):
+    """One decode sequence below LONG_CONTEXT keys (MHA or GQA): WIDE_TILE_SPLITS ways of
+    WIDE_TILE's 128-key tiles. Up to 128 keys its one split walks one tile and writes the
+    output itself: the unsplit walk's bits (one 128-key tile too), no ticket drawn; more keys
+    merge."""
     counters = torch.zeros(4, dtype=torch.int32)
     for keys in (1, 100, 128, 129, 199):
-        case = Case([(1, keys)], 4, 4, head_dim=32, block_size=16, seed=keys)
-        splits = decode_splits(1, long_context=False, mha=True)
+        case = Case([(1, keys)], 4, kv_heads, head_dim=32, block_size=16, seed=keys)
+        splits = decode_splits(1, long_context=False, mha=kv_heads == 4)
         split = case.run(splits, kernel="mma", split_counters=counters, prefetch_kv=settled)
         assert not counters.any()
         check(split, case.reference(), FP32_TOL)
@@ -343,8 +345,8 @@ def test_auto_takes_the_rows_kernel_for_many_short_or_split_long_decode_rows(mon
     assert torch.equal(paged_attention(*args, case.scale, 1, long_context=True), mma)
     assert seen == [(4, 2, 1, False), (4, 2, 1, True)]  # 4 sequences, 2 heads
     assert decode_splits(8, True) == 4 and decode_splits(8, False) == decode_splits(64, True) == 1
-    assert decode_splits(1, True) == decode_splits(1, False) == 16  # GQA
-    assert decode_splits(1, False, mha=True) == pa.WIDE_TILE_SPLITS == 2
+    assert decode_splits(1, True) == 16  # GQA
+    assert decode_splits(1, False) == decode_splits(1, False, mha=True) == pa.WIDE_TILE_SPLITS == 2
     assert decode_splits(2, False) == 8 and decode_splits(3, False) == 1
     # a long MHA context: the rows kernel, split ROWS_SPLIT_BUDGET // n ways, at most 32
     # (one sequence keeps its 16 ways on the tensor-core walk)

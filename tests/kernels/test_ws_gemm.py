@@ -139,8 +139,12 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (8, 64, 128, 4, 1, 1, "bf16", True, 0, False),
            (8, 64, 256, 5, 1, 1, "bf16", False, 128, False),
            (16, 128, 256, 2, 2, 1, "bf16", False, 128, False),
-           (8, 64, 256, 2, 4, 1, "bf16", False, 0, True))
-for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced in configs:
+           (8, 64, 256, 2, 4, 1, "bf16", False, 0, True),
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 0),
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3))
+# the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD
+for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
+    xload, ahead = more or (False, 0)
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
@@ -148,18 +152,22 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced in configs:
     )
     const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
                  PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0,
-                 UNREDUCED=unreduced)
+                 UNREDUCED=unreduced, XLOAD=xload, AHEAD=ahead)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
+        "x_ptr": f"*{dt}",
         "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
         "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
         "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64"}
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a.endswith("_ptr")}
+    aligned = [a for a in names if a.endswith("_ptr") or a == "K"]
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
     name += f"_rope_bn{bn}" if rope else ""
     name += "_unreduced" if unreduced else ""
+    name += "_xload" if xload else ""
+    name += f"_ahead{ahead}" if ahead else ""
     out[name] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
@@ -201,6 +209,17 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
+    # up to X_BY_LOADS_ROWS rows the consumers copy the rows by cp.async, after the PDL wait
+    # (they are the kernel before's output); TMA builds copy none that way
+    xload = ptx["split1_rope_bn64_xload_ahead3"].splitlines()
+    wait = next(i for i, line in enumerate(xload) if "griddepcontrol.wait" in line)
+    rows = [i for i, line in enumerate(xload) if "cp.async.cg.shared.global" in line]
+    assert rows and min(rows) > wait
+    assert "cp.async.wait_group" in ptx["split1_rope_bn64_xload_ahead3"]
+    assert "cp.async.cg.shared" not in ptx["split1_rope_bn64"]
+    # the bounded ring: the producer also waits for the tile AHEAD before the one it issues
+    names = ("split1_rope_bn64_xload", "split1_rope_bn64_xload_ahead3")
+    assert [ptx[n].count("mbarrier.try_wait") for n in names] == [2, 3]  # (ring: full, empty)
     # PROBE builds read the global timer; the others never do
     for name, code in ptx.items():
         assert ("%globaltimer" in code) == name.endswith("_probe"), name
@@ -306,6 +325,36 @@ def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hi
         plain = silu_mul(gemm(x, w, ws(block_n // 2, block_k, 1, stages)))
         torch.testing.assert_close(fused, plain, rtol=2**-7, atol=1e-6)
         assert torch.equal(gate_up_silu(x, w, config), fused)
+
+
+@gpu
+@needs_ws
+@pytest.mark.parametrize("m", [1, 4, 8, 16])
+def test_gpu_rows_by_loads_and_a_bounded_ring_give_the_same_bits(m, monkeypatch):
+    """The rows copied by cp.async instead of TMA, and the weight tiles in flight bounded, only
+    schedule the same copies otherwise: the same bits at any row count (qkv, down_proj, the
+    SwiGLU form)."""
+    from rlt_engine.kernels import ws_gemm as module
+
+    cases = (
+        ((6144, 2048), ws(64, 256, 1, 5), False),
+        ((2048, 5632), ws(64, 128, 4, 4), False),
+        ((11264, 2048), ws(128, 256, 1, 2), True),
+    )
+
+    def run(x, w, config, swiglu: bool, rows: int, ahead: int) -> torch.Tensor:
+        monkeypatch.setattr(module, "X_BY_LOADS_ROWS", rows)
+        monkeypatch.setattr(module, "RING_AHEAD_BYTES", ahead)
+        monkeypatch.setattr(module, "RING_AHEAD_ROWS", 1)
+        return gate_up_silu(x, w, config) if swiglu else gemm(x, w, config)
+
+    for (n, k), config, swiglu in cases:
+        x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m)
+        plain = run(x, w, config, swiglu, 0, 0)
+        assert torch.equal(run(x, w, config, swiglu, 16, 0), plain)
+        assert torch.equal(run(x, w, config, swiglu, 0, 16 * 1024), plain)  # one tile ahead
+        assert torch.equal(run(x, w, config, swiglu, 16, 32 * 1024), plain)
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
 
 
 @gpu
