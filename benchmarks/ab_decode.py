@@ -5,6 +5,8 @@ commits (or one commit with some module constants set otherwise) run on one mach
     PYTHONPATH=. python benchmarks/ab_decode.py --out $OUT --label base-1 --tree $TREES/base
     PYTHONPATH=. python benchmarks/ab_decode.py --out $OUT --label new-1 \\
         --set kernels.paged_attention.SHORT_SPLITS=8 --long 1:960 --long 2:2000
+    PYTHONPATH=. python benchmarks/ab_decode.py --out $OUT --label gu-3-stages \\
+        --row '11264x2048:m1:bfloat16=("ws", 128, 128, 1, 4, 3, 0, 0)'
 
 A run: Ouro-1.4B config (`--model nanbeige`: Nanbeige4.2-3B's), dummy bf16 weights
 (`h200_decode._engine`, as many slots as the largest concurrency asked, at least 8, so c=64 runs
@@ -12,9 +14,10 @@ A run: Ouro-1.4B config (`--model nanbeige`: Nanbeige4.2-3B's), dummy bf16 weigh
 outputs, fixed depth 4) at each `--concurrency` (5 repeats) and at each `--long C:PROMPT_LEN` (3
 repeats); then the sha256 of the greedy token ids of 8 prompts (equal hashes: the variants' bf16
 outputs agree). One JSON line on stdout, appended to OUT/ab.jsonl. `--set` applies before the
-engine is built, so its CUDA graphs capture the change. H200 machines differ by a few percent:
-alternate the variants within one device call (base, new, new, base) and compare only rows of
-one call.
+engine is built, so its CUDA graphs capture the change; so does `--row KEY=ROW`, which replaces
+one row of the small-GEMM table (kernels/small_gemm_table: a GEMM config tried in place). H200
+machines differ by a few percent: alternate the variants within one device call (base, new,
+new, base) and compare only rows of one call.
 """
 
 from __future__ import annotations
@@ -75,6 +78,33 @@ def use_tree(tree: Path) -> Path:
     return origin.parent
 
 
+def parse_row(text: str) -> tuple[str, tuple]:
+    """'11264x2048:m1:bfloat16=("ws", 128, 128, 1, 4, 3, 0, 0)' -> (key, row): a small-GEMM
+    table key and a row of small_gemm_table.FIELDS."""
+    key, sep, value = text.partition("=")
+    try:
+        row = ast.literal_eval(value) if sep else None
+    except (ValueError, SyntaxError):
+        row = None
+    if not isinstance(row, tuple) or key.count(":") != 2:
+        raise ValueError(f"--row expects NxK:mB:dtype=(backend, block_n, ...), got {text!r}")
+    return key, row
+
+
+def apply_rows(rows: list[tuple[str, tuple]]) -> None:
+    """Replace rows of the small-GEMM table before any GEMM reads it; a key the table lacks
+    or a row of the wrong length is an error (it would measure the table unchanged)."""
+    from rlt_engine.kernels import small_gemm_table
+
+    entries = small_gemm_table.TABLE["entries"]
+    for key, row in rows:
+        if key not in entries:
+            raise ValueError(f"--row: the table has no {key}")
+        if len(row) != len(small_gemm_table.FIELDS):
+            raise ValueError(f"--row {key}: {len(small_gemm_table.FIELDS)} fields, got {len(row)}")
+        entries[key] = row
+
+
 def apply_sets(sets: list[tuple[str, str, object]]) -> None:
     """Set each name on its rlt_engine module; a name the module lacks is an error (a typo
     would otherwise measure the base twice)."""
@@ -91,6 +121,7 @@ def main() -> None:
     ap.add_argument("--label", required=True)
     ap.add_argument("--tree", type=Path, default=ROOT, help="a directory holding rlt_engine")
     ap.add_argument("--set", dest="sets", action="append", default=[], type=parse_set)
+    ap.add_argument("--row", dest="rows", action="append", default=[], type=parse_row)
     ap.add_argument("--concurrency", default="1,8", help="comma-separated, 64-token prompts")
     ap.add_argument("--long", action="append", default=[], type=parse_long)
     ap.add_argument(
@@ -102,6 +133,7 @@ def main() -> None:
     args = ap.parse_args()
     package = use_tree(args.tree)
     apply_sets(args.sets)
+    apply_rows(args.rows)
     sys.path.insert(1, str(ROOT / "benchmarks"))
     import h200_decode as hd  # imports torch and the engine: after the tree is chosen
 
@@ -111,6 +143,7 @@ def main() -> None:
     llm = hd._engine(model, max_num_seqs=slots_for(concurrencies, args.long))
     row: dict = {"label": args.label, "model": args.model, "rlt_engine": str(package)}
     row["set"] = [f"{m}.{a}={v!r}" for m, a, v in args.sets]
+    row["set"] += [f"table[{k}]={v!r}" for k, v in args.rows]
     for c in concurrencies:
         r = hd._median_rate(llm, c, repeats=5)
         row[f"c{c}"], row[f"c{c}_runs"] = r["decode_tok_s_median"], r["decode_tok_s_runs"]

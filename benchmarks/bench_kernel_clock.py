@@ -38,6 +38,9 @@ what the engine's decode runs), not in their own launch.
 --unreduced: the o_proj's and down_proj's split-K partials summed by the add + norm launch
 (`ws_gemm(..., unreduced=True)`, kernels/split_sums; what the engine's decode runs), not by
 the GEMM's last split.
+
+--set module.NAME=VALUE: an rlt_engine module constant set first, as in ab_decode.py (e.g.
+kernels.ws_gemm.X_BY_LOADS_ROWS=0: the rows by TMA).
 """
 
 from __future__ import annotations
@@ -288,7 +291,14 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="see the module docstring")
     ap.add_argument("--qkv-rope", action="store_true", help="see the module docstring")
     ap.add_argument("--unreduced", action="store_true", help="see the module docstring")
+    ap.add_argument(
+        "--set", dest="sets", action="append", default=[],
+        help="module.NAME=VALUE of rlt_engine, as benchmarks/ab_decode.py takes it",
+    )  # fmt: skip
     args = ap.parse_args()
+    from ab_decode import apply_sets, parse_set  # a script beside this one
+
+    apply_sets([parse_set(text) for text in args.sets])
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
     results = []

@@ -60,3 +60,22 @@ def test_sets_apply_to_the_module_and_refuse_unknown_names(ab, monkeypatch):
     assert paged_attention.decode_splits(1, True) == 8
     with pytest.raises(ValueError, match=r"has no SHORT_SPLIT$"):
         ab.apply_sets([("kernels.paged_attention", "SHORT_SPLIT", 8)])
+
+
+def test_rows_replace_a_table_row_and_refuse_unknown_keys(ab, monkeypatch):
+    from rlt_engine.kernels import small_gemm_table
+
+    key = "11264x2048:m1:bfloat16"
+    row = ("ws", 128, 128, 1, 4, 3, 0.0, 0.0)
+    assert ab.parse_row(f"{key}={row!r}") == (key, row)
+    for bad in (key, f"{key}=ws", "11264x2048=(1,)", f"{key}=[1, 2]"):
+        with pytest.raises(ValueError, match="--row"):
+            ab.parse_row(bad)
+    entries = dict(small_gemm_table.TABLE["entries"])
+    monkeypatch.setitem(small_gemm_table.TABLE, "entries", entries)
+    ab.apply_rows([(key, row)])
+    assert small_gemm_table.TABLE["entries"][key] == row
+    with pytest.raises(ValueError, match="has no 1x1:m1:bfloat16"):
+        ab.apply_rows([("1x1:m1:bfloat16", row)])
+    with pytest.raises(ValueError, match="8 fields, got 2"):
+        ab.apply_rows([(key, ("ws", 1))])
