@@ -415,8 +415,8 @@ def _build():
                 mbarrier.wait(full.index(FIRST - 1), 0)  # consumers have freed)
                 stamp(probe_ptr, 6, now())
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first lap passes
-            # tile i - AHEAD landed (its slot's next lap is not issued yet); the constexpr test
-            # apart, so a build without the bound has no branch
+            # tile i - AHEAD has landed (its slot's next lap is not issued yet); two tests, so a
+            # build without the bound (AHEAD 0, a constexpr) has no branch at all
             if AHEAD > 0:  # noqa: SIM102
                 if i >= AHEAD:
                     j = i - AHEAD
