@@ -68,6 +68,14 @@ X_BY_LOADS_ROWS = 4
 # 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
 RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
+# Not measured yet, so off: where a program's whole K range fits its ring (Ouro's o_proj), launch
+# with this many registers a thread instead of the whole register file, so its programs can be
+# placed beside attention's and the gate/up's beside its own. At c=8 the o_proj's programs are
+# placed only as attention's leave: the rows kernel's 2,048 one-warp programs (80 registers)
+# leave 25,856 of an SM's 65,536 registers, a program here takes 160 threads x 256 (the
+# kernel clock: placed 11.5 us, attention's end 11.3, its last MMA 14.1; at c=1 the ring
+# lands during attention). 128 compiles without spills (ptxas, sm_90a)
+SHARE_SM_MAXNREG = 0
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -238,6 +246,7 @@ def ws_gemm(
         cos, sin, k_pool, v_pool, slots, num_heads = rope
         kv_heads = k_pool.shape[1]
     pdl = _pdl.enabled(x.device)
+    kt = k // (splits * bk)  # weight tiles a program streams
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         x_ptr=x2, K=k,
@@ -247,7 +256,7 @@ def ws_gemm(
         # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
-        KT=k // (splits * bk), BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
+        KT=kt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced,
         XLOAD=m <= X_BY_LOADS_ROWS, AHEAD=_ahead(parts * config.block_n * bk * x.element_size(),
                                                  config.num_stages, m),
@@ -255,7 +264,8 @@ def ws_gemm(
         # launched with the whole register file (Triton's default here), so no other kernel's
         # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
         # programs started beside the gate/up's and streamed under it, c=8 -2.5%
-        # (results/2026-12-03-split-sums-h200.md)
+        # (results/2026-12-03-split-sums-h200.md); SHARE_SM_MAXNREG: see there
+        **({"maxnreg": SHARE_SM_MAXNREG} if SHARE_SM_MAXNREG and kt <= config.num_stages else {}),
         **_pdl.launch_options(pdl),
     )  # fmt: skip
     if unreduced:  # rows flattened: [splits, rows, N]
