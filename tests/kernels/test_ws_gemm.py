@@ -62,6 +62,20 @@ def test_shape_checks_name_the_constraint():
         gemm(x[:4].float(), w.float(), ws())
 
 
+def test_the_ring_bound_applies_from_its_rows_where_it_is_less_than_the_ring():
+    """RING_AHEAD_BYTES' tiles in flight from RING_AHEAD_ROWS rows, 0 (the ring) where that
+    is every stage: at 8 rows only the qkv's 5-stage ring of 32 KiB tiles is bounded."""
+    from rlt_engine.kernels import ws_gemm as module
+
+    assert module.RING_AHEAD_BYTES == 96 * 1024 and module.RING_AHEAD_ROWS == 8
+    tile = 64 * 256 * 2  # the qkv's and the o_proj's tiles: 32 KiB
+    assert module._ahead(tile, 5, 8) == module._ahead(tile, 5, 16) == 3
+    assert module._ahead(tile, 5, 7) == module._ahead(tile, 5, 1) == 0  # below its rows
+    assert module._ahead(tile, 3, 8) == module._ahead(tile, 2, 8) == 0  # the whole ring
+    assert module._ahead(2 * 64 * 128 * 2, 3, 8) == 0  # the gate/up's 3 stages at 8 rows
+    assert module._ahead(100 * 1024, 4, 8) == 1  # never less than one tile
+
+
 def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
     """A "ws" row for the packed gate/up runs the SwiGLU form; where the kernel cannot run
     (here: CPU) or take the config, the caller's two launches do."""
