@@ -190,7 +190,7 @@ SHORT_SPLIT_SEQS = 2  # decode batches up to this many sequences split theirs at
 # HBM) landing after the kernel before had ended (2026-12-04-settled-keys-h200.md)
 EARLY_KEYS_SEQS = 1
 # Ways a decode batch of n <= SHORT_SPLIT_SEQS sequences splits its keys: SHORT_SPLITS // n,
-# whatever its context (a split with no keys leaves at once; below LONG_CONTEXT keys, MHA
+# whatever its context (a split with no keys leaves at once; below LONG_CONTEXT keys,
 # batches of up to WIDE_TILE_SEQS sequences: WIDE_TILE_SPLITS). One sequence, against 4 ways:
 # -0.9% at 96 keys, +1.6% / +10.4% / +22.6% at 448 / 960 / 2,000 (8 ways: -0.4%, +2.2%, +7.1%,
 # +12.9%; 32: slower from 448 on) (2026-12-04-more-splits-h200.md)

@@ -154,13 +154,13 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (8, 64, 256, 5, 1, 1, "bf16", False, 128, False),
            (16, 128, 256, 2, 2, 1, "bf16", False, 128, False),
            (8, 64, 256, 2, 4, 1, "bf16", False, 0, True),
-           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 0),
-           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3),
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 0, None),
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3, None),
            (8, 64, 256, 2, 4, 1, "bf16", False, 0, True, True, 0, 128))
 # the rows by TMA, every tile in flight and the whole register file, unless a config names
 # XLOAD, AHEAD (and maxnreg)
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
-    xload, ahead, maxnreg = (*more, None) if len(more) == 2 else more or (False, 0, None)
+    xload, ahead, maxnreg = more or (False, 0, None)
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
