@@ -18,7 +18,10 @@ on the H200 and serialised: ~80 us of a ~1.4 ms traversal at c=8. Here:
   exits), which the caller passes to the coda.
 - `advance` (one program per row): the token event and depth at the window's row `step`, then
   token / loop / remaining / position / generated, the finish test (a stop id, or max_tokens
-  reached) on active, parked (no refill) and the hidden state of running rows.
+  reached) on active, parked (no refill) and the hidden state of running rows. With `step_up`
+  the last program to finish (a ticket) also moves `step` on: one torch launch fewer a
+  traversal, and the next traversal's `prepare` follows under PDL instead of after a launch
+  gap (a torch kernel keeps full stream order).
 
 Each has a torch reference (`*_reference`, what worker/decode.py runs off the Triton backend)
 with the same arithmetic: integer and boolean logic, and two fp32 operations rounded as torch
@@ -98,7 +101,8 @@ class Events(NamedTuple):
 
     token: torch.Tensor  # [window, >= b] int64
     depth: torch.Tensor  # [window, >= b] int64
-    step: torch.Tensor  # [1] int64: the row this traversal writes (read, not advanced)
+    step: torch.Tensor  # [1] int64: the row this traversal writes
+    ticket: torch.Tensor  # [1] int32, zero between launches: `advance`'s programs done with step
 
 
 def prepare_reference(
@@ -249,6 +253,7 @@ def advance_reference(
     rows: Rows,
     events: Events,
     refill: bool,
+    step_up: bool = False,
 ) -> None:
     """The torch semantics of `advance` (any device), in place."""
     r, b = rows, exits.shape[0]
@@ -267,6 +272,8 @@ def advance_reference(
     r.active.logical_and_(~(exits & (stopped | (r.generated >= r.max_tokens))))
     if not refill:
         r.parked.logical_or_(exits)
+    if step_up:
+        events.step.add_(1)
 
 
 def exit_rule(
@@ -321,12 +328,16 @@ def advance(
     rows: Rows,
     events: Events,
     refill: bool,
+    step_up: bool = False,
 ) -> None:
     """Advance `rows` in place after sampling (see the module docstring) and write this
-    traversal's token and depth events. exits [b] bool, drawn [b] int64 (the sampled tokens),
-    new_remaining fp32 [b] (from `exit_rule`), new_hidden [b, H] (the traversal's output)."""
+    traversal's token and depth events; with `step_up`, then move `events.step` on by one.
+    exits [b] bool, drawn [b] int64 (the sampled tokens), new_remaining fp32 [b] (from
+    `exit_rule`), new_hidden [b, H] (the traversal's output)."""
     b, width = rows.hidden.shape
     if b == 0:
+        if step_up:
+            events.step.add_(1)
         return
     if new_hidden.stride(-1) != 1:
         new_hidden = new_hidden.contiguous()
@@ -339,6 +350,7 @@ def advance(
             new_hidden,
             *rows,
             *events,
+            b,
             new_hidden.stride(0),
             rows.hidden.stride(0),
             rows.stop_ids.stride(0),
@@ -349,6 +361,7 @@ def advance(
             BLOCK_H=triton.next_power_of_2(width),
             BLOCK_S=max(2, triton.next_power_of_2(rows.stop_ids.shape[1])),
             REFILL=refill,
+            STEP_UP=step_up,
             PDL=pdl,
             num_warps=4,
             **_pdl.launch_options(pdl),
@@ -440,6 +453,8 @@ def _advance_kernel(
     event_token_ptr,
     event_depth_ptr,
     step_ptr,
+    ticket_ptr,
+    b,
     stride_new_hidden,
     stride_hidden,
     stride_stop,
@@ -450,42 +465,57 @@ def _advance_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     REFILL: tl.constexpr,
+    STEP_UP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
+    # every load first, then the stores: a load after a store cannot move above it (the
+    # pointers might alias), so interleaved each would cost a dependent round trip
     exits = tl.load(exits_ptr + row) != 0
-    run = (tl.load(active_ptr + row) != 0) & (tl.load(parked_ptr + row) == 0)
+    active = tl.load(active_ptr + row) != 0
+    parked = tl.load(parked_ptr + row) != 0
     loop = tl.load(loop_ptr + row)
-    done = loop + 1
     drawn = tl.load(drawn_ptr + row)
     step = tl.load(step_ptr)
-    tl.store(event_token_ptr + step * stride_event_token + row, tl.where(exits, drawn, -1))
-    tl.store(event_depth_ptr + step * stride_event_depth + row, done)
-
-    tl.store(token_ptr + row, tl.where(exits, drawn, tl.load(token_ptr + row)))
-    tl.store(loop_ptr + row, tl.where(exits, 0, tl.where(run, done, loop)))
-    old = tl.load(remaining_ptr + row)
-    r = tl.where(exits, 1.0, tl.where(run, tl.load(new_remaining_ptr + row), old))
-    tl.store(remaining_ptr + row, r)
-    step_up = exits.to(tl.int64)
-    tl.store(position_ptr + row, tl.load(position_ptr + row) + step_up)
-    generated = tl.load(generated_ptr + row) + step_up
-    tl.store(generated_ptr + row, generated)
+    token = tl.load(token_ptr + row)
+    remaining = tl.load(remaining_ptr + row)
+    new_remaining = tl.load(new_remaining_ptr + row)
+    position = tl.load(position_ptr + row)
+    generated = tl.load(generated_ptr + row)
+    max_tokens = tl.load(max_tokens_ptr + row)
     s = tl.arange(0, BLOCK_S)
     stops = tl.load(stop_ids_ptr + row * stride_stop + s, mask=s < S, other=-1)
-    stopped = tl.max((stops == drawn).to(tl.int32), axis=0) != 0
-    finished = exits & (stopped | (generated >= tl.load(max_tokens_ptr + row)))
-    tl.store(active_ptr + row, (tl.load(active_ptr + row) != 0) & ~finished)
-    if not REFILL:
-        tl.store(parked_ptr + row, (tl.load(parked_ptr + row) != 0) | exits)
-
+    run = active & ~parked
     cols = tl.arange(0, BLOCK_H)
     mask = (cols < H) & run  # rows that did not run keep their hidden state
     new = tl.load(new_hidden_ptr + row * stride_new_hidden + cols, mask=mask)
+
+    done = loop + 1
+    tl.store(event_token_ptr + step * stride_event_token + row, tl.where(exits, drawn, -1))
+    tl.store(event_depth_ptr + step * stride_event_depth + row, done)
+    tl.store(token_ptr + row, tl.where(exits, drawn, token))
+    tl.store(loop_ptr + row, tl.where(exits, 0, tl.where(run, done, loop)))
+    r = tl.where(exits, 1.0, tl.where(run, new_remaining, remaining))
+    tl.store(remaining_ptr + row, r)
+    step_up = exits.to(tl.int64)
+    tl.store(position_ptr + row, position + step_up)
+    generated = generated + step_up
+    tl.store(generated_ptr + row, generated)
+    stopped = tl.max((stops == drawn).to(tl.int32), axis=0) != 0
+    finished = exits & (stopped | (generated >= max_tokens))
+    tl.store(active_ptr + row, active & ~finished)
+    if not REFILL:
+        tl.store(parked_ptr + row, parked | exits)
     tl.store(hidden_ptr + row * stride_hidden + cols, new, mask=mask)
+    if STEP_UP:  # noqa: SIM102 (a constexpr: no atomic is compiled without it)
+        # every program has read step before its ticket (acq_rel): the last one moves it on
+        # and leaves the ticket at zero for the next launch
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == b - 1:
+            tl.store(step_ptr, step + 1)
+            tl.store(ticket_ptr, 0)
 
 
 def _prepare_kernel(
@@ -527,34 +557,39 @@ def _prepare_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
+    # the loads first (two dependent rounds: the scalars, then the rows they point to), the
+    # stores after them: see _advance_kernel
     loop = tl.load(loop_ptr + row)
     position = tl.load(position_ptr + row)
     run = (tl.load(active_ptr + row) != 0) & (tl.load(parked_ptr + row) == 0)
-    tl.store(run_ptr + row, run)
+    token = tl.load(token_ptr + row)
 
     cols = tl.arange(0, BLOCK_H)
     h_ok = cols < H
     fresh = loop == 0  # loop 0 reads its token's embedding, later loops the hidden state
-    token = tl.load(token_ptr + row)
     e = tl.load(embedding_ptr + token * stride_embedding + cols, mask=h_ok & fresh, other=0.0)
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=h_ok & ~fresh, other=0.0)
-    tl.store(x_ptr + row * H + cols, tl.where(fresh, e, h), mask=h_ok)
     if ROPE:  # the position's cos and sin rows; past the table (idle rows only) zeros
         d = tl.arange(0, 2 * BLOCK_D)
         part, col = d // BLOCK_D, d % BLOCK_D
         ok = (col < D) & (position < positions)
-        src = rope_table_ptr + (position * 2 + part) * D + col
-        tl.store(rope_ptr + (row * 2 + part) * D + col, tl.load(src, mask=ok, other=0.0),
-                 mask=col < D)  # fmt: skip
-
+        cos_sin = tl.load(rope_table_ptr + (position * 2 + part) * D + col, mask=ok, other=0.0)
     plane = 0 if SHARED else loop
     src = tables_in_ptr + row * stride_t_row + plane * stride_t_plane
-    for w0 in range(0, width, BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        tl.store(tables_ptr + row * width + w, tl.load(src + w, mask=w < width), mask=w < width)
     block = tl.minimum(position // block_size, width - 1)
     offset = position % block_size
     own = tl.load(src + block).to(tl.int64) * block_size + offset
+    w = tl.arange(0, BLOCK_W)
+    table = tl.load(src + w, mask=w < width)  # the first BLOCK_W entries (all, mostly)
+
+    tl.store(run_ptr + row, run)
+    tl.store(x_ptr + row * H + cols, tl.where(fresh, e, h), mask=h_ok)
+    if ROPE:
+        tl.store(rope_ptr + (row * 2 + part) * D + col, cos_sin, mask=col < D)
+    tl.store(tables_ptr + row * width + w, table, mask=w < width)
+    for w0 in range(BLOCK_W, width, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        tl.store(tables_ptr + row * width + w, tl.load(src + w, mask=w < width), mask=w < width)
     tl.store(slot_ptr + row, tl.where(run, own, trash_slot))
     tl.store(seq_lens_ptr + row, (position + 1).to(tl.int32))
     tl.store(block_ptr + row, block)

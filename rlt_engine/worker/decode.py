@@ -49,14 +49,18 @@ class EventBuffers:
 
     def __init__(self, window: int, num_slots: int, max_logprobs: int, device: torch.device):
         self.window = window
-        self.token = torch.full((window, num_slots), -1, dtype=torch.long, device=device)
-        self.depth = torch.zeros((window, num_slots), dtype=torch.long, device=device)
+        # token and depth events side by side in one buffer, so that a window's rows come back
+        # in one contiguous copy (read_back)
+        self.token_depth = torch.zeros((window, 2, num_slots), dtype=torch.long, device=device)
+        self.token, self.depth = self.token_depth[:, 0], self.token_depth[:, 1]
+        self.token.fill_(-1)
         self.logprob = torch.zeros((window, num_slots), dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(
             (window, num_slots, max_logprobs), dtype=torch.long, device=device
         )
         self.top_logprobs = torch.zeros((window, num_slots, max_logprobs), device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # traversal index
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=device)  # see slot_step.Events
 
 
 @dataclass(frozen=True)
@@ -154,10 +158,12 @@ class DecodeTraversal:
         if self.trace is not None:
             self.trace.append((loop.tolist(), run.tolist(), exits.tolist()))
         self._record_logprobs(b, drawn)
-        self._advance(b, exits, remaining, drawn, hidden)
+        # the next traversal writes the next row of the event buffers: the advance moves the
+        # row on, unless a riding wave still writes this one
+        self._advance(b, exits, remaining, drawn, hidden, step_up=wave is None)
         if wave is not None:
             self._wave_done(wave, out.hidden[b:], flags)
-        self.ev.step.add_(1)  # the next traversal writes the next row of the event buffers
+            self.ev.step.add_(1)
 
     # -- a riding prefill wave -------------------------------------------------------------
     def _with_wave(
@@ -235,7 +241,13 @@ class DecodeTraversal:
         )  # fmt: skip
 
     def _advance(
-        self, b: int, exits: torch.Tensor, remaining: torch.Tensor, drawn, hidden: torch.Tensor
+        self,
+        b: int,
+        exits: torch.Tensor,
+        remaining: torch.Tensor,
+        drawn,
+        hidden: torch.Tensor,
+        step_up: bool,
     ) -> None:
         """Row `step` of the token and depth events, then every running row one loop on;
         rows that exited start their next token at loop 0 (or finish)."""
@@ -245,8 +257,8 @@ class DecodeTraversal:
             s.token[:b], s.hidden[:b], s.loop[:b], s.remaining[:b], s.position[:b],
             s.generated[:b], s.active[:b], s.parked[:b], s.max_tokens[:b], s.stop_ids[:b],
         )  # fmt: skip
-        events = slot_step.Events(ev.token, ev.depth, ev.step)
-        advance(exits, drawn.token, remaining, hidden, rows, events, self.refill)
+        events = slot_step.Events(ev.token, ev.depth, ev.step, ev.ticket)
+        advance(exits, drawn.token, remaining, hidden, rows, events, self.refill, step_up)
 
     def _record_logprobs(self, b: int, drawn) -> None:
         """Row `step` of the logprob event buffers (a device counter: no host index in the

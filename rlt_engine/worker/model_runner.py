@@ -305,7 +305,7 @@ class ModelRunner:
                 tensors += [f.drawn.logprob, f.drawn.top_ids, f.drawn.top_logprobs]
         if window is not None:
             n, b, flags = window
-            tensors += [ev.token[:n, :b], ev.depth[:n, :b]]
+            tensors.append(ev.token_depth[:n])  # [n, 2, slots]: contiguous, one copy
             if flags.num_logprobs is not None:
                 k = flags.num_logprobs
                 tensors += [ev.logprob[:n, :b], ev.top_ids[:n, :b, :k], ev.top_logprobs[:n, :b, :k]]
@@ -333,7 +333,9 @@ class ModelRunner:
                 smp = _as_sample(launched.logprobs_wanted.get(slot), token, extra, i)
                 events.append(TokenEvent(slot, smp, self.depth))
         if window is not None:
-            tokens, depths = next(it).tolist(), next(it).tolist()  # one conversion each
+            b = window[1]
+            token_depth = next(it)
+            tokens, depths = token_depth[:, 0, :b].tolist(), token_depth[:, 1, :b].tolist()
             extra = (next(it), next(it), next(it)) if window[2].num_logprobs is not None else None
             wanted = launched.logprobs_wanted
             for t, (row, row_depths) in enumerate(zip(tokens, depths, strict=True)):

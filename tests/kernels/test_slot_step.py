@@ -49,6 +49,7 @@ def _state(b: int, seed: int, device: str) -> dict[str, torch.Tensor]:
         "event_token": torch.full((WINDOW, b + 2), -7),
         "event_depth": torch.full((WINDOW, b + 2), -7),
         "step": torch.tensor([1]),
+        "ticket": torch.zeros(1, dtype=torch.int32),
     }
     near = ints(0, 3) == 0  # thresholds exactly at 1 - R * (1 - h): the >= decides
     exact = 1.0 - state["remaining"] * (1.0 - state["hazard"])
@@ -56,7 +57,9 @@ def _state(b: int, seed: int, device: str) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in state.items()}
 
 
-def _run(state: dict[str, torch.Tensor], fused: bool, hazard: bool, refill: bool):
+def _run(
+    state: dict[str, torch.Tensor], fused: bool, hazard: bool, refill: bool, step_up: bool = True
+):
     s = {k: v.clone() for k, v in state.items()}
     rule = slot_step.exit_rule if fused else slot_step.exit_rule_reference
     advance = slot_step.advance if fused else slot_step.advance_reference
@@ -65,24 +68,27 @@ def _run(state: dict[str, torch.Tensor], fused: bool, hazard: bool, refill: bool
         s["min_loops"], s["max_loops"], s["threshold"],
     )  # fmt: skip
     decided = (exits.clone(), remaining.clone(), bool(gate.item()))
-    advance(exits, s["drawn"], remaining, s["new_hidden"], *_rows_events(s), refill)
+    advance(exits, s["drawn"], remaining, s["new_hidden"], *_rows_events(s), refill, step_up)
     return decided, s
 
 
 def _rows_events(s: dict[str, torch.Tensor]) -> tuple[slot_step.Rows, slot_step.Events]:
     rows = slot_step.Rows(*(s[name] for name in slot_step.Rows._fields))
-    return rows, slot_step.Events(s["event_token"], s["event_depth"], s["step"])
+    return rows, slot_step.Events(s["event_token"], s["event_depth"], s["step"], s["ticket"])
 
 
-def _check(b: int, seed: int, hazard: bool, refill: bool, device: str) -> None:
+def _check(b: int, seed: int, hazard: bool, refill: bool, device: str, step_up: bool) -> None:
     state = _state(b, seed, device)
-    (exits, remaining, gate), want = _run(state, False, hazard, refill)
-    (f_exits, f_remaining, f_gate), got = _run(state, True, hazard, refill)
+    (exits, remaining, gate), want = _run(state, False, hazard, refill, step_up)
+    (f_exits, f_remaining, f_gate), got = _run(state, True, hazard, refill, step_up)
     assert torch.equal(f_exits, exits)
     assert torch.equal(f_remaining, remaining)
     assert f_gate == gate == bool(exits.any())
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    # the row counter moved on once (by the last of b programs), the ticket back at zero
+    assert got["step"].item() == state["step"].item() + step_up
+    assert got["ticket"].item() == 0
 
 
 @pytest.mark.parametrize("hazard", [True, False])
@@ -90,7 +96,7 @@ def _check(b: int, seed: int, hazard: bool, refill: bool, device: str) -> None:
 @pytest.mark.parametrize("b", [1, 7, 19])
 def test_kernels_equal_the_torch_reference(b, hazard, refill):
     for seed in range(3):
-        _check(b, seed + 10 * b, hazard, refill, "cpu" if not CUDA else DEVICE)
+        _check(b, seed + 10 * b, hazard, refill, "cpu" if not CUDA else DEVICE, seed != 1)
 
 
 def test_the_workload_reaches_every_branch():
@@ -179,7 +185,8 @@ def test_gpu_graph_replay_equals_the_reference():
             s["loop"], s["active"], s["parked"], s["remaining"], s["hazard"],
             s["min_loops"], s["max_loops"], s["threshold"],
         )  # fmt: skip
-        slot_step.advance(exits, s["drawn"], remaining, s["new_hidden"], *_rows_events(s), True)
+        rows, events = _rows_events(s)
+        slot_step.advance(exits, s["drawn"], remaining, s["new_hidden"], rows, events, True, True)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -195,3 +202,5 @@ def test_gpu_graph_replay_equals_the_reference():
     torch.cuda.synchronize()
     for name in want:
         assert torch.equal(s[name], want[name]), name
+    graph.replay()  # the ticket was left at zero: the row counter moves on once more
+    assert s["step"].item() == want["step"].item() + 1 and s["ticket"].item() == 0
