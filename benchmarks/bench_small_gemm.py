@@ -75,14 +75,19 @@ SPLITS = (1, 2, 4, 6, 8, 16)
 # memory holds the ring and the program's x rows) and the GEMMs it may take: those the model
 # calls without a gate (the lm_head's skip needs the Triton kernel)
 WS_TILES = ((64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 256, 2), (64, 128, 2), (64, 256, 5),
-            (128, 128, 6), (64, 256, 2))  # fmt: skip
+            (128, 128, 6), (64, 256, 2), (64, 128, 8))  # fmt: skip
 WS_SPLITS = (1, 2, 4, 6, 8)
 WS_GEMMS = ("qkv", "o_proj", "down_proj")
 # the packed gate/up runs fused with SwiGLU (kernels/gate_up_swiglu): timed in that form, the
 # Triton kernel's (block_n split into gate and up halves, no split-K) against the ws kernel's
 # (block_n / 2 rows of each, no split-K) and cuBLAS + silu_mul
 SWIGLU_GEMMS = ("gate_up",)
-WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3))
+WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3), (128, 128, 5),
+                   (128, 128, 6))  # fmt: skip
+# a ws program's ring and x rows: the H200's 227 KiB a block less the barriers and the RoPE
+# epilogue's exchange (deeper rings than 200 KB won in decode in place: gate/up at 8 / 16 rows,
+# down_proj at 1 row, results/2026-12-04-tail-h200.md)
+WS_SHARED_BYTES = 224 << 10
 DEVICE = "cuda"
 TABLE_PATH = ROOT / "rlt_engine" / "kernels" / "small_gemm_table.py"
 
@@ -111,7 +116,8 @@ def form_of(names: list[str]) -> str:
 
 def candidates(n: int, k: int, m: int, form: str) -> list[GemmConfig]:
     """Tiles x splits that give 1/2..~12 waves of programs over the SMs, >= 2 K blocks a split;
-    the warp-specialised kernel's where `form` allows (<= 2 waves, shared memory <= 200 KB).
+    the warp-specialised kernel's where `form` allows (<= 2 waves, shared memory within
+    WS_SHARED_BYTES).
     "swiglu": the fused forms' configs (no split-K; the Triton kernel's halves >= 32 rows)."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     swiglu = form == "swiglu"
@@ -133,7 +139,7 @@ def candidates(n: int, k: int, m: int, form: str) -> list[GemmConfig]:
             n_tiles = n // bn * s
             if (
                 ws_gemm.check(n, k, m, bn, bk, s, swiglu=swiglu) is None
-                and shared <= 200 << 10
+                and shared <= WS_SHARED_BYTES
                 and (sms // 2 <= n_tiles <= 2 * sms or swiglu)
             ):
                 out.append(GemmConfig(bn, bk, s, 4, stages, kernel="ws"))

@@ -4,7 +4,7 @@ benchmarks/bench_small_gemm.py on the GPU named below (but see the end). Keys ar
 times (do_bench medians) the choice was made by; in the last run
 decode in place ranked the configs of (--rank-in-place): 2048x2048;
 the shapes checked in decode (--confirm-in-place): 2048x2048. Rows with "us" 0.0 were set
-by hand from decode A/Bs in place (deeper rings than the tuner's 200 KB bound allows,
+by hand from decode A/Bs in place (deeper rings than the tuner then allowed,
 benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them."""
 
 FIELDS = ("backend", "block_n", "block_k", "split_k", "num_warps", "num_stages", "us", "cublas_us")
