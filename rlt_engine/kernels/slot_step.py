@@ -19,7 +19,7 @@ on the H200 and serialised: ~80 us of a ~1.4 ms traversal at c=8. Here:
 - `advance` (one program per row): the token event and depth at the window's row `step`, then
   token / loop / remaining / position / generated, the finish test (a stop id, or max_tokens
   reached) on active, parked (no refill) and the hidden state of running rows. With `step_up`
-  the last program to finish (a ticket) also moves `step` on: one torch launch fewer a
+  the last program to take a ticket also moves `step` on: one torch launch fewer a
   traversal, and the next traversal's `prepare` follows under PDL instead of after a launch
   gap (a torch kernel keeps full stream order).
 
@@ -500,9 +500,9 @@ def _advance_kernel(
     tl.store(loop_ptr + row, tl.where(exits, 0, tl.where(run, done, loop)))
     r = tl.where(exits, 1.0, tl.where(run, new_remaining, remaining))
     tl.store(remaining_ptr + row, r)
-    step_up = exits.to(tl.int64)
-    tl.store(position_ptr + row, position + step_up)
-    generated = generated + step_up
+    emitted = exits.to(tl.int64)  # an exiting row emits its token: one position on
+    tl.store(position_ptr + row, position + emitted)
+    generated = generated + emitted
     tl.store(generated_ptr + row, generated)
     stopped = tl.max((stops == drawn).to(tl.int32), axis=0) != 0
     finished = exits & (stopped | (generated >= max_tokens))
