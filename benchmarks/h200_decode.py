@@ -312,7 +312,7 @@ def profile_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
                 if e.device_type.name == "CUDA":
                     by_name[e.name[:90]] += e.device_time
                     counts[e.name[:90]] += 1
-            traversals = counts.get("_exit_rule_kernel", 0) or 1
+            traversals = counts.get("_prepare_kernel", 0) or 1  # one a traversal
             per[label] = {
                 "decode_tok_s": rate,
                 "traversals": traversals,

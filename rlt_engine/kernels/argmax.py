@@ -9,10 +9,12 @@ same) and return at once where the gate is zero, leaving the output undefined (n
 then).
 
 Two launches: each program of the first takes 2 chunks of one row (a [rows, splits] grid) and
-writes its best value and index; the second reduces a row's splits. One program per row used to
-walk the whole vocabulary in dependent chunks (24 for Ouro's 49k vocabulary, 81 for Nanbeige's
-166k); the split grid took adaptive exit's share of the loop savings on the H200 from 87% to
-91% at c=8 (benchmarks/results/2026-12-02-exit-copies-h200.md).
+writes its best value and index (`argmax_partials`); the second reduces a row's splits. The
+decode traversal launches only the first: its advance kernel, one program per row, reduces its
+own row's splits (`first_best`), one launch fewer a traversal (kernels/slot_step.py). One
+program per row used to walk the whole vocabulary in dependent chunks (24 for Ouro's 49k
+vocabulary, 81 for Nanbeige's 166k); the split grid took adaptive exit's share of the loop
+savings on the H200 from 87% to 91% at c=8 (benchmarks/results/2026-12-02-exit-copies-h200.md).
 
 Semantics are torch's: the first index of the maximum; a NaN counts as larger than any number
 (the first NaN wins). Per lane a program keeps the best value and index over the chunks it
@@ -23,13 +25,15 @@ visits in increasing index order, then reduces the lanes; the splits are reduced
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels.paged_attention import supported
 
-__all__ = ["argmax_rows", "supported"]
+__all__ = ["Partials", "argmax_partials", "argmax_rows", "reduce_reference", "supported"]
 
 triton = tl = None  # set by _import_triton(); the kernel's body reads the module global `tl`
 first_best = None  # the @jit form of _first_best, set by _import_triton()
@@ -38,17 +42,45 @@ BLOCK = 2048  # vocabulary entries per chunk
 CHUNKS_PER_SPLIT = 2  # chunks per program of the first launch
 
 
+class Partials(NamedTuple):
+    """Each row's best value and its index in each split of the vocabulary (`argmax_partials`);
+    the row's argmax is the first best among them (`reduce_reference`, `first_best`)."""
+
+    best: torch.Tensor  # fp32 [rows, splits]
+    index: torch.Tensor  # int32 [rows, splits]
+
+
 def argmax_rows(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [rows]: the argmax of each row of x [rows, V] (float, last dimension contiguous).
     `gate` (one element on x's device): zero skips the work; the output is then undefined."""
+    partials = argmax_partials(x, gate)
+    rows, splits = partials.best.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0 or splits == 0:
+        return out
+    interpret = _pa._interpreter_mode()
+    pdl = _pdl.enabled(x.device)
+    gated = gate is not None
+    with _pa._on_device(x.device):
+        _pa._kernel(_argmax_reduce_kernel, interpret)[(rows,)](
+            *partials, out, gate if gated else x, splits,
+            BLOCK_S=triton.next_power_of_2(splits), GATED=gated, PDL=pdl, num_warps=1,
+            **_pdl.launch_options(pdl),
+        )  # fmt: skip
+    return out
+
+
+def argmax_partials(x: torch.Tensor, gate: torch.Tensor | None = None) -> Partials:
+    """The first launch of `argmax_rows`: each row's best per split of the vocabulary. `gate`
+    as there (a zero gate leaves the partials undefined)."""
     if x.dim() != 2 or x.stride(-1) != 1 or not x.dtype.is_floating_point:
         raise ValueError(f"x must be [rows, V] float with contiguous rows, got {x.dtype} {x.shape}")
     if gate is not None and (gate.numel() != 1 or gate.device != x.device):
         raise ValueError(f"gate must be one element on {x.device}, got {tuple(gate.shape)}")
     rows, vocab = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0 or vocab == 0:
-        return out
+        empty = torch.empty((rows, 0), device=x.device)
+        return Partials(empty, empty.int())
     ok, why = supported(x.device)
     if not ok:
         raise RuntimeError(f"Triton argmax cannot run on {x.device}: {why}")
@@ -61,19 +93,24 @@ def argmax_rows(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tens
     best = torch.empty((rows, splits), dtype=torch.float32, device=x.device)
     best_i = torch.empty((rows, splits), dtype=torch.int32, device=x.device)
     gated = gate is not None
-    gate_arg = gate if gated else x  # unread without a gate
     with _pa._on_device(x.device):
         _pa._kernel(_argmax_split_kernel, interpret)[(rows, splits)](
-            x, best, best_i, gate_arg, x.stride(0), vocab,
+            x, best, best_i, gate if gated else x, x.stride(0), vocab,
             SPLIT=split, BLOCK=block, GATED=gated, PDL=pdl, num_warps=8,
             **_pdl.launch_options(pdl),
         )  # fmt: skip
-        _pa._kernel(_argmax_reduce_kernel, interpret)[(rows,)](
-            best, best_i, out, gate_arg, splits,
-            BLOCK_S=triton.next_power_of_2(splits), GATED=gated, PDL=pdl, num_warps=1,
-            **_pdl.launch_options(pdl),
-        )  # fmt: skip
-    return out
+    return Partials(best, best_i)
+
+
+def reduce_reference(partials: Partials) -> torch.Tensor:
+    """int64 [rows]: the torch semantics of reducing `partials` (the first index among the
+    best values; a NaN beats every number, the first NaN wins)."""
+    best, index = partials
+    nan = best.isnan()
+    any_nan = nan.any(dim=1, keepdim=True)
+    top = torch.where(nan, float("-inf"), best).amax(dim=1, keepdim=True)
+    winner = torch.where(any_nan, nan, best == top)
+    return torch.where(winner, index, 2**31 - 1).amin(dim=1).long()
 
 
 def _import_triton() -> None:

@@ -1,5 +1,5 @@
-"""A decode traversal's per-row bookkeeping in three Triton launches instead of ~50 torch
-kernels.
+"""A decode traversal's per-row bookkeeping in two or three Triton launches instead of ~50
+torch kernels.
 
 Around the layer stack, a traversal prepares each row's inputs, and afterwards decides which
 rows exit (the fp32 exit rule), runs the lm_head and the sampler, and advances every row's
@@ -10,18 +10,23 @@ on the H200 and serialised: ~80 us of a ~1.4 ms traversal at c=8. Here:
   embedding row at loop 0, else the hidden state); the row's block table in the plane it reads
   (its loop's, or plane 0 with SHARED KV); the slot its K/V goes to (the trash slot for rows
   that do not run); seq_lens; the position's block and offset (for LAST_EXITED exit copies);
-  and, given the model's RoPE table, the position's cos / sin rows (the embedding and RoPE
-  gathers were two torch launches a traversal, outside the PDL chain).
-- `exit_rule` (one program over all rows): done = loop + 1; exits where done reaches max_loops,
-  or (with a gate hazard) R' = R * (1 - h) in fp32 reaches 1 - R' >= threshold at
-  done >= min_loops; only running rows exit. Also writes the lm_head gate (one int32: any row
-  exits), which the caller passes to the coda.
+  given the model's RoPE table, the position's cos / sin rows; given the first layer's norm,
+  the normalised input (that layer's norm launch, with `norm.normed_row`'s arithmetic); and
+  given `max_loops`, the exits of a window in which no row may exit early (those that reach
+  max_loops, decided by program 0 before the layer stack) with the lm_head gate. Each of these
+  was a launch of its own a traversal.
+- `exit_rule` (one program over all rows; windows in which a row may exit early): done =
+  loop + 1; exits where done reaches max_loops, or (with a gate hazard) R' = R * (1 - h) in
+  fp32 reaches 1 - R' >= threshold at done >= min_loops; only running rows exit. Also writes
+  the lm_head gate (one int32: any row exits), which the caller passes to the coda.
 - `advance` (one program per row): the token event and depth at the window's row `step`, then
-  token / loop / remaining / position / generated, the finish test (a stop id, or max_tokens
-  reached) on active, parked (no refill) and the hidden state of running rows. With `step_up`
-  the last program to take a ticket also moves `step` on: one torch launch fewer a
-  traversal, and the next traversal's `prepare` follows under PDL instead of after a launch
-  gap (a torch kernel keeps full stream order).
+  token / loop / remaining (R' of a running row, given the hazard) / position / generated, the
+  finish test (a stop id, or max_tokens reached) on active, parked (no refill) and the hidden
+  state of running rows. The drawn tokens come as tokens, or as kernels/argmax's partials
+  (the greedy path), which an exiting row's program reduces itself: the argmax's second
+  launch. With `step_up` the last program to take a ticket also moves `step` on: one torch
+  launch fewer a traversal, and the next traversal's `prepare` follows under PDL instead of
+  after a launch gap (a torch kernel keeps full stream order).
 
 Each has a torch reference (`*_reference`, what worker/decode.py runs off the Triton backend)
 with the same arithmetic: integer and boolean logic, and two fp32 operations rounded as torch
@@ -37,11 +42,15 @@ from typing import NamedTuple
 
 import torch
 
+from rlt_engine.kernels import argmax as _argmax
+from rlt_engine.kernels import norm as _norm
 from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
+from rlt_engine.kernels.argmax import Partials
 from rlt_engine.kernels.paged_attention import supported
 
 __all__ = [
+    "EarlyExit",
     "Events",
     "Prepared",
     "Rows",
@@ -55,7 +64,9 @@ __all__ = [
     "supported",
 ]
 
-triton = tl = None  # set by _import_triton(); the kernels' bodies read the module global `tl`
+# set by _import_triton(); the kernels' bodies read the module globals `tl` and the @jit forms
+# of the helpers: exits_at (_exits_at), exit_mass (_exit_mass), first_best and normed_row
+triton = tl = exits_at = exit_mass = first_best = normed_row = None
 
 # On by default (the GPU suite and the fp32 exact suite passed on the H200 with them, and they
 # gained at every concurrency); RLT_SLOT_STEP=0 runs the torch references instead (A/B runs).
@@ -78,6 +89,9 @@ class Prepared(NamedTuple):
     block: torch.Tensor  # [b] int64: index of the position's block in the tables
     offset: torch.Tensor  # [b] int64: the position's offset in that block
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [b, D] (given a RoPE table)
+    normed: torch.Tensor | None  # [b, H]: x through the first layer's norm (given the norm)
+    exits: torch.Tensor | None  # [b] bool: rows that reach max_loops (given max_loops)
+    gate: torch.Tensor | None  # [1] int32 (bool in the reference): any of them (max_loops)
 
 
 class Rows(NamedTuple):
@@ -94,6 +108,16 @@ class Rows(NamedTuple):
     parked: torch.Tensor  # [b] bool
     max_tokens: torch.Tensor  # [b] int64
     stop_ids: torch.Tensor  # [b, S] int64, rows contiguous (-1 = none)
+
+
+class EarlyExit(NamedTuple):
+    """The inputs of the exit rule's early exit, rows [0, b) (a window in which a row may
+    exit before max_loops)."""
+
+    remaining: torch.Tensor  # [b] fp32: the exit mass R before this loop
+    hazard: torch.Tensor  # [b] fp32: this loop's exit hazard h
+    min_loops: torch.Tensor  # [b] int64
+    threshold: torch.Tensor  # [b] fp32 (a threshold of 1 is stored as 2: never early)
 
 
 class Events(NamedTuple):
@@ -118,6 +142,8 @@ def prepare_reference(
     trash_slot: int,
     shared: bool,
     rope_table: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    max_loops: torch.Tensor | None = None,
 ) -> Prepared:
     """The torch semantics of `prepare` (any device)."""
     b, width = loop.shape[0], block_tables.shape[2]
@@ -136,7 +162,13 @@ def prepare_reference(
     own = tables.gather(1, block[:, None])[:, 0].long() * block_size + offset
     slot_mapping = torch.where(run, own, trash_slot)
     seq_lens = (position + 1).to(torch.int32)
-    return Prepared(x, tables, slot_mapping, seq_lens, run, block, offset, rope)
+    normed = None if norm is None else _norm.rms_norm_reference(x, *norm)
+    exits = gate = None
+    if max_loops is not None:
+        exits, gate = exit_rule_reference(loop, active, parked, max_loops)
+    return Prepared(
+        x, tables, slot_mapping, seq_lens, run, block, offset, rope, normed, exits, gate
+    )
 
 
 def prepare(
@@ -152,12 +184,15 @@ def prepare(
     trash_slot: int,
     shared: bool,
     rope_table: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    max_loops: torch.Tensor | None = None,
 ) -> Prepared:
     """Rows [0, b) of the slot state before a traversal: loop / position / token int64 [b],
     active / parked bool [b], the embedding table [vocab, H] and hidden [b, H] (rows
-    contiguous), block_tables int32 [b, planes, width] contiguous, and optionally the RoPE
-    table [positions, 2, D] (cos, sin rows). One program per row; `prepare_reference` is the
-    spec."""
+    contiguous), block_tables int32 [b, planes, width] contiguous; optionally the RoPE table
+    [positions, 2, D] (cos, sin rows), the first layer's norm (weight [H], eps) and max_loops
+    int64 [b] (the exits of a window without early exits). One program per row; the exits are
+    program 0's. `prepare_reference` is the spec."""
     b, width = loop.shape[0], block_tables.shape[2]
     device = loop.device
     rope = None
@@ -167,6 +202,8 @@ def prepare(
                 f"rope_table must be [positions, 2, D] contiguous, got {rope_table.shape}"
             )
         rope = torch.empty((b, 2, rope_table.shape[2]), dtype=rope_table.dtype, device=device)
+    if norm is not None and (norm[0].shape != hidden.shape[1:] or norm[0].stride(0) != 1):
+        raise ValueError(f"the norm's weight must be [{hidden.shape[1]}] contiguous")
     out = Prepared(
         torch.empty_like(hidden),
         torch.empty((b, width), dtype=torch.int32, device=device),
@@ -176,6 +213,9 @@ def prepare(
         torch.empty(b, dtype=torch.int64, device=device),
         torch.empty(b, dtype=torch.int64, device=device),
         None if rope is None else rope.unbind(1),
+        None if norm is None else torch.empty_like(hidden),
+        None if max_loops is None else torch.empty(b, dtype=torch.bool, device=device),
+        None if max_loops is None else torch.empty(1, dtype=torch.int32, device=device),
     )
     if b == 0:
         return out
@@ -189,6 +229,7 @@ def prepare(
         if rope is None
         else (rope_table, rope, rope_table.shape[0], rope.shape[2])
     )
+    block_h = triton.next_power_of_2(hidden.shape[1])
     with _pa._on_device(device):
         _pa._kernel(_prepare_kernel, interpret)[(b,)](
             loop,
@@ -199,8 +240,15 @@ def prepare(
             embedding,
             hidden,
             block_tables,
-            *out[:7],  # the outputs but rope, whose [b, 2, D] buffer rope_args carries
+            *out[:7],  # the outputs up to rope, whose [b, 2, D] buffer rope_args carries
             *rope_args,
+            hidden if norm is None else norm[0],
+            hidden if norm is None else out.normed,
+            0.0 if norm is None else float(norm[1]),
+            loop if max_loops is None else max_loops,
+            loop if max_loops is None else out.exits,
+            loop if max_loops is None else out.gate,
+            b,
             embedding.stride(0),
             hidden.stride(0),
             block_tables.stride(0),
@@ -209,13 +257,20 @@ def prepare(
             width,
             block_size,
             trash_slot,
-            BLOCK_H=triton.next_power_of_2(hidden.shape[1]),
+            BLOCK_H=block_h,
             BLOCK_W=min(1024, triton.next_power_of_2(width)),
             BLOCK_D=triton.next_power_of_2(max(1, rope_args[3])),
+            BLOCK_B=_rows_block(b),
+            INV_H=1.0 / hidden.shape[1],
             ROPE=rope is not None,
+            NORM=norm is not None,
+            EXITS=max_loops is not None,
             SHARED=shared,
+            EXACT_MUL=not interpret,
+            ROUND_BF16=interpret and hidden.dtype == torch.bfloat16,
             PDL=pdl,
-            num_warps=4,
+            # the norm's fp32 sum follows the warps: the same tree as the norm kernel's
+            num_warps=_norm.num_warps_for(block_h) if norm is not None else 4,
             **_pdl.launch_options(pdl),
         )
     return out
@@ -225,30 +280,30 @@ def exit_rule_reference(
     loop: torch.Tensor,
     active: torch.Tensor,
     parked: torch.Tensor,
-    remaining: torch.Tensor,
-    hazard: torch.Tensor | None,
-    min_loops: torch.Tensor,
     max_loops: torch.Tensor,
-    threshold: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    early: EarlyExit | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch semantics of `exit_rule` (any device); the gate is a bool tensor."""
     run = active & ~parked
     done = loop + 1
     exits = done >= max_loops
-    if hazard is not None:
-        # f32 exactly as ExitTracker: R = R * (1 - h); exit when 1 - R >= threshold
-        remaining = remaining * (1.0 - hazard)
-        # (a threshold of 1 is stored as 2: fixed depth never exits early)
-        early = (done >= min_loops) & (1.0 - remaining >= threshold)
-        exits = exits | early
+    if early is not None:
+        # f32 exactly as ExitTracker: R' = R * (1 - h); exit when 1 - R' >= threshold
+        remaining = exit_mass_reference(early.remaining, early.hazard)
+        exits = exits | (done >= early.min_loops) & (1.0 - remaining >= early.threshold)
     exits = exits & run
-    return exits, remaining, exits.any()
+    return exits, exits.any()
+
+
+def exit_mass_reference(remaining: torch.Tensor, hazard: torch.Tensor) -> torch.Tensor:
+    """R' = R * (1 - h) in fp32: the exit mass after a loop with hazard h."""
+    return remaining * (1.0 - hazard)
 
 
 def advance_reference(
     exits: torch.Tensor,
-    drawn: torch.Tensor,
-    new_remaining: torch.Tensor,
+    drawn: torch.Tensor | Partials,
+    hazard: torch.Tensor | None,
     new_hidden: torch.Tensor,
     rows: Rows,
     events: Events,
@@ -257,6 +312,8 @@ def advance_reference(
 ) -> None:
     """The torch semantics of `advance` (any device), in place."""
     r, b = rows, exits.shape[0]
+    if isinstance(drawn, Partials):
+        drawn = _argmax.reduce_reference(drawn)
     run = r.active & ~r.parked
     done = r.loop + 1
     events.token[:, :b].index_copy_(0, events.step, torch.where(exits, drawn, -1)[None])
@@ -264,7 +321,9 @@ def advance_reference(
     r.hidden.copy_(torch.where(run[:, None], new_hidden, r.hidden))
     r.token.copy_(torch.where(exits, drawn, r.token))
     r.loop.copy_(torch.where(exits, 0, torch.where(run, done, r.loop)))
-    r.remaining.copy_(torch.where(exits, 1.0, torch.where(run, new_remaining, r.remaining)))
+    if hazard is not None:
+        r.remaining.copy_(torch.where(run, exit_mass_reference(r.remaining, hazard), r.remaining))
+    r.remaining.masked_fill_(exits, 1.0)
     r.position.add_(exits)
     r.generated.add_(exits)
     # the host's rule (Scheduler._accept_token): a stop id, or max_tokens reached
@@ -280,50 +339,42 @@ def exit_rule(
     loop: torch.Tensor,
     active: torch.Tensor,
     parked: torch.Tensor,
-    remaining: torch.Tensor,
-    hazard: torch.Tensor | None,
-    min_loops: torch.Tensor,
     max_loops: torch.Tensor,
-    threshold: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows [0, b) of the slot state (loop, min/max_loops int64; active, parked bool;
-    remaining, threshold fp32; hazard fp32 [b] or None). Returns (exits bool [b], the new
-    exit mass fp32 [b] (`remaining` itself without a hazard), gate int32 [1]: 1 if any row
+    early: EarlyExit | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [0, b) of the slot state (loop, max_loops int64; active, parked bool; `early`'s
+    fields as documented there). Returns (exits bool [b], gate int32 [1]: 1 if any row
     exits)."""
     b = loop.shape[0]
     device = loop.device
     exits = torch.empty(b, dtype=torch.bool, device=device)
-    new_remaining = remaining if hazard is None else torch.empty_like(remaining)
     gate = torch.empty(1, dtype=torch.int32, device=device)
     interpret, pdl = _ready(device)
+    e = early if early is not None else EarlyExit(loop, loop, loop, loop)  # unread
     with _pa._on_device(device):
         _pa._kernel(_exit_rule_kernel, interpret)[(1,)](
             loop,
             active,
             parked,
-            remaining,
-            remaining if hazard is None else hazard,
-            min_loops,
             max_loops,
-            threshold,
+            *e,
             exits,
-            new_remaining,
             gate,
             b,
-            BLOCK=max(16, triton.next_power_of_2(b)),
-            HAS_HAZARD=hazard is not None,
+            BLOCK=_rows_block(b),
+            EARLY=early is not None,
             EXACT_MUL=not interpret,
             PDL=pdl,
             num_warps=4,
             **_pdl.launch_options(pdl),
         )
-    return exits, new_remaining, gate
+    return exits, gate
 
 
 def advance(
     exits: torch.Tensor,
-    drawn: torch.Tensor,
-    new_remaining: torch.Tensor,
+    drawn: torch.Tensor | Partials,
+    hazard: torch.Tensor | None,
     new_hidden: torch.Tensor,
     rows: Rows,
     events: Events,
@@ -332,8 +383,9 @@ def advance(
 ) -> None:
     """Advance `rows` in place after sampling (see the module docstring) and write this
     traversal's token and depth events; with `step_up`, then move `events.step` on by one.
-    exits [b] bool, drawn [b] int64 (the sampled tokens), new_remaining fp32 [b] (from
-    `exit_rule`), new_hidden [b, H] (the traversal's output)."""
+    exits [b] bool, drawn: the sampled tokens int64 [b] or kernels/argmax's partials of the
+    greedy draws (reduced here, for the rows that exit), hazard fp32 [b] or None (the exit
+    mass of running rows then stays), new_hidden [b, H] (the traversal's output)."""
     b, width = rows.hidden.shape
     if b == 0:
         if step_up:
@@ -341,12 +393,15 @@ def advance(
         return
     if new_hidden.stride(-1) != 1:
         new_hidden = new_hidden.contiguous()
+    partials = isinstance(drawn, Partials)
+    splits = drawn.best.shape[1] if partials else 0
+    drawn_args = (*drawn, splits) if partials else (drawn, drawn, 0)
     interpret, pdl = _ready(rows.hidden.device)
     with _pa._on_device(rows.hidden.device):
         _pa._kernel(_advance_kernel, interpret)[(b,)](
             exits,
-            drawn,
-            new_remaining,
+            *drawn_args,
+            rows.remaining if hazard is None else hazard,
             new_hidden,
             *rows,
             *events,
@@ -360,12 +415,20 @@ def advance(
             rows.stop_ids.shape[1],
             BLOCK_H=triton.next_power_of_2(width),
             BLOCK_S=max(2, triton.next_power_of_2(rows.stop_ids.shape[1])),
+            BLOCK_SPLITS=triton.next_power_of_2(splits) if partials else 0,
+            HAS_HAZARD=hazard is not None,
+            EXACT_MUL=not interpret,
             REFILL=refill,
             STEP_UP=step_up,
             PDL=pdl,
             num_warps=4,
             **_pdl.launch_options(pdl),
         )
+
+
+def _rows_block(b: int) -> int:
+    """The vector width of a program that reads all b rows (the exit rule's)."""
+    return max(16, triton.next_power_of_2(b))
 
 
 def _ready(device: torch.device) -> tuple[bool, bool]:
@@ -377,9 +440,13 @@ def _ready(device: torch.device) -> tuple[bool, bool]:
 
 
 def _import_triton() -> None:
-    global triton, tl
-    _pa._import_triton()
+    global triton, tl, exits_at, exit_mass, first_best, normed_row
+    _argmax._import_triton()
+    _norm._import_triton()
     triton, tl = _pa.triton, _pa.tl
+    first_best, normed_row = _argmax.first_best, _norm.normed_row
+    interpret = _pa._interpreter_mode()
+    exits_at, exit_mass = _pa._kernel(_exits_at, interpret), _pa._kernel(_exit_mass, interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,21 +454,42 @@ def _import_triton() -> None:
 # import), which triton reads as constexpr markers, so defining them needs no triton.
 
 
+def _exits_at(loop_ptr, active_ptr, parked_ptr, max_loops_ptr, rows, ok):
+    """(exits at max_loops, done = loop + 1, run) of `rows` where `ok` (else not exiting, not
+    running): the exit rule without its early exit."""
+    run = (tl.load(active_ptr + rows, mask=ok, other=0) != 0) & (
+        tl.load(parked_ptr + rows, mask=ok, other=1) == 0
+    )
+    done = tl.load(loop_ptr + rows, mask=ok, other=0) + 1
+    exits = done >= tl.load(max_loops_ptr + rows, mask=ok, other=1)
+    return exits & run & ok, done, run & ok
+
+
+def _exit_mass(remaining, hazard, EXACT_MUL: tl.constexpr):
+    """R' = R * (1 - h) in fp32 as torch rounds it (`exit_mass_reference`)."""
+    keep = 1.0 - hazard
+    if EXACT_MUL:  # torch rounds the product before the subtraction that uses it: no FMA
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [remaining, keep], dtype=tl.float32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    return remaining * keep
+
+
 def _exit_rule_kernel(
     loop_ptr,
     active_ptr,
     parked_ptr,
-    remaining_ptr,
+    max_loops_ptr,
+    remaining_ptr,  # EARLY: EarlyExit's fields
     hazard_ptr,
     min_loops_ptr,
-    max_loops_ptr,
     threshold_ptr,
     exits_ptr,  # out: bool [b]
-    new_remaining_ptr,  # out: fp32 [b] (HAS_HAZARD)
     gate_ptr,  # out: int32 [1]
     b,
     BLOCK: tl.constexpr,
-    HAS_HAZARD: tl.constexpr,
+    EARLY: tl.constexpr,
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     PDL: tl.constexpr,
 ):
@@ -410,35 +498,27 @@ def _exit_rule_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     rows = tl.arange(0, BLOCK)
     ok = rows < b
-    run = (tl.load(active_ptr + rows, mask=ok, other=0) != 0) & (
-        tl.load(parked_ptr + rows, mask=ok, other=1) == 0
-    )
-    done = tl.load(loop_ptr + rows, mask=ok, other=0) + 1
-    exits = done >= tl.load(max_loops_ptr + rows, mask=ok, other=1)
-    if HAS_HAZARD:
-        # fp32 exactly as ExitTracker: R = R * (1 - h); exit when 1 - R >= threshold
-        keep = 1.0 - tl.load(hazard_ptr + rows, mask=ok, other=0.0)
-        r = tl.load(remaining_ptr + rows, mask=ok, other=1.0)
-        if EXACT_MUL:  # torch rounds the product before the subtraction: no FMA
-            r = tl.inline_asm_elementwise(
-                "mul.rn.f32 $0, $1, $2;", "=r,r,r", [r, keep], dtype=tl.float32, is_pure=True,
-                pack=1,
-            )  # fmt: skip
-        else:
-            r = r * keep
+    exits, done, run = exits_at(loop_ptr, active_ptr, parked_ptr, max_loops_ptr, rows, ok)
+    if EARLY:
+        # fp32 exactly as ExitTracker: R' = R * (1 - h); exit when 1 - R' >= threshold
+        r = exit_mass(
+            tl.load(remaining_ptr + rows, mask=ok, other=1.0),
+            tl.load(hazard_ptr + rows, mask=ok, other=0.0),
+            EXACT_MUL,
+        )
         early = done >= tl.load(min_loops_ptr + rows, mask=ok, other=0)
         early = early & (1.0 - r >= tl.load(threshold_ptr + rows, mask=ok, other=2.0))
-        exits = exits | early
-        tl.store(new_remaining_ptr + rows, r, mask=ok)
-    exits = exits & run & ok
+        exits = exits | (early & run)
     tl.store(exits_ptr + rows, exits, mask=ok)
     tl.store(gate_ptr, tl.max(exits.to(tl.int32), axis=0))
 
 
 def _advance_kernel(
     exits_ptr,
-    drawn_ptr,
-    new_remaining_ptr,
+    drawn_ptr,  # int64 [b] tokens; with BLOCK_SPLITS the partials' best values fp32 [b, splits]
+    drawn_i_ptr,  # BLOCK_SPLITS: the partials' indices int32 [b, splits]
+    splits,
+    hazard_ptr,  # fp32 [b] (HAS_HAZARD)
     new_hidden_ptr,
     token_ptr,
     hidden_ptr,
@@ -464,6 +544,9 @@ def _advance_kernel(
     S,
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,  # 0: drawn holds the tokens
+    HAS_HAZARD: tl.constexpr,
+    EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     REFILL: tl.constexpr,
     STEP_UP: tl.constexpr,
     PDL: tl.constexpr,
@@ -478,11 +561,21 @@ def _advance_kernel(
     active = tl.load(active_ptr + row) != 0
     parked = tl.load(parked_ptr + row) != 0
     loop = tl.load(loop_ptr + row)
-    drawn = tl.load(drawn_ptr + row)
+    if BLOCK_SPLITS > 0:  # an exiting row's greedy token: the first best of its splits
+        sp = tl.arange(0, BLOCK_SPLITS)
+        mine = (sp < splits) & exits
+        best = tl.load(drawn_ptr + row * splits + sp, mask=mine, other=float("-inf"))
+        best_i = tl.load(drawn_i_ptr + row * splits + sp, mask=mine, other=2**31 - 1)
+        drawn = first_best(best, best_i, 2**31 - 1)[1].to(tl.int64)
+    else:
+        drawn = tl.load(drawn_ptr + row)
     step = tl.load(step_ptr)
     token = tl.load(token_ptr + row)
     remaining = tl.load(remaining_ptr + row)
-    new_remaining = tl.load(new_remaining_ptr + row)
+    if HAS_HAZARD:
+        new_remaining = exit_mass(remaining, tl.load(hazard_ptr + row), EXACT_MUL)
+    else:
+        new_remaining = remaining
     position = tl.load(position_ptr + row)
     generated = tl.load(generated_ptr + row)
     max_tokens = tl.load(max_tokens_ptr + row)
@@ -538,6 +631,13 @@ def _prepare_kernel(
     rope_ptr,  # out [b, 2, D] (ROPE)
     positions,  # rows of the RoPE table
     D,
+    norm_w_ptr,  # [H] (NORM)
+    normed_ptr,  # out [b, H] (NORM)
+    eps,
+    max_loops_ptr,  # [b] int64 (EXITS)
+    exits_ptr,  # out [b] bool (EXITS)
+    gate_ptr,  # out [1] int32 (EXITS)
+    b,
     stride_embedding,
     stride_hidden,
     stride_t_row,
@@ -549,8 +649,14 @@ def _prepare_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    INV_H: tl.constexpr,  # fp32(1 / H) (NORM: see norm.py)
     ROPE: tl.constexpr,
+    NORM: tl.constexpr,
+    EXITS: tl.constexpr,
     SHARED: tl.constexpr,
+    EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
+    ROUND_BF16: tl.constexpr,  # round to bf16 by hand (the interpreter's cast truncates)
     PDL: tl.constexpr,
 ):
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
@@ -563,12 +669,20 @@ def _prepare_kernel(
     position = tl.load(position_ptr + row)
     run = (tl.load(active_ptr + row) != 0) & (tl.load(parked_ptr + row) == 0)
     token = tl.load(token_ptr + row)
+    if EXITS:  # program 0 decides every row's exit (the others' lanes are masked off)
+        rows = tl.arange(0, BLOCK_B)
+        mine = (rows < b) & (row == 0)
+        exits = exits_at(loop_ptr, active_ptr, parked_ptr, max_loops_ptr, rows, mine)[0]
 
     cols = tl.arange(0, BLOCK_H)
     h_ok = cols < H
     fresh = loop == 0  # loop 0 reads its token's embedding, later loops the hidden state
     e = tl.load(embedding_ptr + token * stride_embedding + cols, mask=h_ok & fresh, other=0.0)
     h = tl.load(hidden_ptr + row * stride_hidden + cols, mask=h_ok & ~fresh, other=0.0)
+    x = tl.where(fresh, e, h)
+    if NORM:  # the first layer's norm, bit for bit as its own launch (norm.normed_row)
+        norm_w = tl.load(norm_w_ptr + cols, mask=h_ok, other=0.0).to(tl.float32)
+        normed = normed_row(x, norm_w, eps, INV_H, EXACT_MUL, ROUND_BF16).to(x.dtype)
     if ROPE:  # the position's cos and sin rows; past the table (idle rows only) zeros
         d = tl.arange(0, 2 * BLOCK_D)
         part, col = d // BLOCK_D, d % BLOCK_D
@@ -583,7 +697,9 @@ def _prepare_kernel(
     table = tl.load(src + w, mask=w < width)  # the first BLOCK_W entries (all, mostly)
 
     tl.store(run_ptr + row, run)
-    tl.store(x_ptr + row * H + cols, tl.where(fresh, e, h), mask=h_ok)
+    tl.store(x_ptr + row * H + cols, x, mask=h_ok)
+    if NORM:
+        tl.store(normed_ptr + row * H + cols, normed, mask=h_ok)
     if ROPE:
         tl.store(rope_ptr + (row * 2 + part) * D + col, cos_sin, mask=col < D)
     tl.store(tables_ptr + row * width + w, table, mask=w < width)
@@ -594,3 +710,7 @@ def _prepare_kernel(
     tl.store(seq_lens_ptr + row, (position + 1).to(tl.int32))
     tl.store(block_ptr + row, block)
     tl.store(offset_ptr + row, offset)
+    if EXITS:
+        tl.store(exits_ptr + rows, exits, mask=mine)
+        if row == 0:
+            tl.store(gate_ptr, tl.max(exits.to(tl.int32), axis=0))

@@ -96,19 +96,30 @@ class LoopedCausalLM(nn.Module):
         None: `recurrent` takes rows gathered from it as its `rope`."""
         return self.model.rotary_emb.tables.get(dtype)
 
+    def first_norm(self) -> tuple[torch.Tensor, float] | None:
+        """The first layer's input norm (weight, eps) where `recurrent` takes its output from
+        the caller (`normed`: use_fast_path's chained norms), else None."""
+        if not getattr(self, "chained_norms", False):
+            return None
+        norm = self.model.layers[0].input_layernorm
+        return norm.weight, norm.eps
+
     def recurrent(
         self,
         hidden: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        normed: torch.Tensor | None = None,
     ) -> RecurrentOutput:
         """One traversal of the shared stack for rows that may sit at different loops. `rope`:
-        the rows' cos / sin [rows, D] where the caller gathered them (else computed here)."""
+        the rows' cos / sin [rows, D] where the caller gathered them (else computed here);
+        `normed`: `hidden` through the first layer's norm where the caller computed it (only
+        where `first_norm` gives the norm)."""
         if rope is None:
             rope = self.model.rotary_emb(meta.positions, hidden.dtype)
         if getattr(self, "chained_norms", False):  # set by use_fast_path
-            hidden, hazard = self._chained_layers(hidden, rope, meta, backend)
+            hidden, hazard = self._chained_layers(hidden, rope, meta, backend, normed)
             if hazard is not None:
                 return RecurrentOutput(hidden, hazard)
         else:
@@ -124,6 +135,7 @@ class LoopedCausalLM(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        normed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer loop of the fast path: each layer also returns the first norm of the next
         layer (after the last, the final norm when it runs every loop), computed in the same
@@ -131,7 +143,7 @@ class LoopedCausalLM(nn.Module):
         Returns (hidden, the exit hazard or None): with the final norm every loop, the last
         launch also computes the exit gate's hazard (to a few ulps of `exit_hazard`'s)."""
         layers = self.model.layers
-        h = layers[0].input_layernorm(hidden)
+        h = layers[0].input_layernorm(hidden) if normed is None else normed
         hazard = None
         for i, layer in enumerate(layers):
             gate = None

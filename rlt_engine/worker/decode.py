@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlt_engine.kernels import slot_step
+from rlt_engine.kernels.argmax import Partials, argmax_partials
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import MixedMetadata, PagedKVCache, PagedMetadata
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
@@ -94,9 +95,9 @@ class DecodeTraversal:
         self.model, self.kv, self.s, self.ev = model, kv, slots, events
         self.depth = model.num_loops
         self.refill, self.shared = refill, shared
-        # the rows' bookkeeping (prepare, exit rule, advance) as three Triton launches and
-        # greedy draws through the gated argmax, instead of ~50 torch kernels
-        # (kernels/slot_step.py, whose torch references run otherwise)
+        # the rows' bookkeeping (prepare, the exit rule where a row may exit early, advance)
+        # as Triton launches and greedy draws through the gated argmax, instead of ~50 torch
+        # kernels (kernels/slot_step.py, whose torch references run otherwise)
         self.fused = fused
         device = slots.device
         self.query_start = torch.arange(slots.num_slots + 1, dtype=torch.int32, device=device)
@@ -114,11 +115,16 @@ class DecodeTraversal:
             parked.logical_and_(~release)
         loop, pos = s.loop[:b], s.position[:b]
         prepare = slot_step.prepare if self.fused else slot_step.prepare_reference
+        # a window in which no row may exit early knows its exits before the layer stack
+        decided = not flags.early_exits
         # loop-0 rows gather their token's embedding, and every row its RoPE rows, in the
-        # same launch (the model's tables: prelude and rotary_emb's values)
+        # same launch (the model's tables: prelude and rotary_emb's values), and the first
+        # layer's norm (the Triton path, without a wave whose rows the launch does not see)
         rows = prepare(
             loop, pos, active, parked, s.token[:b], self.model.embedding, s.hidden[:b],
             s.block_tables[:b], bs, trash, self.shared, self.model.rope_table(s.hidden.dtype),
+            norm=self.model.first_norm() if self.fused and wave is None else None,
+            max_loops=s.max_loops[:b] if decided else None,
         )  # fmt: skip
         run, block, offset, slot_mapping = rows.run, rows.block, rows.offset, rows.slot_mapping
         meta = PagedMetadata(
@@ -132,35 +138,42 @@ class DecodeTraversal:
             max_seq_len=self.max_seq_len,
         )
         if wave is None:
-            out = self.model.recurrent(rows.x, meta, self.kv, rope=rows.rope)
+            out = self.model.recurrent(rows.x, meta, self.kv, rope=rows.rope, normed=rows.normed)
             hidden, hazard = out.hidden, out.hazard
         else:
             x, mixed = self._with_wave(rows.x, meta, wave)
             out = self.model.recurrent(x, mixed, self.kv)
             hidden, hazard = out.hidden[:b], None if out.hazard is None else out.hazard[:b]
-        exits, remaining, gate = self._exit_rule(b, hazard, loop)
-        drawn = sample(
-            # a traversal in which no row exits (most of them at fixed depth in lockstep)
-            # skips the lm_head's weight read; its draws are then never recorded or used
-            self.model.coda(hidden, gate=gate),
-            SamplingTensors(
+        exits, gate = (rows.exits, rows.gate) if decided else self._exit_rule(b, hazard, loop)
+        # a traversal in which no row exits (most of them at fixed depth in lockstep) skips
+        # the lm_head's weight read; its draws are then never recorded or used
+        logits = self.model.coda(hidden, gate=gate)
+        if self.fused and not flags.any_random and flags.num_logprobs is None:
+            # greedy: the argmax's first launch; the advance reduces each exiting row's
+            # partials itself (kernels/argmax, kernels/slot_step)
+            drawn = argmax_partials(logits, gate)
+        else:
+            sampling = SamplingTensors(
                 s.temperature[:b], s.top_k[:b], s.top_p[:b], s.seed[:b], s.generated[:b]
-            ),
-            any_random=flags.any_random,
-            any_filter=flags.any_filter,
-            num_logprobs=flags.num_logprobs,
-            gate=gate if self.fused else None,
-        )
+            )
+            drawn = sample(
+                logits,
+                sampling,
+                any_random=flags.any_random,
+                any_filter=flags.any_filter,
+                num_logprobs=flags.num_logprobs,
+            )
+            self._record_logprobs(b, drawn)
+            drawn = drawn.token
         if flags.early_exits and not self.shared and self.depth > 1:
             # a token that exits after loop e lends its K/V to each deeper plane, so later
             # queries at loop d read version min(d, e)
             self.kv.exit_copies(exits, loop, block, offset, slot_mapping, s.block_tables[:b])
         if self.trace is not None:
             self.trace.append((loop.tolist(), run.tolist(), exits.tolist()))
-        self._record_logprobs(b, drawn)
         # the next traversal writes the next row of the event buffers: the advance moves the
         # row on, unless a riding wave still writes this one
-        self._advance(b, exits, remaining, drawn, hidden, step_up=wave is None)
+        self._advance(b, exits, drawn, hazard, hidden, step_up=wave is None)
         if wave is not None:
             self._wave_done(wave, out.hidden[b:], flags)
             self.ev.step.add_(1)
@@ -231,26 +244,28 @@ class DecodeTraversal:
 
     def _exit_rule(
         self, b: int, hazard: torch.Tensor | None, loop: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(exits, the new exit mass, the lm_head gate) of rows [0, b)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exits, the lm_head gate) of rows [0, b) in a window in which a row may exit
+        early."""
         s = self.s
         rule = slot_step.exit_rule if self.fused else slot_step.exit_rule_reference
-        return rule(
-            loop, s.active[:b], s.parked[:b], s.remaining[:b], hazard,
-            s.min_loops[:b], s.max_loops[:b], s.threshold[:b],
-        )  # fmt: skip
+        early = None
+        if hazard is not None:
+            early = slot_step.EarlyExit(s.remaining[:b], hazard, s.min_loops[:b], s.threshold[:b])
+        return rule(loop, s.active[:b], s.parked[:b], s.max_loops[:b], early)
 
     def _advance(
         self,
         b: int,
         exits: torch.Tensor,
-        remaining: torch.Tensor,
-        drawn,
+        drawn: torch.Tensor | Partials,
+        hazard: torch.Tensor | None,
         hidden: torch.Tensor,
         step_up: bool,
     ) -> None:
-        """Row `step` of the token and depth events, then every running row one loop on;
-        rows that exited start their next token at loop 0 (or finish)."""
+        """Row `step` of the token and depth events, then every running row one loop on (its
+        exit mass too, given the hazard); rows that exited start their next token at loop 0
+        (or finish)."""
         s, ev = self.s, self.ev
         advance = slot_step.advance if self.fused else slot_step.advance_reference
         rows = slot_step.Rows(
@@ -258,7 +273,7 @@ class DecodeTraversal:
             s.generated[:b], s.active[:b], s.parked[:b], s.max_tokens[:b], s.stop_ids[:b],
         )  # fmt: skip
         events = slot_step.Events(ev.token, ev.depth, ev.step, ev.ticket)
-        advance(exits, drawn.token, remaining, hidden, rows, events, self.refill, step_up)
+        advance(exits, drawn, hazard, hidden, rows, events, self.refill, step_up)
 
     def _record_logprobs(self, b: int, drawn) -> None:
         """Row `step` of the logprob event buffers (a device counter: no host index in the

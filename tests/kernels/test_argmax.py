@@ -10,7 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from rlt_engine.kernels.argmax import BLOCK, CHUNKS_PER_SPLIT, argmax_rows
+from rlt_engine.kernels.argmax import (
+    BLOCK,
+    CHUNKS_PER_SPLIT,
+    argmax_partials,
+    argmax_rows,
+    reduce_reference,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -37,6 +43,17 @@ def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 def test_equals_torch(vocab, dtype):
     x = _logits(5, vocab, dtype, seed=vocab)
     assert torch.equal(argmax_rows(x), x.float().argmax(-1))
+
+
+@pytest.mark.parametrize("vocab", [7, 5 * BLOCK * CHUNKS_PER_SPLIT + 17])
+def test_partials_reduce_to_torch(vocab):
+    """The first launch alone (the decode path's: its advance reduces the partials) and the
+    reduce's torch reference: the same argmax as torch's, NaNs and ties included."""
+    x = _logits(5, vocab, torch.bfloat16, seed=3)
+    partials = argmax_partials(x)
+    splits = -(-vocab // (min(BLOCK, 1 << (vocab - 1).bit_length()) * CHUNKS_PER_SPLIT))
+    assert partials.best.shape == partials.index.shape == (5, splits)
+    assert torch.equal(reduce_reference(partials), x.float().argmax(-1))
 
 
 def test_gate_one_computes_and_zero_skips():

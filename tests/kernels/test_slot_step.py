@@ -1,7 +1,9 @@
 """The traversal's row bookkeeping kernels (kernels/slot_step.py) against their torch
 references, bit for bit: random slot states with running, parked and idle rows, exits at
 max_loops and by the fp32 exit mass near its threshold, stop ids and max_tokens, refill and
-no refill, with and without a gate hazard. CPU: the interpreter; GPU: compiled (with PDL on
+no refill, with and without a gate hazard, drawn tokens given as tokens or as the greedy
+argmax's partials (reduced by the advance); prepare's first-layer norm equal to the norm
+kernel's and its exits to the exit rule's. CPU: the interpreter; GPU: compiled (with PDL on
 sm_90+) and replayed from a CUDA graph."""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rlt_engine.kernels import slot_step
+from rlt_engine.kernels import argmax, norm, slot_step
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -42,6 +44,8 @@ def _state(b: int, seed: int, device: str) -> dict[str, torch.Tensor]:
         "hidden": torch.randn(b, HIDDEN, generator=g),
         "new_hidden": torch.randn(b, HIDDEN, generator=g),
         "drawn": ints(0, 12),  # small vocabulary: stop ids hit often
+        # the same draws as the greedy argmax's partials over a vocabulary of 12 (3 splits)
+        "logits": torch.randint(-3, 3, (b, 12), generator=g).float(),
         "position": ints(0, 100),
         "generated": ints(0, 6),
         "max_tokens": ints(1, 8),
@@ -54,21 +58,38 @@ def _state(b: int, seed: int, device: str) -> dict[str, torch.Tensor]:
     near = ints(0, 3) == 0  # thresholds exactly at 1 - R * (1 - h): the >= decides
     exact = 1.0 - state["remaining"] * (1.0 - state["hazard"])
     state["threshold"] = torch.where(near, exact, state["threshold"])
+    state["drawn"] = state["logits"].argmax(-1)
     return {k: v.to(device) for k, v in state.items()}
 
 
+def _partials(logits: torch.Tensor) -> argmax.Partials:
+    """The argmax's partials of `logits` over splits of 4 entries (the first best of each)."""
+    rows, vocab = logits.shape
+    split = logits.view(rows, vocab // 4, 4)
+    best, at = split.max(-1)  # torch's max returns the first index of the maximum
+    index = at + torch.arange(0, vocab, 4, device=logits.device)
+    return argmax.Partials(best, index.int())
+
+
 def _run(
-    state: dict[str, torch.Tensor], fused: bool, hazard: bool, refill: bool, step_up: bool = True
+    state: dict[str, torch.Tensor],
+    fused: bool,
+    hazard: bool,
+    refill: bool,
+    step_up: bool = True,
+    partials: bool = False,
 ):
     s = {k: v.clone() for k, v in state.items()}
     rule = slot_step.exit_rule if fused else slot_step.exit_rule_reference
     advance = slot_step.advance if fused else slot_step.advance_reference
-    exits, remaining, gate = rule(
-        s["loop"], s["active"], s["parked"], s["remaining"], s["hazard"] if hazard else None,
-        s["min_loops"], s["max_loops"], s["threshold"],
-    )  # fmt: skip
-    decided = (exits.clone(), remaining.clone(), bool(gate.item()))
-    advance(exits, s["drawn"], remaining, s["new_hidden"], *_rows_events(s), refill, step_up)
+    early = None
+    if hazard:
+        early = slot_step.EarlyExit(s["remaining"], s["hazard"], s["min_loops"], s["threshold"])
+    exits, gate = rule(s["loop"], s["active"], s["parked"], s["max_loops"], early)
+    decided = (exits.clone(), bool(gate.item()))
+    drawn = _partials(s["logits"]) if partials else s["drawn"]
+    h = s["hazard"] if hazard else None
+    advance(exits, drawn, h, s["new_hidden"], *_rows_events(s), refill, step_up)
     return decided, s
 
 
@@ -77,12 +98,13 @@ def _rows_events(s: dict[str, torch.Tensor]) -> tuple[slot_step.Rows, slot_step.
     return rows, slot_step.Events(s["event_token"], s["event_depth"], s["step"], s["ticket"])
 
 
-def _check(b: int, seed: int, hazard: bool, refill: bool, device: str, step_up: bool) -> None:
+def _check(
+    b: int, seed: int, hazard: bool, refill: bool, device: str, step_up: bool, partials: bool
+) -> None:
     state = _state(b, seed, device)
-    (exits, remaining, gate), want = _run(state, False, hazard, refill, step_up)
-    (f_exits, f_remaining, f_gate), got = _run(state, True, hazard, refill, step_up)
+    (exits, gate), want = _run(state, False, hazard, refill, step_up)
+    (f_exits, f_gate), got = _run(state, True, hazard, refill, step_up, partials)
     assert torch.equal(f_exits, exits)
-    assert torch.equal(f_remaining, remaining)
     assert f_gate == gate == bool(exits.any())
     for name in want:
         assert torch.equal(got[name], want[name]), name
@@ -96,7 +118,24 @@ def _check(b: int, seed: int, hazard: bool, refill: bool, device: str, step_up: 
 @pytest.mark.parametrize("b", [1, 7, 19])
 def test_kernels_equal_the_torch_reference(b, hazard, refill):
     for seed in range(3):
-        _check(b, seed + 10 * b, hazard, refill, "cpu" if not CUDA else DEVICE, seed != 1)
+        _check(b, seed + 10 * b, hazard, refill, DEVICE, seed != 1, partials=seed == 2)
+
+
+def test_the_reference_reduces_partials_like_the_kernel():
+    """The advance's reference given the partials equals itself given the tokens (and the
+    kernel matches both, above): ties and NaNs take the first index, as torch's argmax."""
+    state = _state(19, 5, "cpu")
+    state["logits"][3] = float("nan")
+    state["logits"][4, 5] = float("nan")
+    state["drawn"] = state["logits"].argmax(-1)
+    assert state["drawn"][3] == 0 and state["drawn"][4] == 5
+    _, want = _run(state, False, True, True)
+    _, got = _run(state, False, True, True, partials=True)
+    for name in want:  # bit for bit (the NaN logits too)
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, equal_nan=True)
+    _, fused = _run({k: v.to(DEVICE) for k, v in state.items()}, True, True, True, partials=True)
+    for name in want:
+        torch.testing.assert_close(fused[name].cpu(), want[name], rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_workload_reaches_every_branch():
@@ -104,7 +143,7 @@ def test_the_workload_reaches_every_branch():
     seen = set()
     for seed in range(20):
         state = _state(19, seed, "cpu")
-        (exits, _, _), s = _run(state, False, True, True)
+        (exits, _), s = _run(state, False, True, True)
         run = state["active"] & ~state["parked"]
         early = exits & (state["loop"] + 1 < state["max_loops"])
         stopped = (state["drawn"][:, None] == state["stop_ids"]).any(1)
@@ -141,25 +180,48 @@ def _prepare_inputs(b: int, seed: int, width: int, device: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("extras", [False, True])  # RoPE, the first norm and the exits
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("b,width", [(1, 3), (9, 5), (6, 1100)])
-def test_prepare_equals_the_torch_reference(b, width, shared, rope):
+def test_prepare_equals_the_torch_reference(b, width, shared, extras):
     """Every output, the embedding rows of loop-0 rows and (given the table) the RoPE rows of
-    the positions, those past the table (idle rows) zero, equal to the torch reference."""
+    the positions, those past the table (idle rows) zero, equal to the torch reference; the
+    first norm equal to the norm kernel's (to the torch reference's within its rounding), the
+    exits and gate to the exit rule's."""
+    rope = extras
     for seed in range(2):
         inputs = _prepare_inputs(b, seed, width, DEVICE)
-        if rope:  # fewer rows than positions: some rows read past it
-            g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(seed)
+        if extras:  # fewer rows than positions: some rows read past it
             inputs["rope_table"] = torch.randn(width * 2, 2, 6, generator=g).to(DEVICE)
+            inputs["norm"] = (torch.randn(HIDDEN, generator=g).to(DEVICE), 1e-6)
+            inputs["max_loops"] = torch.randint(1, 4, (b,), generator=g).to(DEVICE)
+            if seed == 1:  # bf16 rows: the norm's roundings to bf16
+                for name in ("embedding", "hidden"):
+                    inputs[name] = inputs[name].bfloat16()
         want = slot_step.prepare_reference(**inputs, shared=shared)
         got = slot_step.prepare(**inputs, shared=shared)
         assert (want.rope is None) == (got.rope is None) == (not rope)
-        pairs = [(n, w, o) for n, w, o in zip(want._fields, want, got, strict=True) if n != "rope"]
+        skip = {"rope", "normed", "gate"}
+        fields = zip(want._fields, want, got, strict=True)
+        pairs = [(n, w, o) for n, w, o in fields if n not in skip]
         if rope:
             pairs += [("cos", want.rope[0], got.rope[0]), ("sin", want.rope[1], got.rope[1])]
         for name, w, o in pairs:
+            if w is None:
+                assert o is None, name
+                continue
             assert o.dtype == w.dtype and torch.equal(o, w), name
+        if extras:
+            assert torch.equal(got.normed, norm.rms_norm(got.x, *inputs["norm"]))
+            torch.testing.assert_close(got.normed, want.normed)
+            exits, gate = slot_step.exit_rule(
+                inputs["loop"], inputs["active"], inputs["parked"], inputs["max_loops"]
+            )
+            assert torch.equal(got.exits, exits) and got.gate.item() == gate.item()
+            assert got.gate.item() == want.gate.item()
+        else:
+            assert got.normed is got.exits is got.gate is None
         x = torch.where(
             (inputs["loop"] == 0)[:, None], inputs["embedding"][inputs["token"]], inputs["hidden"]
         )
@@ -181,12 +243,11 @@ def test_gpu_graph_replay_equals_the_reference():
     s = {k: v.clone() for k, v in state.items()}
 
     def step():
-        exits, remaining, _ = slot_step.exit_rule(
-            s["loop"], s["active"], s["parked"], s["remaining"], s["hazard"],
-            s["min_loops"], s["max_loops"], s["threshold"],
-        )  # fmt: skip
+        early = slot_step.EarlyExit(s["remaining"], s["hazard"], s["min_loops"], s["threshold"])
+        exits, _ = slot_step.exit_rule(s["loop"], s["active"], s["parked"], s["max_loops"], early)
         rows, events = _rows_events(s)
-        slot_step.advance(exits, s["drawn"], remaining, s["new_hidden"], rows, events, True, True)
+        partials = _partials(s["logits"])
+        slot_step.advance(exits, partials, s["hazard"], s["new_hidden"], rows, events, True, True)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
