@@ -24,6 +24,9 @@ M <= 16 the warp-specialised one (kernels/ws_gemm.py, entries "ws"), or cuBLAS. 
 to `F.linear` (cuBLAS) for shapes not in the table, entries that say "cublas", another GPU
 model, CPU tensors, M > 64, autograd, a "ws" entry where that kernel cannot run, or
 RLT_SMALL_GEMM=0. fp32 is never in the table: fp32 outputs stay cuBLAS's.
+`linear_argmax` is the greedy head: the lm_head GEMM whose epilogue keeps only each row's first
+best logit of its N tile (kernels/argmax's partials, which the decode traversal's advance
+reduces), so the logits are never written and the argmax's launch is gone.
 CUDA-graph capturable: no host synchronisation; the grid and workspace depend on shapes only.
 triton is imported lazily (see paged_attention: interpreter mode and its workarounds).
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlt_engine.kernels import argmax as _argmax
 from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import rope as _rope
@@ -54,6 +58,7 @@ __all__ = [
     "dispatch_mode",
     "gemm",
     "linear",
+    "linear_argmax",
     "lookup",
     "m_bucket",
     "split_buffers",
@@ -61,9 +66,9 @@ __all__ = [
     "table_key",
 ]
 
-# set by _import_triton(); the kernel's body reads the module globals `tl`, `round_bf16` and
-# `prefetch_l2`
-triton = tl = round_bf16 = prefetch_l2 = None
+# set by _import_triton(); the kernel's body reads the module globals `tl`, `round_bf16`,
+# `prefetch_l2` and `first_best`
+triton = tl = round_bf16 = prefetch_l2 = first_best = None
 
 MAX_M = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -200,6 +205,19 @@ def linear(
     return gemm(x, w, config, gate, prefetch_whole=whole, unreduced=unreduced)
 
 
+def linear_argmax(
+    x: torch.Tensor, w: torch.Tensor, gate: torch.Tensor | None = None
+) -> _argmax.Partials:
+    """The argmax of each row of `F.linear(x, w)` (x [rows, K]) as kernels/argmax's partials:
+    from this kernel's epilogue where the table gives it a config without split-K (the logits
+    are never written), else the logits' (`linear`) through `argmax.argmax_partials`. `gate` as
+    in `linear`: a zero gate leaves the partials undefined."""
+    config = choose(x, w, gated=True)
+    if config is not None and config.kernel == "triton" and _splits(w.shape[1], config) == 1:
+        return gemm(x, w, config, gate, argmax=True)
+    return _argmax.argmax_partials(linear(x, w, gate), gate)
+
+
 def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
     """`linear` of a packed qkv weight with kernels/ws_gemm's RoPE + K/V write epilogue
     (`rope`: a ws_gemm.QkvRope), or None where the table picks no warp-specialised config
@@ -225,11 +243,16 @@ def gemm(
     gate: torch.Tensor | None = None,
     prefetch_whole: bool = False,
     unreduced: bool = False,
-) -> torch.Tensor | SplitSums:
+    argmax: bool = False,
+) -> torch.Tensor | SplitSums | _argmax.Partials:
     """`x @ w.T` with the kernel of an explicit config (tests, the benchmark): x [..., K] with at
     most MAX_M rows, w [N, K] contiguous, both of one float dtype, on one device. `gate`,
     `prefetch_whole`, `unreduced`: see `linear` (the "ws" kernel always runs the GEMM and
-    streams its weights ahead of the PDL wait by itself; only it leaves partials unreduced)."""
+    streams its weights ahead of the PDL wait by itself; only it leaves partials unreduced).
+    `argmax` (this kernel without split-K): each row's argmax partials instead of the output
+    (one split per N tile; see `linear_argmax`)."""
+    if argmax and (config.kernel != "triton" or _splits(w.shape[-1], config) != 1):
+        raise ValueError(f"the argmax epilogue needs the Triton kernel without split-K: {config}")
     if config.kernel == "ws":
         from rlt_engine.kernels.ws_gemm import ws_gemm
 
@@ -255,6 +278,11 @@ def gemm(
     if gate is not None and (gate.numel() != 1 or gate.device != x.device):
         raise ValueError(f"gate must be one element on {x.device}, got {tuple(gate.shape)}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if argmax:  # out is the reference dtype of the rounding; the partials replace it
+        if m == 0 or n == 0 or k == 0:
+            raise ValueError(f"the argmax epilogue needs rows, columns and K, got {m}x{n}x{k}")
+        if len(lead) != 1:
+            raise ValueError(f"the argmax epilogue takes x [rows, K], got {tuple(x.shape)}")
     if m == 0 or n == 0:
         return out.view(*lead, n)
     if k == 0:
@@ -265,8 +293,14 @@ def gemm(
     block_m = max(16, triton.next_power_of_2(m))  # tl.dot needs >= 16 on every side
     n_tiles = triton.cdiv(n, bn)
     k_per_split = triton.cdiv(triton.cdiv(k, max(1, config.split_k)), bk) * bk
-    splits = triton.cdiv(k, k_per_split)  # no empty split
+    splits = triton.cdiv(k, k_per_split)  # no empty split (as _splits)
     workspace, counters = split_buffers(n_tiles, splits, m * bn, out)
+    partials = None
+    if argmax:
+        partials = _argmax.Partials(
+            torch.empty((m, n_tiles), dtype=torch.float32, device=x.device),
+            torch.empty((m, n_tiles), dtype=torch.int32, device=x.device),
+        )
     pdl = _pdl.enabled(x.device)
     # a gated launch does not prefetch: where the gate is zero those bytes would be wasted
     prefetch_k = 0
@@ -285,6 +319,7 @@ def gemm(
             workspace,
             counters,
             out if gate is None else gate,
+            *(partials or (out, out)),
             m,
             n,
             k,
@@ -297,6 +332,7 @@ def gemm(
             BLOCK_K=bk,
             SPLIT=splits > 1,
             GATED=gate is not None,
+            ARGMAX=argmax,
             EVEN_N=n % bn == 0,
             EVEN_K=k % bk == 0,
             UPCAST=interpret and x.dtype != torch.float32,
@@ -307,7 +343,19 @@ def gemm(
             num_stages=config.num_stages,
             **_pdl.launch_options(pdl),
         )
-    return out.view(*lead, n)
+    return partials if argmax else out.view(*lead, n)
+
+
+def _splits(k: int, config: GemmConfig) -> int:
+    """The K splits of a launch of `config` (none empty; one for K = 0)."""
+    if k == 0:
+        return 1
+
+    def cdiv(a: int, b: int) -> int:
+        return (a + b - 1) // b
+
+    k_per_split = cdiv(cdiv(k, max(1, config.split_k)), config.block_k) * config.block_k
+    return max(1, cdiv(k, k_per_split))
 
 
 def split_buffers(n_tiles: int, splits: int, tile: int, out: torch.Tensor):
@@ -370,10 +418,12 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def _import_triton() -> None:
-    global triton, tl, round_bf16, prefetch_l2
+    global triton, tl, round_bf16, prefetch_l2, first_best
     _rope._import_triton()
     _pdl._import_triton()
+    _argmax._import_triton()
     triton, tl, round_bf16, prefetch_l2 = _pa.triton, _pa.tl, _rope.round_bf16, _pdl.prefetch_l2
+    first_best = _argmax.first_best
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,6 +438,8 @@ def _small_gemm_kernel(
     ws_ptr,  # fp32 partials [n_tiles, splits, M, BLOCK_N] (SPLIT only)
     count_ptr,  # int32 ticket counter per N tile, zero between launches (SPLIT only)
     gate_ptr,  # one element: 0 = skip the whole GEMM (GATED only)
+    best_ptr,  # out (ARGMAX, instead of out_ptr): fp32 [M, n_tiles], each row's tile best
+    best_i_ptr,  # out (ARGMAX): int32 [M, n_tiles], its index
     M,
     N,
     K,
@@ -400,6 +452,7 @@ def _small_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     GATED: tl.constexpr,
+    ARGMAX: tl.constexpr,  # not SPLIT: store each row's first best of the tile, not the tile
     EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter: its bf16 dot is wrong; fp32 products are exact
@@ -471,4 +524,13 @@ def _small_gemm_kernel(
     else:
         if ROUND_BF16:
             acc = round_bf16(acc)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        logits = acc.to(out_ptr.dtype.element_ty)
+        if ARGMAX:  # the values the logits would hold, as kernels/argmax reads them
+            values = tl.where(n_ok[:, None], logits.to(tl.float32), float("-inf"))
+            index = tl.broadcast_to((n0 + rows)[:, None], (BLOCK_N, BLOCK_M))
+            best, at = first_best(values, index, 2**31 - 1)  # per output row, over the tile
+            n_tiles = tl.num_programs(0)
+            tl.store(best_ptr + cols * n_tiles + pid_n, best, mask=m_ok)
+            tl.store(best_i_ptr + cols * n_tiles + pid_n, at, mask=m_ok)
+        else:
+            tl.store(out_ptrs, logits, mask=out_mask)

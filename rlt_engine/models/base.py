@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_engine.kernels.argmax import Partials
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.configs import LoopedLMConfig
 from rlt_engine.models.layers import RMSNorm, RotaryEmbedding
@@ -168,11 +169,19 @@ class LoopedCausalLM(nn.Module):
         gate = self.model.early_exit_gate
         return gate.weight.float(), gate.bias.float()
 
-    def coda(self, hidden: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    def coda(
+        self, hidden: torch.Tensor, gate: torch.Tensor | None = None, greedy: bool = False
+    ) -> torch.Tensor | Partials:
         """Logits of `hidden`. `gate` (fast path only): a zero-valued one-element tensor lets
-        the lm_head GEMM skip its work; the logits are then undefined (no row needs them)."""
+        the lm_head GEMM skip its work; the logits are then undefined (no row needs them).
+        `greedy` (fast path only): instead of the logits, their argmax as kernels/argmax's
+        partials, from the lm_head's epilogue where its kernel has one."""
         if not self.config.norm_every_loop:
             hidden = self.model.norm(hidden)
+        if greedy:
+            from rlt_engine.kernels.small_gemm import linear_argmax
+
+            return linear_argmax(hidden, self.lm_head.weight, gate)
         if getattr(self, "small_gemm_head", False):  # set by use_fast_path
             from rlt_engine.kernels.small_gemm import linear
 

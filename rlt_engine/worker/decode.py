@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlt_engine.kernels import slot_step
-from rlt_engine.kernels.argmax import Partials, argmax_partials
+from rlt_engine.kernels.argmax import Partials
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import MixedMetadata, PagedKVCache, PagedMetadata
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
@@ -147,17 +147,16 @@ class DecodeTraversal:
         exits, gate = (rows.exits, rows.gate) if decided else self._exit_rule(b, hazard, loop)
         # a traversal in which no row exits (most of them at fixed depth in lockstep) skips
         # the lm_head's weight read; its draws are then never recorded or used
-        logits = self.model.coda(hidden, gate=gate)
         if self.fused and not flags.any_random and flags.num_logprobs is None:
-            # greedy: the argmax's first launch; the advance reduces each exiting row's
-            # partials itself (kernels/argmax, kernels/slot_step)
-            drawn = argmax_partials(logits, gate)
+            # greedy: the lm_head gives the argmax's partials (its epilogue's), and the
+            # advance reduces each exiting row's itself (kernels/small_gemm, kernels/argmax)
+            drawn = self.model.coda(hidden, gate=gate, greedy=True)
         else:
             sampling = SamplingTensors(
                 s.temperature[:b], s.top_k[:b], s.top_p[:b], s.seed[:b], s.generated[:b]
             )
             drawn = sample(
-                logits,
+                self.model.coda(hidden, gate=gate),
                 sampling,
                 any_random=flags.any_random,
                 any_filter=flags.any_filter,

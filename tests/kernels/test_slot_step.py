@@ -236,6 +236,32 @@ def test_prepare_equals_the_torch_reference(b, width, shared, extras):
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("hidden", [2048, 3072])  # Ouro, Nanbeige4.2-3B
+def test_gpu_prepare_norm_is_the_norm_kernels_bit_for_bit(hidden):
+    """At the models' widths in bf16 the prepare's first-layer norm equals the norm kernel's
+    bits: the same fp32 sum tree (norm.num_warps_for) and roundings, so the traversal's
+    tokens do not depend on which launch normalised the rows."""
+    g = torch.Generator().manual_seed(hidden)
+    b, width, planes = 8, 4, 2
+    inputs = {
+        "loop": torch.tensor([0, 1, 0, 2, 1, 0, 3, 1]),
+        "position": torch.randint(0, width * 16, (b,), generator=g),
+        "active": torch.ones(b, dtype=torch.bool),
+        "parked": torch.zeros(b, dtype=torch.bool),
+        "token": torch.randint(0, 100, (b,), generator=g),
+        "embedding": torch.randn(100, hidden, generator=g).bfloat16(),
+        "hidden": (torch.randn(b, hidden, generator=g) * 3).bfloat16(),
+        "block_tables": torch.randint(0, 50, (b, planes, width), generator=g).int(),
+        "norm": (torch.rand(hidden, generator=g).bfloat16() + 0.5, 1e-6),
+    }
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    inputs["norm"] = (inputs["norm"][0].cuda(), 1e-6)
+    got = slot_step.prepare(**inputs, block_size=16, trash_slot=999, shared=False)
+    assert torch.equal(got.normed, norm.rms_norm(got.x, *inputs["norm"]))
+
+
+@gpu
+@needs_cuda
 def test_gpu_graph_replay_equals_the_reference():
     b = 64
     state = _state(b, 3, "cuda")

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from rlt_engine.kernels import small_gemm
+from rlt_engine.kernels import argmax, small_gemm
 from rlt_engine.kernels.small_gemm import (
     GemmConfig,
     choose,
     gemm,
     linear,
+    linear_argmax,
     lookup,
     m_bucket,
     supported,
@@ -310,6 +311,65 @@ def test_gpu_linear_uses_the_table():
         x, w = make(int(bucket[1:]), n, k, getattr(torch, dtype), device="cuda")
         assert choose(x, w) is not None, key
         check(linear(x, w), x, w, ACC_TOL_GPU)
+
+
+def _tied_logits(x: torch.Tensor, w: torch.Tensor) -> None:
+    """Ties, infinities and NaNs in x @ w.T: w's rows 1, 2 and the last copy row 0 (ties
+    inside a tile and across tiles); w[4, 0] = inf makes logit 4 +inf or -inf by the sign of
+    x[r, 0], and NaN in row 2 (x[2, 0] = 0); x's row 1 holds a NaN (a row of NaN logits)."""
+    w[1:3] = w[0]
+    w[-1] = w[0]
+    w[4, 0] = float("inf")
+    x[2, 0] = 0.0
+    x[1, 3] = float("nan")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's inf * 0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k", "block_n"), [(1, 96, 64, 32), (5, 100, 70, 16)])
+def test_argmax_epilogue_equals_the_argmax_of_the_output(m, n, k, block_n, dtype):
+    """The epilogue's partials (one per N tile) reduce to torch's argmax of the GEMM's own
+    output, ties (the first index), NaNs (the first NaN) and a partial last tile included;
+    a closed gate writes nothing and raises nothing."""
+    x, w = make(m, n, k, dtype, seed=n)
+    if m > 2:
+        _tied_logits(x, w)
+    config = GemmConfig(block_n=block_n, block_k=32, split_k=1)
+    partials = gemm(x, w, config, argmax=True)
+    assert partials.best.shape == partials.index.shape == (m, -(-n // block_n))
+    want = gemm(x, w, config).float().argmax(-1)
+    assert torch.equal(argmax.reduce_reference(partials), want)
+    gemm(x, w, config, gate=torch.tensor(False), argmax=True)
+
+
+def test_argmax_epilogue_refuses_split_k_and_linear_argmax_falls_back():
+    x, w = make(3, 64, 96, torch.bfloat16, seed=5)
+    with pytest.raises(ValueError, match="without split-K"):
+        gemm(x, w, GemmConfig(block_n=32, block_k=32, split_k=2), argmax=True)
+    # off the table (CPU): the logits through cuBLAS / torch, then the argmax's partials
+    got = argmax.reduce_reference(linear_argmax(x, w))
+    assert torch.equal(got, F.linear(x, w).float().argmax(-1))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_lm_head_argmax_epilogue_under_a_graph(m):
+    """The Ouro lm_head in bf16 through `linear_argmax` inside a CUDA graph (the epilogue
+    where the table gives the Triton kernel): the argmax of the kernel's own logits, bit for
+    bit, and a closed gate skips it."""
+    x, w = make(m, 49152, 2048, torch.bfloat16, device="cuda", seed=17)
+    gate = torch.ones(1, dtype=torch.int32, device="cuda")
+    linear_argmax(x, w, gate)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        partials = linear_argmax(x, w, gate)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = linear(x, w, gate).float().argmax(-1)
+    assert torch.equal(argmax.reduce_reference(partials), want)
+    config = choose(x, w, gated=True)
+    print(f"lm_head m={m}: {config}, partials {tuple(partials.best.shape)}")
 
 
 @gpu
