@@ -566,7 +566,8 @@ def _advance_kernel(
         mine = (sp < splits) & exits
         best = tl.load(drawn_ptr + row * splits + sp, mask=mine, other=float("-inf"))
         best_i = tl.load(drawn_i_ptr + row * splits + sp, mask=mine, other=2**31 - 1)
-        drawn = first_best(best, best_i, 2**31 - 1)[1].to(tl.int64)
+        _, drawn = first_best(best, best_i, 2**31 - 1)
+        drawn = drawn.to(tl.int64)
     else:
         drawn = tl.load(drawn_ptr + row)
     step = tl.load(step_ptr)
@@ -672,7 +673,7 @@ def _prepare_kernel(
     if EXITS:  # program 0 decides every row's exit (the others' lanes are masked off)
         rows = tl.arange(0, BLOCK_B)
         mine = (rows < b) & (row == 0)
-        exits = exits_at(loop_ptr, active_ptr, parked_ptr, max_loops_ptr, rows, mine)[0]
+        exits, _, _ = exits_at(loop_ptr, active_ptr, parked_ptr, max_loops_ptr, rows, mine)
 
     cols = tl.arange(0, BLOCK_H)
     h_ok = cols < H

@@ -291,3 +291,61 @@ def test_gpu_graph_replay_equals_the_reference():
         assert torch.equal(s[name], want[name]), name
     graph.replay()  # the ticket was left at zero: the row counter moves on once more
     assert s["step"].item() == want["step"].item() + 1 and s["ticket"].item() == 0
+
+
+# compiled in a process of its own: this one imported triton for the interpreter
+_COMPILE = """
+from rlt_engine.kernels import paged_attention, slot_step
+
+slot_step._import_triton()
+out = {}
+
+
+def compile(kernel, const, num_warps, **types):
+    fn = paged_attention._kernel(kernel, False)
+    sig = {n: "*i64" for n in fn.arg_names if n.endswith("_ptr")} | types
+    bools = ("active_ptr", "parked_ptr", "exits_ptr", "run_ptr")
+    sig |= {n: "*i1" for n in bools if n in fn.arg_names}
+    return triton_ptx(fn, const, sig, num_warps=num_warps)
+
+
+out["prepare"] = compile(
+    slot_step._prepare_kernel,
+    dict(BLOCK_H=2048, BLOCK_W=64, BLOCK_D=64, BLOCK_B=16, INV_H=1.0 / 2048, ROPE=True,
+         NORM=True, EXITS=True, SHARED=False, EXACT_MUL=True, ROUND_BF16=False, PDL=True),
+    8, embedding_ptr="*bf16", hidden_ptr="*bf16", tables_in_ptr="*i32", x_ptr="*bf16",
+    tables_ptr="*i32", seq_lens_ptr="*i32", rope_table_ptr="*bf16", rope_ptr="*bf16",
+    norm_w_ptr="*bf16", normed_ptr="*bf16", eps="fp32", gate_ptr="*i32",
+)
+out["exit_rule"] = compile(
+    slot_step._exit_rule_kernel, dict(BLOCK=16, EARLY=True, EXACT_MUL=True, PDL=True), 4,
+    remaining_ptr="*fp32", hazard_ptr="*fp32", threshold_ptr="*fp32", gate_ptr="*i32",
+)
+out["advance"] = compile(
+    slot_step._advance_kernel,
+    dict(BLOCK_H=2048, BLOCK_S=8, BLOCK_SPLITS=1024, HAS_HAZARD=True, EXACT_MUL=True,
+         REFILL=False, STEP_UP=True, PDL=True),
+    4, drawn_ptr="*fp32", drawn_i_ptr="*i32", hazard_ptr="*fp32", new_hidden_ptr="*bf16",
+    hidden_ptr="*bf16", remaining_ptr="*fp32", ticket_ptr="*i32",
+)
+print(json.dumps({name: [ptxas_usage(ptx), ptx] for name, ptx in out.items()}))
+"""
+
+
+def test_compiles_for_sm90_with_the_loads_before_the_stores():
+    """Every variant's widest form (RoPE, the first norm and the exits in prepare; the early
+    exit; partials, the hazard and the ticket in advance) builds for sm_90 without spills, and
+    the advance issues every load before its first store, prepare all but the long tables'
+    (their copy loop): no round trip waits behind a store (see _advance_kernel)."""
+    from sm90_compile import TRITON_PTX, run_compile_script
+
+    for name, ((_, spilled), ptx) in run_compile_script(TRITON_PTX + _COMPILE).items():
+        assert spilled == 0, name
+        kinds = [
+            "ld" if "ld.global" in line else "st"
+            for line in ptx.splitlines()
+            if "ld.global" in line or "st.global" in line
+        ]
+        assert "st" in kinds, name
+        late_loads = kinds[kinds.index("st") :].count("ld")
+        assert late_loads == (1 if name == "prepare" else 0), name

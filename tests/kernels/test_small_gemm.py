@@ -351,6 +351,35 @@ def test_argmax_epilogue_refuses_split_k_and_linear_argmax_falls_back():
     assert torch.equal(got, F.linear(x, w).float().argmax(-1))
 
 
+_COMPILE = """
+from rlt_engine.kernels import small_gemm
+
+small_gemm._import_triton()
+fn = small_gemm._compiled(False)
+sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+sig |= {"ws_ptr": "*fp32", "count_ptr": "*i32", "gate_ptr": "*i32", "best_ptr": "*fp32",
+        "best_i_ptr": "*i32"}
+const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=False, GATED=True, EVEN_N=True,
+             EVEN_K=True, UPCAST=False, ROUND_BF16=False, PDL=True, LINE=64)
+out = {}
+for argmax in (False, True):
+    ptx = triton_ptx(fn, const | dict(ARGMAX=argmax), sig, num_warps=4, num_stages=4)
+    out[str(argmax)] = ptxas_usage(ptx) + [ptx.count("st.global")]
+print(json.dumps(out))
+"""
+
+
+def test_argmax_epilogue_compiles_for_sm90_in_the_plain_kernels_registers():
+    """The Ouro lm_head's config with the epilogue builds for sm_90 without spills and with no
+    more registers than without it; it stores 2 values a row (best, index), not the tile."""
+    from sm90_compile import TRITON_PTX, run_compile_script
+
+    plain, argmax_ = run_compile_script(TRITON_PTX + _COMPILE).values()
+    assert argmax_[1] == plain[1] == 0
+    assert argmax_[0] <= plain[0]
+    assert argmax_[2] == 2 < plain[2]
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 8])
