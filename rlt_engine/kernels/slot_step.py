@@ -19,14 +19,14 @@ on the H200 and serialised: ~80 us of a ~1.4 ms traversal at c=8. Here:
   loop + 1; exits where done reaches max_loops, or (with a gate hazard) R' = R * (1 - h) in
   fp32 reaches 1 - R' >= threshold at done >= min_loops; only running rows exit. Also writes
   the lm_head gate (one int32: any row exits), which the caller passes to the coda.
-- `advance` (one program per row): the token event and depth at the window's row `step`, then
-  token / loop / remaining (R' of a running row, given the hazard) / position / generated, the
-  finish test (a stop id, or max_tokens reached) on active, parked (no refill) and the hidden
-  state of running rows. The drawn tokens come as tokens, or as kernels/argmax's partials
-  (the greedy path), which an exiting row's program reduces itself: the argmax's second
-  launch. With `step_up` the last program to take a ticket also moves `step` on: one torch
-  launch fewer a traversal, and the next traversal's `prepare` follows under PDL instead of
-  after a launch gap (a torch kernel keeps full stream order).
+- `advance` (one program per row): the token event and depth at the window's row (base +
+  step), then token / loop / remaining (R' of a running row, given the hazard) / position /
+  generated, the finish test (a stop id, or max_tokens reached) on active, parked (no
+  refill) and the hidden state of running rows. The drawn tokens come as tokens, or as
+  kernels/argmax's partials (the greedy path), which an exiting row's program reduces
+  itself: the argmax's second launch. With `step_up` the last program to take a ticket also
+  moves `step` on: one torch launch fewer a traversal, and the next traversal's `prepare`
+  follows under PDL instead of after a launch gap (a torch kernel keeps full stream order).
 
 Each has a torch reference (`*_reference`, what worker/decode.py runs off the Triton backend)
 with the same arithmetic: integer and boolean logic, and two fp32 operations rounded as torch
@@ -123,9 +123,10 @@ class EarlyExit(NamedTuple):
 class Events(NamedTuple):
     """A decode window's token and depth event buffers and its row counter."""
 
-    token: torch.Tensor  # [window, >= b] int64
-    depth: torch.Tensor  # [window, >= b] int64
-    step: torch.Tensor  # [1] int64: the row this traversal writes
+    token: torch.Tensor  # [rows, >= b] int64
+    depth: torch.Tensor  # [rows, >= b] int64
+    step: torch.Tensor  # [1] int64: the traversal's index in its window
+    base: torch.Tensor  # [1] int64: the window's first row (a traversal writes row base + step)
     ticket: torch.Tensor  # [1] int32, zero between launches: `advance`'s programs done with step
 
 
@@ -316,8 +317,9 @@ def advance_reference(
         drawn = _argmax.reduce_reference(drawn)
     run = r.active & ~r.parked
     done = r.loop + 1
-    events.token[:, :b].index_copy_(0, events.step, torch.where(exits, drawn, -1)[None])
-    events.depth[:, :b].index_copy_(0, events.step, done[None])
+    row = events.base + events.step
+    events.token[:, :b].index_copy_(0, row, torch.where(exits, drawn, -1)[None])
+    events.depth[:, :b].index_copy_(0, row, done[None])
     r.hidden.copy_(torch.where(run[:, None], new_hidden, r.hidden))
     r.token.copy_(torch.where(exits, drawn, r.token))
     r.loop.copy_(torch.where(exits, 0, torch.where(run, done, r.loop)))
@@ -533,6 +535,7 @@ def _advance_kernel(
     event_token_ptr,
     event_depth_ptr,
     step_ptr,
+    base_ptr,
     ticket_ptr,
     b,
     stride_new_hidden,
@@ -571,6 +574,7 @@ def _advance_kernel(
     else:
         drawn = tl.load(drawn_ptr + row)
     step = tl.load(step_ptr)
+    event_row = tl.load(base_ptr) + step
     token = tl.load(token_ptr + row)
     remaining = tl.load(remaining_ptr + row)
     if HAS_HAZARD:
@@ -588,8 +592,8 @@ def _advance_kernel(
     new = tl.load(new_hidden_ptr + row * stride_new_hidden + cols, mask=mask)
 
     done = loop + 1
-    tl.store(event_token_ptr + step * stride_event_token + row, tl.where(exits, drawn, -1))
-    tl.store(event_depth_ptr + step * stride_event_depth + row, done)
+    tl.store(event_token_ptr + event_row * stride_event_token + row, tl.where(exits, drawn, -1))
+    tl.store(event_depth_ptr + event_row * stride_event_depth + row, done)
     tl.store(token_ptr + row, tl.where(exits, drawn, token))
     tl.store(loop_ptr + row, tl.where(exits, 0, tl.where(run, done, loop)))
     r = tl.where(exits, 1.0, tl.where(run, new_remaining, remaining))

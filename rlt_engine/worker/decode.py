@@ -46,22 +46,39 @@ class Flags:
 
 
 class EventBuffers:
-    """[window, slots] token events written on the device, read back once per window."""
+    """Token events written on the device, a [window, slots] half per window, read back once
+    per window. Windows alternate between the two halves (`start`), so a window's read back,
+    a copy on a stream of its own, never holds up the next window's kernels."""
 
     def __init__(self, window: int, num_slots: int, max_logprobs: int, device: torch.device):
         self.window = window
+        rows = 2 * window
         # token and depth events side by side in one buffer, so that a window's rows come back
         # in one contiguous copy (read_back)
-        self.token_depth = torch.zeros((window, 2, num_slots), dtype=torch.long, device=device)
+        self.token_depth = torch.zeros((rows, 2, num_slots), dtype=torch.long, device=device)
         self.token, self.depth = self.token_depth[:, 0], self.token_depth[:, 1]
         self.token.fill_(-1)
-        self.logprob = torch.zeros((window, num_slots), dtype=torch.float32, device=device)
-        self.top_ids = torch.zeros(
-            (window, num_slots, max_logprobs), dtype=torch.long, device=device
-        )
-        self.top_logprobs = torch.zeros((window, num_slots, max_logprobs), device=device)
+        self.logprob = torch.zeros((rows, num_slots), dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros((rows, num_slots, max_logprobs), dtype=torch.long, device=device)
+        self.top_logprobs = torch.zeros((rows, num_slots, max_logprobs), device=device)
         self.step = torch.zeros(1, dtype=torch.long, device=device)  # traversal index
+        self.base = torch.zeros(1, dtype=torch.long, device=device)  # the window's first row
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)  # see slot_step.Events
+        self.half = 0  # the half the last window wrote
+
+    def start(self) -> int:
+        """Point the next window at the other half; its first row. The advance writes every
+        event of slots [0, b) in each traversal, so a window whose traversals all run over
+        the same b needs no clearing of its rows."""
+        self.half ^= 1
+        base = self.half * self.window
+        self.step.zero_()
+        self.base.fill_(base)
+        return base
+
+    def row(self) -> torch.Tensor:
+        """[1] int64: the row the traversal writes (base + step)."""
+        return self.base + self.step
 
 
 @dataclass(frozen=True)
@@ -224,10 +241,10 @@ class DecodeTraversal:
         self._record_first(wave, drawn, last)
 
     def _record_first(self, wave: RidingWave, drawn: SampleOutput, last: torch.Tensor) -> None:
-        """The first tokens' events, in row `step` of the event buffers (after the decode
-        rows' advance wrote that row: the wave's slots were idle there)."""
+        """The first tokens' events, in the traversal's row of the event buffers (after the
+        decode rows' advance wrote that row: the wave's slots were idle there)."""
         ev, slots = self.ev, wave.first_slots
-        at = (ev.step.expand_as(slots), slots)
+        at = (ev.row().expand_as(slots), slots)
 
         def put(buffer: torch.Tensor, value: torch.Tensor | int) -> None:
             buffer.index_put_(at, torch.where(last, value, buffer[at]))
@@ -262,24 +279,25 @@ class DecodeTraversal:
         hidden: torch.Tensor,
         step_up: bool,
     ) -> None:
-        """Row `step` of the token and depth events, then every running row one loop on (its
-        exit mass too, given the hazard); rows that exited start their next token at loop 0
-        (or finish)."""
+        """The traversal's row of the token and depth events, then every running row one loop
+        on (its exit mass too, given the hazard); rows that exited start their next token at
+        loop 0 (or finish)."""
         s, ev = self.s, self.ev
         advance = slot_step.advance if self.fused else slot_step.advance_reference
         rows = slot_step.Rows(
             s.token[:b], s.hidden[:b], s.loop[:b], s.remaining[:b], s.position[:b],
             s.generated[:b], s.active[:b], s.parked[:b], s.max_tokens[:b], s.stop_ids[:b],
         )  # fmt: skip
-        events = slot_step.Events(ev.token, ev.depth, ev.step, ev.ticket)
+        events = slot_step.Events(ev.token, ev.depth, ev.step, ev.base, ev.ticket)
         advance(exits, drawn, hazard, hidden, rows, events, self.refill, step_up)
 
     def _record_logprobs(self, b: int, drawn) -> None:
-        """Row `step` of the logprob event buffers (a device counter: no host index in the
-        graph); the token and depth events are written by the advance."""
+        """The traversal's row of the logprob event buffers (device counters: no host index
+        in the graph); the token and depth events are written by the advance."""
         if drawn.logprob is None:
             return
-        ev, t = self.ev, self.ev.step
+        ev = self.ev
+        t = ev.row()
         ev.logprob[:, :b].index_copy_(0, t, drawn.logprob[None])
         n = drawn.top_ids.shape[1]
         if n:

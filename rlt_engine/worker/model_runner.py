@@ -9,8 +9,13 @@ on. Everything the host learns comes back in one read at the end of the step.
 
 `launch(plan)` enqueues all of that, including the read back into pinned host memory, and
 returns at once; `collect(launched)` waits for it and decodes the events. `execute` is the two
-back to back. Asynchronous scheduling launches plan n+1 before collecting plan n: everything
-runs in order on one stream, so plan n+1's work never overtakes plan n's.
+back to back. Asynchronous scheduling launches plan n+1 before collecting plan n: the work runs
+in order on one stream, so plan n+1's work never overtakes plan n's. Only the read back runs
+on a stream of its own (CUDA), behind the plan's work: the next window's kernels follow the
+last one at once instead of waiting behind a copy (a copy engine's hand-off to the next
+kernel left the GPU idle ~10 us at each window boundary on the H200). Windows alternate
+between the two halves of the event buffers, and a half is written again only after its
+copy is done.
 """
 
 from __future__ import annotations
@@ -55,12 +60,22 @@ class _FirstTokens:
     drawn: SampleOutput
 
 
+@dataclass(frozen=True)
+class _Window:
+    """A decode window as launched."""
+
+    traversals: int
+    b: int  # rows [0, b) of the event buffers hold its slots' events
+    flags: Flags
+    base: int  # its first row in the event buffers
+
+
 @dataclass
 class Launched:
     """A plan enqueued on the device; its read back lands in `host` once `done` fires."""
 
     firsts: list[_FirstTokens]
-    window: tuple[int, int, Flags] | None
+    window: _Window | None
     host: list[torch.Tensor]
     done: torch.cuda.Event | None  # None on the CPU: everything already ran
     logprobs_wanted: dict[int, int | None]  # slot -> logprobs its request asked for, at launch
@@ -99,6 +114,10 @@ class ModelRunner:
             num_slots, num_planes, max_blocks, cfg.hidden_size, self.dtype, self.device
         )
         self.events = EventBuffers(execution.decode_window, num_slots, MAX_LOGPROBS, self.device)
+        cuda = self.device.type == "cuda"
+        self._read_back_stream = torch.cuda.Stream(self.device) if cuda else None
+        # the read back of the last window that wrote each half of the event buffers
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         triton = isinstance(self.kv, TritonPagedAttention)
         self.traversal = DecodeTraversal(
             model,
@@ -256,7 +275,7 @@ class ModelRunner:
         traversals: int,
         rider: RidingWave | None = None,
         layout: WaveLayout | None = None,
-    ) -> tuple[int, int, Flags] | None:
+    ) -> _Window | None:
         b = self.slots.span()
         if b == 0:
             return None
@@ -264,24 +283,31 @@ class ModelRunner:
         ev = self.events
         if traversals > ev.window:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
-        ev.step.zero_()
-        ev.token[:traversals].fill_(-1)
+        copied = self._copied[ev.half ^ 1]  # the half this window writes: read back yet?
+        if copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(copied)
+        base = ev.start()
         if self.graphs is not None:
             if rider is not None and rider.key is None:  # an exact-shape wave: eager
+                # its eager traversals write the events of slots [0, b), the graphs' of
+                # [0, padded b): no stale event in between
+                ev.token[base : base + traversals].fill_(-1)
                 for _ in range(self.depth):
                     self.traversal(b, flags, rider)
-                return traversals, self.graphs.replay(b, flags, traversals - self.depth), flags
+                b = self.graphs.replay(b, flags, traversals - self.depth)
+                return _Window(traversals, b, flags, base)
             if rider is not None and not self.graphs.captured(b, flags, rider):
                 # captured on an empty wave (its warm-up runs execute it), then put back
                 assert layout is not None
                 self.prefill.upload(WaveLayout.empty(), rider.inputs.rows)
                 self.graphs.ensure(self.graphs.padded(b), flags, rider)
                 self.prefill.upload(layout, rider.inputs.rows)
-            return traversals, self.graphs.replay(b, flags, traversals, rider), flags
+            b = self.graphs.replay(b, flags, traversals, rider)
+            return _Window(traversals, b, flags, base)
         self.traversal.max_seq_len = self.slots.max_context(self.block_size)
         for t in range(traversals):
             self.traversal(b, flags, rider if t < self.depth else None)
-        return traversals, b, flags
+        return _Window(traversals, b, flags, base)
 
     def _long_context(self) -> bool:
         """Whether this window's tables reach LONG_CONTEXT keys: the Triton attention picks
@@ -292,11 +318,11 @@ class ModelRunner:
         return self.slots.max_context(self.block_size) >= LONG_CONTEXT
 
     # -- the one read back ---------------------------------------------------------------
-    def _start_read_back(
-        self, firsts: list[_FirstTokens], window: tuple[int, int, Flags] | None
-    ) -> Launched:
-        """Enqueue the step's device-to-host copies (pinned, non-blocking) behind its work.
-        The next window may reuse the event buffers: its kernels queue after these copies."""
+    def _start_read_back(self, firsts: list[_FirstTokens], window: _Window | None) -> Launched:
+        """Enqueue the step's device-to-host copies (pinned, non-blocking) behind its work, on
+        the read back stream (CUDA). The tensors stay alive until `collect` has waited for
+        them: the first tokens' in `Launched.firsts`, the window's in the event buffers, whose
+        half the window after next writes only once `_copied` says these copies are done."""
         ev = self.events
         tensors: list[torch.Tensor] = []
         for f in firsts:
@@ -304,19 +330,25 @@ class ModelRunner:
             if f.drawn.logprob is not None:
                 tensors += [f.drawn.logprob, f.drawn.top_ids, f.drawn.top_logprobs]
         if window is not None:
-            n, b, flags = window
-            tensors.append(ev.token_depth[:n])  # [n, 2, slots]: contiguous, one copy
-            if flags.num_logprobs is not None:
-                k = flags.num_logprobs
-                tensors += [ev.logprob[:n, :b], ev.top_ids[:n, :b, :k], ev.top_logprobs[:n, :b, :k]]
-        # CUDA: pinned copies that land when `done` fires. CPU: copies now (the event buffers
-        # are reused by the next launch, which may come before this plan is collected).
-        host = [t.to("cpu", non_blocking=True) if t.is_cuda else t.clone() for t in tensors]
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
+            rows = slice(window.base, window.base + window.traversals)
+            tensors.append(ev.token_depth[rows])  # [n, 2, slots]: contiguous, one copy
+            if window.flags.num_logprobs is not None:
+                k, b = window.flags.num_logprobs, window.b
+                tensors += [ev.logprob[rows, :b], ev.top_ids[rows, :b, :k]]
+                tensors.append(ev.top_logprobs[rows, :b, :k])
         wanted = {slot: h.params.logprobs for slot, h in self.slots.host.items()}
+        if self._read_back_stream is None:
+            # the CPU: copies now (the event buffers are reused by a later launch, which may
+            # come before this plan is collected)
+            return Launched(firsts, window, [t.clone() for t in tensors], None, wanted)
+        stream = self._read_back_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host = [t.to("cpu", non_blocking=True) for t in tensors]
+            done = torch.cuda.Event()
+            done.record(stream)
+        if window is not None:
+            self._copied[ev.half] = done
         return Launched(firsts, window, host, done, wanted)
 
     def collect(self, launched: Launched) -> StepResult:
@@ -333,10 +365,12 @@ class ModelRunner:
                 smp = _as_sample(launched.logprobs_wanted.get(slot), token, extra, i)
                 events.append(TokenEvent(slot, smp, self.depth))
         if window is not None:
-            b = window[1]
+            b = window.b
             token_depth = next(it)
             tokens, depths = token_depth[:, 0, :b].tolist(), token_depth[:, 1, :b].tolist()
-            extra = (next(it), next(it), next(it)) if window[2].num_logprobs is not None else None
+            extra = (
+                (next(it), next(it), next(it)) if window.flags.num_logprobs is not None else None
+            )
             wanted = launched.logprobs_wanted
             for t, (row, row_depths) in enumerate(zip(tokens, depths, strict=True)):
                 for slot, token in enumerate(row):

@@ -50,9 +50,10 @@ def _state(b: int, seed: int, device: str) -> dict[str, torch.Tensor]:
         "generated": ints(0, 6),
         "max_tokens": ints(1, 8),
         "stop_ids": torch.where(ints(0, 3, b, STOPS) == 0, ints(0, 12, b, STOPS), -1),
-        "event_token": torch.full((WINDOW, b + 2), -7),
-        "event_depth": torch.full((WINDOW, b + 2), -7),
+        "event_token": torch.full((2 * WINDOW, b + 2), -7),
+        "event_depth": torch.full((2 * WINDOW, b + 2), -7),
         "step": torch.tensor([1]),
+        "base": torch.tensor([WINDOW]),  # the second half of a doubled buffer
         "ticket": torch.zeros(1, dtype=torch.int32),
     }
     near = ints(0, 3) == 0  # thresholds exactly at 1 - R * (1 - h): the >= decides
@@ -95,7 +96,8 @@ def _run(
 
 def _rows_events(s: dict[str, torch.Tensor]) -> tuple[slot_step.Rows, slot_step.Events]:
     rows = slot_step.Rows(*(s[name] for name in slot_step.Rows._fields))
-    return rows, slot_step.Events(s["event_token"], s["event_depth"], s["step"], s["ticket"])
+    events = slot_step.Events(s["event_token"], s["event_depth"], s["step"], s["base"], s["ticket"])
+    return rows, events
 
 
 def _check(
@@ -108,6 +110,11 @@ def _check(
     assert f_gate == gate == bool(exits.any())
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    # the events went to row base + step, every slot of the b rows and nothing else
+    row = state["base"].item() + state["step"].item()
+    for name in ("event_token", "event_depth"):
+        written = got[name] != -7
+        assert written[row, :b].all() and written.sum() == b, name
     # the row counter moved on once (by the last of b programs), the ticket back at zero
     assert got["step"].item() == state["step"].item() + step_up
     assert got["ticket"].item() == 0
