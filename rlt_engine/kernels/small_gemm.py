@@ -277,12 +277,13 @@ def gemm(
         raise ValueError(f"at most {MAX_M} rows, got {m}")
     if gate is not None and (gate.numel() != 1 or gate.device != x.device):
         raise ValueError(f"gate must be one element on {x.device}, got {tuple(gate.shape)}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if argmax:  # out is the reference dtype of the rounding; the partials replace it
+    if argmax:
         if m == 0 or n == 0 or k == 0:
             raise ValueError(f"the argmax epilogue needs rows, columns and K, got {m}x{n}x{k}")
         if len(lead) != 1:
             raise ValueError(f"the argmax epilogue takes x [rows, K], got {tuple(x.shape)}")
+    # with the argmax epilogue only the dtype the logits round to: the partials replace them
+    out = torch.empty((1, 1) if argmax else (m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*lead, n)
     if k == 0:

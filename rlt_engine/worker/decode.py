@@ -6,7 +6,8 @@ gate's hazard feeds the fp32 exit rule (the same arithmetic as `core/exit_rule.p
 that exit are sampled (lm_head, counter-based RNG) and re-enter at loop 0 with the new token in
 the very next traversal. LAST_EXITED exit copies land in the deeper planes in the same step.
 Shapes depend only on B and static flags, so a traversal is captured as one CUDA graph per
-(B, flags) and replayed `window` times; events go to [window, slots] buffers read back once.
+(B, flags) and replayed `window` times; events go to a [window, slots] half of the event
+buffers, read back once.
 
 A prefill wave may ride the first `depth` traversals of a window (`RidingWave`): its rows go
 one loop deeper per traversal beside the decode rows, so its GEMM rows share the weight reads
