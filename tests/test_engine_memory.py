@@ -34,13 +34,13 @@ def _record_model_calls(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
     model, seen = llm.engine.model, {"recurrent": [], "coda": []}
     recurrent, coda = model.recurrent, model.coda
 
-    def recording_recurrent(hidden, meta, backend, rope=None):
+    def recording_recurrent(hidden, meta, backend, **options):
         seen["recurrent"].append((tuple(hidden.shape), meta.positions.tolist()))
-        return recurrent(hidden, meta, backend, rope=rope)
+        return recurrent(hidden, meta, backend, **options)
 
-    def recording_coda(hidden, gate=None):
+    def recording_coda(hidden, **options):
         seen["coda"].append(tuple(hidden.shape))
-        return coda(hidden, gate)
+        return coda(hidden, **options)
 
     monkeypatch.setattr(model, "recurrent", recording_recurrent)
     monkeypatch.setattr(model, "coda", recording_coda)
