@@ -249,7 +249,7 @@ def test_gpu_prepare_norm_is_the_norm_kernels_bit_for_bit(hidden):
     bits: the same fp32 sum tree (norm.num_warps_for) and roundings, so the traversal's
     tokens do not depend on which launch normalised the rows."""
     g = torch.Generator().manual_seed(hidden)
-    b, width, planes = 8, 4, 2
+    b, width, planes = 8, 4, 4  # loops 0..3: a plane each
     inputs = {
         "loop": torch.tensor([0, 1, 0, 2, 1, 0, 3, 1]),
         "position": torch.randint(0, width * 16, (b,), generator=g),
