@@ -146,3 +146,41 @@ def test_rope_table_covers_requests_to_the_last_position(tmp_path, monkeypatch):
     assert all(len(t) == 16 - len(p) for (t, _, _), p in zip(fused, prompts, strict=True))
     tables = llm.engine.model.model.rotary_emb.tables
     assert [tuple(t.shape[:2]) for t in tables.values()] == [(16, 2)]  # the context
+
+
+def test_the_tail_launches_only_what_the_window_needs(ckpt, monkeypatch):
+    """The fused traversal's launch plan around the layer stack: in a window where no request
+    may exit early the exits come from prepare (no exit rule launch), greedy rows draw through
+    the lm_head's argmax partials, and the first layer's norm comes with the prepared rows; a
+    window with early exits runs the exit rule. Each is a launch the GPU would pay for in every
+    traversal (the GPU timing of the tail: benchmarks/trace_timeline.py)."""
+    from rlt_engine.sampling_params import SamplingParams
+
+    monkeypatch.setattr(slot_step, "_MODE", "")
+    llm = make_llm(ckpt, block_size=4, decode_window=3, attention_backend="triton")
+    model, seen = llm.engine.model, {"rule": 0, "normed": [], "greedy": []}
+    rule, recurrent, coda = slot_step.exit_rule, model.recurrent, model.coda
+
+    def counting_rule(*args, **options):
+        seen["rule"] += 1
+        return rule(*args, **options)
+
+    def recording_recurrent(hidden, meta, backend, **options):
+        if "rope" in options:  # a decode traversal without a riding wave
+            seen["normed"].append(options.get("normed") is not None)
+        return recurrent(hidden, meta, backend, **options)
+
+    def recording_coda(hidden, **options):
+        seen["greedy"].append(options.get("greedy", False))
+        return coda(hidden, **options)
+
+    monkeypatch.setattr(slot_step, "exit_rule", counting_rule)
+    monkeypatch.setattr(model, "recurrent", recording_recurrent)
+    monkeypatch.setattr(model, "coda", recording_coda)
+    fixed = SamplingParams(max_tokens=3, ignore_eos=True, exit_threshold=1.0)
+    llm.generate(PROMPTS[:2], [fixed, fixed])
+    assert seen["rule"] == 0
+    assert seen["normed"] and all(seen["normed"])
+    assert True in seen["greedy"]  # decode draws (prefill's first tokens: logits)
+    llm.generate(PROMPTS[:2], [params_for(1), params_for(2)])  # thresholds 0.3 and 0.5
+    assert seen["rule"] > 0
