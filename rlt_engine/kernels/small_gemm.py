@@ -213,7 +213,7 @@ def linear_argmax(
     are never written), else the logits' (`linear`) through `argmax.argmax_partials`. `gate` as
     in `linear`: a zero gate leaves the partials undefined."""
     config = choose(x, w, gated=True)
-    if config is not None and config.kernel == "triton" and _splits(w.shape[1], config) == 1:
+    if config is not None and config.kernel == "triton" and _split_k(w.shape[1], config)[1] == 1:
         return gemm(x, w, config, gate, argmax=True)
     return _argmax.argmax_partials(linear(x, w, gate), gate)
 
@@ -251,7 +251,7 @@ def gemm(
     streams its weights ahead of the PDL wait by itself; only it leaves partials unreduced).
     `argmax` (this kernel without split-K): each row's argmax partials instead of the output
     (one split per N tile; see `linear_argmax`)."""
-    if argmax and (config.kernel != "triton" or _splits(w.shape[-1], config) != 1):
+    if argmax and (config.kernel != "triton" or _split_k(w.shape[-1], config)[1] != 1):
         raise ValueError(f"the argmax epilogue needs the Triton kernel without split-K: {config}")
     if config.kernel == "ws":
         from rlt_engine.kernels.ws_gemm import ws_gemm
@@ -293,8 +293,7 @@ def gemm(
     bn, bk = config.block_n, config.block_k
     block_m = max(16, triton.next_power_of_2(m))  # tl.dot needs >= 16 on every side
     n_tiles = triton.cdiv(n, bn)
-    k_per_split = triton.cdiv(triton.cdiv(k, max(1, config.split_k)), bk) * bk
-    splits = triton.cdiv(k, k_per_split)  # no empty split (as _splits)
+    k_per_split, splits = _split_k(k, config)
     workspace, counters = split_buffers(n_tiles, splits, m * bn, out)
     partials = None
     if argmax:
@@ -347,16 +346,17 @@ def gemm(
     return partials if argmax else out.view(*lead, n)
 
 
-def _splits(k: int, config: GemmConfig) -> int:
-    """The K splits of a launch of `config` (none empty; one for K = 0)."""
+def _split_k(k: int, config: GemmConfig) -> tuple[int, int]:
+    """(K columns per split, a multiple of BLOCK_K; splits, none empty) of a launch of
+    `config` over K = k; one split for K = 0."""
     if k == 0:
-        return 1
+        return 0, 1
 
     def cdiv(a: int, b: int) -> int:
         return (a + b - 1) // b
 
     k_per_split = cdiv(cdiv(k, max(1, config.split_k)), config.block_k) * config.block_k
-    return max(1, cdiv(k, k_per_split))
+    return k_per_split, cdiv(k, k_per_split)
 
 
 def split_buffers(n_tiles: int, splits: int, tile: int, out: torch.Tensor):
