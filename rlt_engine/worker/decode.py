@@ -66,16 +66,25 @@ class EventBuffers:
         self.base = torch.zeros(1, dtype=torch.long, device=device)  # the window's first row
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)  # see slot_step.Events
         self.half = 0  # the half the last window wrote
+        # the read back of the last window that wrote each half (CUDA; see `read`)
+        self.copied: list[torch.cuda.Event | None] = [None, None]
 
     def start(self) -> int:
-        """Point the next window at the other half; its first row. The advance writes every
-        event of slots [0, b) in each traversal, so a window whose traversals all run over
-        the same b needs no clearing of its rows."""
+        """Point the next window at the other half, once that half's last read back is done;
+        its first row. The advance writes every event of slots [0, b) in each traversal, so a
+        window whose traversals all run over the same b needs no clearing of its rows."""
         self.half ^= 1
+        copied = self.copied[self.half]
+        if copied is not None:
+            torch.cuda.current_stream(self.step.device).wait_event(copied)
         base = self.half * self.window
         self.step.zero_()
         self.base.fill_(base)
         return base
+
+    def read(self, done: torch.cuda.Event) -> None:
+        """The current window's read back fires `done`: its half is free again after it."""
+        self.copied[self.half] = done
 
     def row(self) -> torch.Tensor:
         """[1] int64: the row the traversal writes (base + step)."""

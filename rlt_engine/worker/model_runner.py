@@ -116,8 +116,6 @@ class ModelRunner:
         self.events = EventBuffers(execution.decode_window, num_slots, MAX_LOGPROBS, self.device)
         cuda = self.device.type == "cuda"
         self._read_back_stream = torch.cuda.Stream(self.device) if cuda else None
-        # the read back of the last window that wrote each half of the event buffers
-        self._copied: list[torch.cuda.Event | None] = [None, None]
         triton = isinstance(self.kv, TritonPagedAttention)
         self.traversal = DecodeTraversal(
             model,
@@ -283,9 +281,6 @@ class ModelRunner:
         ev = self.events
         if traversals > ev.window:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
-        copied = self._copied[ev.half ^ 1]  # the half this window writes: read back yet?
-        if copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(copied)
         base = ev.start()
         if self.graphs is not None:
             if rider is not None and rider.key is None:  # an exact-shape wave: eager
@@ -322,7 +317,7 @@ class ModelRunner:
         """Enqueue the step's device-to-host copies (pinned, non-blocking) behind its work, on
         the read back stream (CUDA). The tensors stay alive until `collect` has waited for
         them: the first tokens' in `Launched.firsts`, the window's in the event buffers, whose
-        half the window after next writes only once `_copied` says these copies are done."""
+        half the window after next writes only once these copies are done (`EventBuffers.read`)."""
         ev = self.events
         tensors: list[torch.Tensor] = []
         for f in firsts:
@@ -348,7 +343,7 @@ class ModelRunner:
             done = torch.cuda.Event()
             done.record(stream)
         if window is not None:
-            self._copied[ev.half] = done
+            ev.read(done)
         return Launched(firsts, window, host, done, wanted)
 
     def collect(self, launched: Launched) -> StepResult:
