@@ -44,13 +44,15 @@ class RequestFailedError(RuntimeError):
 
 
 class RequestStream:
-    """One request's outputs, in order (deltas; the last has finished=True). Iterating raises
-    RequestFailedError or EngineDeadError if the request fails. `abort()` (idempotent; a no-op
-    once finished) frees the request's KV on the engine's next turn."""
+    """One request's outputs, in order: deltas, those already queued merged into one; the last
+    has finished=True. Iterating raises RequestFailedError or EngineDeadError if the request
+    fails. `abort()` (idempotent; a no-op once finished) frees the request's KV on the
+    engine's next turn."""
 
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self.request_id, self._engine = request_id, engine
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._held: BaseException | None = None  # an error taken while merging, raised next
         self.done = False
 
     def __aiter__(self) -> RequestStream:
@@ -59,7 +61,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.done:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        item = self._held if self._held is not None else await self.queue.get()
+        self._held = None
+        # Deltas that queued up while the caller was busy (a server behind the engine) come
+        # out as one: one SSE chunk for them, so a loaded event loop writes fewer, larger
+        # chunks instead of falling further behind. A caller that keeps up sees every step's.
+        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+            later = self.queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._held = later  # the outputs before it first
+                break
+            item = item.then(later)
         if isinstance(item, BaseException):
             self.done = True  # the engine already dropped it
             raise item

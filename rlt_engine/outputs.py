@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -47,3 +48,20 @@ class RequestOutput:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": what failed (this request alone)
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by the request's next one, as one delta: the new tokens, depths,
+        text and logprobs of both, everything else (finished, the cumulative fields of a final
+        output) from `later`."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"{later.request_id!r} does not follow {self.request_id!r}")
+        logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            logprobs = [*(self.new_logprobs or ()), *(later.new_logprobs or ())]
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_exit_depths=self.new_exit_depths + later.new_exit_depths,
+            new_text=self.new_text + later.new_text,
+            new_logprobs=logprobs,
+        )

@@ -5,14 +5,21 @@ fault failing that request alone, and a clean shutdown."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from rlt_engine import LLM, SamplingParams
-from rlt_engine.async_engine import AsyncEngine, EngineNotReadyError, RequestFailedError
+from rlt_engine.async_engine import (
+    AsyncEngine,
+    EngineNotReadyError,
+    RequestFailedError,
+    RequestStream,
+)
 from rlt_engine.detokenizer import IncrementalDetokenizer
+from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 
 PROMPTS = ["Q: 1 + 2 =\nA:", "Q: 7 - 3 =\nA:", "Q: 4 * 2 =\nA:", "Q: 9 / 3 =\nA:"]
 OPTIONS = dict(dtype="float32", device="cpu", max_num_seqs=4, block_size=4)
@@ -83,6 +90,68 @@ def test_refused_request_and_abort(engine, llm) -> None:
         assert len(ok["tokens"]) <= 5
 
     asyncio.run(main())
+
+
+def test_deltas_queued_while_the_caller_was_busy_come_out_as_one(engine, served, llm) -> None:
+    """A caller that reads only after the request has finished (a server behind the engine)
+    gets one output: every token, depth, logprob and the text of the steps it missed, the
+    same as the synchronous engine's; a caller that keeps up gets one per step (above)."""
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5, logprobs=2, ignore_eos=True)
+
+    async def main() -> list[RequestOutput]:
+        stream = await engine.add(PROMPTS[3], params, "late")
+        for _ in range(500):  # until the engine is done with it and its outputs have landed
+            await asyncio.sleep(0.01)
+            if not served.engine.has_unfinished_requests() and stream.queue.qsize() >= 2:
+                break
+        assert stream.queue.qsize() >= 2  # several steps' deltas waited
+        return [out async for out in stream]
+
+    outs = asyncio.run(main())
+    (want,) = llm.generate([PROMPTS[3]], params)
+    assert len(outs) == 1 and outs[0].finished
+    out = outs[0]
+    assert out.new_token_ids == out.token_ids == want.token_ids
+    assert out.new_exit_depths == want.exit_depths and out.new_text == want.text
+    assert out.new_logprobs == out.logprobs == want.logprobs
+
+
+def _delta(tokens: list[int], finished: bool = False, logprobs: bool = False) -> RequestOutput:
+    lps = [TokenLogprob(t, -float(t), ()) for t in tokens] if logprobs else None
+    return RequestOutput(
+        "r", [1, 2], tokens, [4] * len(tokens), "".join(map(str, tokens)), lps,
+        num_tokens=tokens[-1], finished=finished, finish_reason="length" if finished else None,
+        metrics=RequestMetrics(0.0, 1.0, 2.0 if finished else None),
+    )  # fmt: skip
+
+
+def test_merged_deltas_stop_at_an_error_and_at_the_last_output() -> None:
+    """An error queued behind outputs is raised after them, never merged away or early; a
+    finished output ends the stream even if something was queued after it."""
+
+    async def main() -> None:
+        stream = RequestStream(AsyncEngine(lambda: None), "r")  # type: ignore[arg-type,return-value]
+        for item in (_delta([1]), _delta([2], logprobs=True), RequestFailedError("gone")):
+            stream.queue.put_nowait(item)
+        first = await stream.__anext__()
+        assert (first.new_token_ids, first.new_text, first.num_tokens) == ([1, 2], "12", 2)
+        assert first.new_logprobs == [TokenLogprob(2, -2.0, ())]
+        with pytest.raises(RequestFailedError, match="gone"):
+            await stream.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+        ended = RequestStream(AsyncEngine(lambda: None), "r")  # type: ignore[arg-type,return-value]
+        for item in (_delta([1]), _delta([2, 3], finished=True), _delta([9])):
+            ended.queue.put_nowait(item)
+        outs = [out async for out in ended]
+        assert [(o.new_token_ids, o.finished, o.finish_reason) for o in outs] == [
+            ([1, 2, 3], True, "length")
+        ]
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="does not follow"):
+        _delta([1]).then(dataclasses.replace(_delta([2]), request_id="other"))
 
 
 def test_arrival_is_when_the_caller_sent_the_request(engine, served, monkeypatch) -> None:
