@@ -68,16 +68,6 @@ X_BY_LOADS_ROWS = 4
 # 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
 RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
-# Off: no gain measured (c=1 / 8: +0.0% / +0.1%, and none with a 3-stage gate/up at 1 row
-# beside it, 2026-12-04-tail-h200.md); kept for A/Bs (ab_decode --set). Where a program's whole
-# K range fits its ring (Ouro's o_proj), launch with this many registers a thread instead of
-# the whole register file, so its programs can be placed beside attention's and the gate/up's
-# beside its own. At c=8 the o_proj's programs are
-# placed only as attention's leave: the rows kernel's 2,048 one-warp programs (80 registers)
-# leave 25,856 of an SM's 65,536 registers, a program here takes 160 threads x 256 (the
-# kernel clock: placed 11.5 us, attention's end 11.3, its last MMA 14.1; at c=1 the ring
-# lands during attention). 128 compiles without spills (ptxas, sm_90a)
-SHARE_SM_MAXNREG = 0
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -266,8 +256,8 @@ def ws_gemm(
         # launched with the whole register file (Triton's default here), so no other kernel's
         # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
         # programs started beside the gate/up's and streamed under it, c=8 -2.5%
-        # (results/2026-12-03-split-sums-h200.md); SHARE_SM_MAXNREG: see there
-        **({"maxnreg": SHARE_SM_MAXNREG} if SHARE_SM_MAXNREG and kt <= config.num_stages else {}),
+        # (results/2026-12-03-split-sums-h200.md); the o_proj alone at 128, to sit beside
+        # attention, gained nothing (results/2026-12-04-tail-h200.md)
         **_pdl.launch_options(pdl),
     )  # fmt: skip
     if unreduced:  # rows flattened: [splits, rows, N]

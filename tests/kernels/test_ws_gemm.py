@@ -154,13 +154,11 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (8, 64, 256, 5, 1, 1, "bf16", False, 128, False),
            (16, 128, 256, 2, 2, 1, "bf16", False, 128, False),
            (8, 64, 256, 2, 4, 1, "bf16", False, 0, True),
-           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 0, None),
-           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3, None),
-           (8, 64, 256, 2, 4, 1, "bf16", False, 0, True, True, 0, 128))
-# the rows by TMA, every tile in flight and the whole register file, unless a config names
-# XLOAD, AHEAD (and maxnreg)
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 0),
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3))
+# the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
-    xload, ahead, maxnreg = more or (False, 0, None)
+    xload, ahead = more or (False, 0)
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
@@ -178,14 +176,12 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
-    options = dict(num_warps=4) | ({"maxnreg": maxnreg} if maxnreg else {})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
     name += f"_rope_bn{bn}" if rope else ""
     name += "_unreduced" if unreduced else ""
     name += "_xload" if xload else ""
     name += f"_ahead{ahead}" if ahead else ""
-    name += f"_maxnreg{maxnreg}" if maxnreg else ""
     out[name] = kernel.asm["ptx"]
 print(json.dumps(out))
 """
@@ -201,8 +197,7 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         assert "wgmma.mma_async" in code, name  # both operands from shared memory
         assert "cp.async.bulk.tensor" in code and "mbarrier.try_wait" in code, name  # the ring
         assert "setmaxnreg" in code, name  # two partitions: the producer warp and the MMA warps
-        # the whole register file (see the launch), or SHARE_SM_MAXNREG's
-        assert f".maxnreg {name.partition('_maxnreg')[2] or 256}" in code, name
+        assert ".maxnreg 256" in code, name  # the whole register file (see the launch)
         # one wait, in the consumer partition only: the producer's copies never wait for it
         assert code.count("griddepcontrol.wait") == 1, name
         assert code.count("griddepcontrol.launch_dependents") == 1, name
@@ -242,20 +237,6 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     # PROBE builds read the global timer; the others never do
     for name, code in ptx.items():
         assert ("%globaltimer" in code) == name.endswith("_probe"), name
-
-
-def test_a_launch_sharing_its_sm_compiles_to_its_registers_without_spilling(ptx):
-    """SHARE_SM_MAXNREG's build (the o_proj's config at 128 registers a thread) fits them:
-    ptxas for sm_90a spills nothing."""
-    import json
-
-    from sm90_compile import TRITON_PTX
-
-    code = ptx["split4_unreduced_xload_maxnreg128"]
-    registers, spilled = run_compile_script(
-        TRITON_PTX + f"\nprint(json.dumps(ptxas_usage({json.dumps(code)})))"
-    )
-    assert registers <= 128 and spilled == 0, (registers, spilled)
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -363,10 +344,10 @@ def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hi
 @gpu
 @needs_ws
 @pytest.mark.parametrize("m", [1, 4, 8, 16])
-def test_gpu_rows_by_loads_a_bounded_ring_and_fewer_registers_give_the_same_bits(m, monkeypatch):
-    """The rows copied by cp.async instead of TMA, the weight tiles in flight bounded, and a
-    launch at fewer registers (SHARE_SM_MAXNREG) only schedule the same copies and MMAs
-    otherwise: the same bits at any row count (qkv, o_proj, down_proj, the SwiGLU form)."""
+def test_gpu_rows_by_loads_and_a_bounded_ring_give_the_same_bits(m, monkeypatch):
+    """The rows copied by cp.async instead of TMA and the weight tiles in flight bounded only
+    schedule the same copies and MMAs otherwise: the same bits at any row count (qkv, o_proj,
+    down_proj, the SwiGLU form)."""
     from rlt_engine.kernels import ws_gemm as module
 
     cases = (
@@ -376,11 +357,10 @@ def test_gpu_rows_by_loads_a_bounded_ring_and_fewer_registers_give_the_same_bits
         ((11264, 2048), ws(128, 256, 1, 2), True),
     )
 
-    def run(x, w, config, swiglu: bool, rows: int, ahead: int, regs: int = 0) -> torch.Tensor:
+    def run(x, w, config, swiglu: bool, rows: int, ahead: int) -> torch.Tensor:
         monkeypatch.setattr(module, "X_BY_LOADS_ROWS", rows)
         monkeypatch.setattr(module, "RING_AHEAD_BYTES", ahead)
         monkeypatch.setattr(module, "RING_AHEAD_ROWS", 1)
-        monkeypatch.setattr(module, "SHARE_SM_MAXNREG", regs)
         return gate_up_silu(x, w, config) if swiglu else gemm(x, w, config)
 
     for (n, k), config, swiglu in cases:
@@ -389,7 +369,6 @@ def test_gpu_rows_by_loads_a_bounded_ring_and_fewer_registers_give_the_same_bits
         assert torch.equal(run(x, w, config, swiglu, 16, 0), plain)
         assert torch.equal(run(x, w, config, swiglu, 0, 16 * 1024), plain)  # one tile ahead
         assert torch.equal(run(x, w, config, swiglu, 16, 32 * 1024), plain)
-        assert torch.equal(run(x, w, config, swiglu, 4, 0, 128), plain)
     assert int(small_gemm._counters(x.device).abs().sum()) == 0
 
 
