@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=128)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `rlt serve` flag")
+    ap.add_argument("--server-root", type=Path, default=ROOT, help="a checkout to serve from (A/B)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -121,7 +122,7 @@ def main() -> None:
         # one torch thread: idle intra-op workers spin, which would read as engine time
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            cmd, cwd=args.server_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         try:
             wait_healthy(url, proc)

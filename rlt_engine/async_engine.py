@@ -66,12 +66,15 @@ class RequestStream:
         # Deltas that queued up while the caller was busy (a server behind the engine) come
         # out as one: one SSE chunk for them, so a loaded event loop writes fewer, larger
         # chunks instead of falling further behind. A caller that keeps up sees every step's.
-        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
-            later = self.queue.get_nowait()
-            if isinstance(later, BaseException):
-                self._held = later  # the outputs before it first
-                break
-            item = item.then(later)
+        if isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+            deltas = [item]
+            while not (deltas[-1].finished or self.queue.empty()):
+                later = self.queue.get_nowait()
+                if isinstance(later, BaseException):
+                    self._held = later  # the outputs before it first
+                    break
+                deltas.append(later)
+            item = RequestOutput.merged(deltas)
         if isinstance(item, BaseException):
             self.done = True  # the engine already dropped it
             raise item

@@ -49,19 +49,24 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": what failed (this request alone)
 
-    def then(self, later: RequestOutput) -> RequestOutput:
-        """This delta followed by the request's next one, as one delta: the new tokens, depths,
-        text and logprobs of both, everything else (finished, the cumulative fields of a final
-        output) from `later`."""
-        if later.request_id != self.request_id:
-            raise ValueError(f"{later.request_id!r} does not follow {self.request_id!r}")
+    @staticmethod
+    def merged(deltas: list[RequestOutput]) -> RequestOutput:
+        """Consecutive deltas of one request as one: the new tokens, depths, text and logprobs
+        of all of them, everything else (finished, the cumulative fields of a final output)
+        from the last."""
+        last = deltas[-1]
+        if len(deltas) == 1:
+            return last
+        ids = {d.request_id for d in deltas}
+        if len(ids) > 1:
+            raise ValueError(f"deltas of several requests: {sorted(ids)}")
         logprobs = None
-        if self.new_logprobs is not None or later.new_logprobs is not None:
-            logprobs = [*(self.new_logprobs or ()), *(later.new_logprobs or ())]
+        if any(d.new_logprobs is not None for d in deltas):
+            logprobs = [lp for d in deltas for lp in d.new_logprobs or ()]
         return dataclasses.replace(
-            later,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
-            new_exit_depths=self.new_exit_depths + later.new_exit_depths,
-            new_text=self.new_text + later.new_text,
+            last,
+            new_token_ids=[t for d in deltas for t in d.new_token_ids],
+            new_exit_depths=[e for d in deltas for e in d.new_exit_depths],
+            new_text="".join(d.new_text for d in deltas),
             new_logprobs=logprobs,
         )

@@ -150,8 +150,8 @@ def test_merged_deltas_stop_at_an_error_and_at_the_last_output() -> None:
         ]
 
     asyncio.run(main())
-    with pytest.raises(ValueError, match="does not follow"):
-        _delta([1]).then(dataclasses.replace(_delta([2]), request_id="other"))
+    with pytest.raises(ValueError, match="several requests"):
+        RequestOutput.merged([_delta([1]), dataclasses.replace(_delta([2]), request_id="x")])
 
 
 def test_arrival_is_when_the_caller_sent_the_request(engine, served, monkeypatch) -> None:
