@@ -192,11 +192,13 @@ class Serving:
         return [f for f in finals if f is not None]
 
     async def _timed(self, work: Any) -> None:
-        timeout = self.config.request_timeout
         try:
-            await asyncio.wait_for(work, timeout)
+            await asyncio.wait_for(work, self.config.request_timeout)
         except TimeoutError:
-            raise APIError(408, f"the request took longer than {timeout:g} s") from None
+            raise self._late() from None
+
+    def _late(self) -> APIError:
+        return APIError(408, f"the request took longer than {self.config.request_timeout:g} s")
 
     async def _events(self, job: _Job, usage: bool, render: _Render) -> AsyncIterator[str]:
         deadline = None
@@ -210,15 +212,16 @@ class Serving:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise APIError(
-                        408, f"the request took longer than {self.config.request_timeout:g} s"
-                    )
+                    raise self._late()
                 try:
                     index, out = await asyncio.wait_for(anext(merged), left)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    continue  # the deadline check above ends it
+                    # the deadline, whatever the clock says now (uvloop's timers may fire a
+                    # little early); the wait's cancellation also closed `merged`, whose next
+                    # item would read as the end of the stream
+                    raise self._late() from None
                 completion_tokens += len(out.new_token_ids)
                 yield _sse(render.chunk(job, index, out))
         except Exception as exc:  # the stream has started: report in-band, then end it
