@@ -44,6 +44,7 @@ class _Job:
     created: int
     streams: list[RequestStream] = field(default_factory=list)
     prompt_tokens: int = 0
+    released: bool = False  # its admission slot is given back (once)
 
     def abort(self) -> None:
         for stream in self.streams:
@@ -165,7 +166,9 @@ class Serving:
 
     def _release(self, job: _Job) -> None:
         job.abort()
-        self.in_flight -= 1
+        if not job.released:
+            job.released = True
+            self.in_flight -= 1
 
     async def _collect(self, job: _Job, request: Request) -> list[RequestOutput]:
         """Every choice's final output; aborted when the client leaves or time runs out."""
@@ -228,12 +231,16 @@ class Serving:
             job.abort()
             err = _api_error(exc)
             yield _sse(error_body(err.status, err.message, err.param))
+            self._release(job)
             yield "data: [DONE]\n\n"
             return
         finally:
             await merged.aclose()
         if usage:
             yield _sse(render.usage_chunk(job, completion_tokens))
+        # the slot is free before the client can read the end: a client that sends its next
+        # request as soon as it has read [DONE] must not meet its own finished request's slot
+        self._release(job)
         yield "data: [DONE]\n\n"
 
 
