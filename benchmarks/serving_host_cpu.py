@@ -146,15 +146,20 @@ def main() -> None:
                     "event_loop_us_per_token": (main1 - main0) / tokens * 1e6,
                     "other_threads_us_per_token": (other1 - other0) / tokens * 1e6,
                     "failed": report["failed"],
+                    "errors": report["errors"],  # message -> count
                 }
                 rows.append(row)
                 if not args.json:
                     print(
                         f"c={c}: {row['output_tokens_per_s']:.0f} tok/s, event loop "
                         f"{row['event_loop_us_per_token']:.1f} us/token, other threads "
-                        f"{row['other_threads_us_per_token']:.1f} us/token",
+                        f"{row['other_threads_us_per_token']:.1f} us/token, "
+                        f"{row['failed']} failed",
                         flush=True,
                     )
+                for message, count in report["errors"].items():
+                    # a rate over completed requests only: never a silent one
+                    print(f"c={c}: {count} failed: {message}", file=sys.stderr, flush=True)
         finally:
             proc.send_signal(signal.SIGINT)
             try:

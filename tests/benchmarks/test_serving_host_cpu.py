@@ -33,13 +33,23 @@ def test_runs_report_the_event_loop_and_engine_cpu_per_token():
     runs = json.loads(done.stdout.splitlines()[-1])["runs"]
     assert [r["concurrency"] for r in runs] == [2, 4]
     for run in runs:
-        assert run["failed"] == 0 and run["num_prompts"] == 6
+        assert run["failed"] == 0 and run["errors"] == {} and run["num_prompts"] == 6
         assert run["output_tokens_per_s"] > 0 and run["tokens_per_chunk"] >= 1
         # every run serves 24 tokens; /proc counts CPU in 10 ms ticks, so a run this small may
         # read 0 for a side, never less, and the per-token figures are the totals over 24
         assert run["event_loop_cpu_s"] >= 0 and run["other_threads_cpu_s"] >= 0
         assert run["event_loop_us_per_token"] == run["event_loop_cpu_s"] / 24 * 1e6
         assert run["other_threads_us_per_token"] == run["other_threads_cpu_s"] / 24 * 1e6
+
+
+def test_refused_requests_are_reported_not_only_left_out_of_the_rate():
+    done = _run("--tiny", "-c", "4", "--num-prompts", "8", "--warmup", "1", "--output-len",
+                "4", "--serve-arg=--max-concurrent-requests", "--serve-arg=1")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "failed" in done.stdout.splitlines()[-1]
+    refused = [line for line in done.stderr.splitlines() if "HTTP 429" in line]
+    assert refused and refused[0].startswith("c=4: ")
+    assert int(refused[0].split()[1]) > 0
 
 
 def test_a_server_that_cannot_start_is_one_line_not_a_hang():
