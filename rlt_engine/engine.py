@@ -127,6 +127,7 @@ class LLMEngine:
             config.execution.decode_window,
             lookahead=2 if self.async_scheduling else 1,
             ride_waves=RIDE_WAVES,
+            max_ride_rows=self.runner.max_ride_rows,
         )
         self.runner.capture_graphs(self._default_flags())
         self._launched: deque[tuple[StepPlan, Launched]] = deque()  # oldest first

@@ -80,6 +80,7 @@ def make_scheduler(
     max_bypass: int = 32,
     decode_window: int = 1,
     lookahead: int = 1,
+    max_ride_rows: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -100,7 +101,9 @@ def make_scheduler(
     )
     planes = 1 if kv_layout == "shared" else depth
     blocks = BlockManager(num_blocks, block_size, planes, enable_prefix_caching)
-    return Scheduler(config, blocks, depth, cache, decode_window, lookahead)
+    return Scheduler(
+        config, blocks, depth, cache, decode_window, lookahead, max_ride_rows=max_ride_rows
+    )
 
 
 def make_request(

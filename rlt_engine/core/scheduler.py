@@ -72,11 +72,14 @@ class Scheduler(Admission):
         decode_window: int = 1,
         lookahead: int = 1,
         ride_waves: bool = True,
+        max_ride_rows: int | None = None,
     ) -> None:
         """`ride_waves`: let a prefill wave run inside the first `depth` traversals of a decode
-        window (worker/decode.py's RidingWave) instead of before it (False: the comparison)."""
+        window (worker/decode.py's RidingWave) instead of before it (False: the comparison).
+        `max_ride_rows`: the largest wave that rides (the worker's largest captured wave
+        shape; a larger one would ride eagerly, launch by launch); None: no bound of its own."""
         super().__init__(config, cache or CacheConfig(), blocks, depth)
-        self.ride_waves = ride_waves
+        self.ride_waves, self.max_ride_rows = ride_waves, max_ride_rows
         if lookahead not in (1, 2):
             raise ValueError(
                 f"lookahead must be 1 (synchronous) or 2 (asynchronous), got {lookahead}"
@@ -123,7 +126,9 @@ class Scheduler(Admission):
         # max_num_batched_tokens rows (a wave that large amortises its weight reads anyway).
         # Asynchronous, a wave with no other rows decoding beside it has no reads to share:
         # it ends its plan at its first tokens instead (below), for time to first token.
+        # Nor a wave past `max_ride_rows`: it runs on its own, in captured pieces.
         span = max((r.slot + 1 for r in self.running if r.slot is not None), default=0)
+        wave_rows = sum(len(c.token_ids) for c in waves[0]) if len(waves) == 1 else 0
         rides = (
             self.ride_waves
             and self.config.refill
@@ -131,7 +136,8 @@ class Scheduler(Admission):
             and (self.lookahead == 1 or self._others_decode(planned))
             and len(waves) == 1
             and window >= self.depth
-            and span + sum(len(c.token_ids) for c in waves[0]) <= self.config.max_num_batched_tokens
+            and span + wave_rows <= self.config.max_num_batched_tokens
+            and (self.max_ride_rows is None or wave_rows <= self.max_ride_rows)
         )
         # Asynchronous: a plan that samples first tokens ends with them, so they are read back
         # without waiting for a decode window (time to first token); the window follows in

@@ -183,6 +183,12 @@ class ModelRunner:
         )
         return self._start_read_back([f for f in firsts if f is not None], window)
 
+    @property
+    def max_ride_rows(self) -> int | None:
+        """The largest prefill wave that rides a decode window in its captured graphs (a
+        larger one would ride eagerly, launch by launch); None without CUDA graphs."""
+        return self.prefill.max_rows if self.graphs is not None else None
+
     def capture_graphs(self, variants: list[Flags]) -> int:
         """Capture ahead of the first request (~0.2 s each on first use otherwise): the decode
         traversal at every batch bucket for each of `variants` (the flags of default

@@ -262,6 +262,19 @@ def test_a_wave_rides_beside_decode_rows_and_alone_only_when_synchronous():
     assert third is not None and not third.prefill and third.decode_traversals == 8
 
 
+def test_a_wave_past_max_ride_rows_runs_before_the_window():
+    """A wave larger than the worker's largest captured wave shape does not ride (it would
+    run eagerly inside the window): it runs on its own, the window after it; one at the
+    bound still rides."""
+    for rows, rides in ((6, False), (5, True)):
+        sched = make_scheduler(decode_window=8, max_ride_rows=5)
+        sched.add(make_request("a", rows, 4))
+        plan = sched.schedule()
+        assert plan is not None and plan.wave_rides is rides
+        assert [c.request_id for c in plan.prefill[0]] == ["a"]
+        assert plan.decode_traversals == 8  # synchronous: the window follows in the plan
+
+
 def test_no_window_runs_after_every_row_has_ended_asynchronously():
     """Planning one window ahead, the scheduler must not launch a window for rows that surely
     end in the windows in flight (max_tokens reached at max_loops traversals a token at most):

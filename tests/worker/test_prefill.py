@@ -22,6 +22,20 @@ def test_wave_layout_lists_rows_in_chunk_order():
     assert wave.rows == 5
 
 
+def test_pieces_cut_between_chunks_within_the_row_limit():
+    wave = WaveLayout.of(tuple(_chunk(slot, 2 * slot, n) for slot, n in enumerate((7, 9, 5, 20))))
+    pieces = wave.pieces(16)
+    assert [p.counts for p in pieces] == [[7, 9], [5], [20]]  # 20 > 16: a piece alone
+    assert [p.slots for p in pieces] == [[0, 1], [2], [3]]
+    second = pieces[1]
+    assert (second.ids, second.positions) == (wave.ids[16:21], wave.positions[16:21])
+    assert (second.row_seq, second.ends, second.firsts) == ([0] * 5, [9], [0, 5])
+    assert pieces[0].row_seq == [0] * 7 + [1] * 9 and pieces[0].firsts == [0, 7, 16]
+    assert [p.counts for p in wave.pieces(100)] == [[7, 9, 5, 20]]
+    # a piece is the layout those chunks make on their own
+    assert pieces[2] == WaveLayout.of((_chunk(3, 6, 20),))
+
+
 def _runner(tiny_ouro_dir, backend: str):
     llm = LLM(
         str(tiny_ouro_dir), dtype="float32", device="cpu", attention_backend=backend, block_size=4
@@ -36,7 +50,7 @@ def test_buckets_pad_rows_and_keep_a_padding_sequence(tiny_ouro_dir):
     three = WaveLayout.of((_chunk(0, 0, 16), _chunk(1, 0, 1), _chunk(2, 0, 1)))
     assert prefill.bucket(three) == (32, 4)  # 3 sequences + the padding one
     too_big = WaveLayout.of((_chunk(0, 0, MAX_GRAPH_ROWS + 1),))
-    assert prefill.bucket(too_big) is None  # exact shape: GPU work dominates there
+    assert prefill.bucket(too_big) is None  # a chunk past the largest bucket: exact shape
     assert ROW_BUCKETS[-1] == MAX_GRAPH_ROWS
     _, torch_runner = _runner(tiny_ouro_dir, "torch")
     assert torch_runner.prefill.bucket(three) is None  # the torch backend: exact shapes only
@@ -79,6 +93,29 @@ def test_padded_wave_equals_exact_wave(tiny_ouro_dir):
     torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-5)
 
 
+def test_a_wave_past_the_largest_bucket_runs_in_pieces(tiny_ouro_dir, monkeypatch):
+    """A wave longer than the largest bucket goes through the buckets in pieces of whole
+    chunks (with the largest bucket at 16 rows here): the hidden states of the exact wave."""
+    llm, runner = _runner(tiny_ouro_dir, "triton")
+    engine = llm.engine
+    prompts = [[3 + i for i in range(7)], [20 + i for i in range(9)], [40 + i for i in range(5)]]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+    plan = engine.scheduler.schedule()
+    engine.runner.execute(plan)
+    wave = WaveLayout.of(plan.prefill[0])
+    assert wave.counts == [7, 9, 5]
+    runner.prefill.max_rows = 16
+    calls = []
+    one = runner.prefill._one
+    monkeypatch.setattr(runner.prefill, "_one", lambda w: calls.append(w.counts) or one(w))
+    pieces = runner.prefill(wave)
+    assert calls == [[7, 9], [5]]
+    exact = runner.prefill._exact(wave)
+    assert pieces.shape == exact.shape
+    torch.testing.assert_close(pieces, exact, rtol=1e-5, atol=1e-5)
+
+
 def _outputs(model_dir, device: str, **opts):
     llm = LLM(str(model_dir), dtype="float32", device=device, block_size=4, **opts)
     prompts = [[(5 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((3, 17, 40, 9, 70))]
@@ -113,6 +150,7 @@ def test_cuda_common_graphs_are_captured_at_start(tiny_ouro_dir):
     runner = llm.engine.runner
     decode, prefill = len(runner.graphs.graphs), len(runner.prefill.graphs)
     assert prefill == len(ROW_BUCKETS)
+    assert llm.engine.scheduler.max_ride_rows == MAX_GRAPH_ROWS  # larger waves: in pieces
     assert decode == 2 * len(runner.graphs.buckets)  # greedy and sampled, every batch bucket
     llm.generate([[5, 6, 7] * 7], SamplingParams(max_tokens=8, ignore_eos=True))
     llm.generate([list(range(3, 103))], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
@@ -122,6 +160,7 @@ def test_cuda_common_graphs_are_captured_at_start(tiny_ouro_dir):
 def test_no_graphs_captured_on_the_cpu(tiny_ouro_dir):
     _, runner = _runner(tiny_ouro_dir, "triton")
     assert runner.graphs is None and runner.prefill.graphs == {}
+    assert runner.max_ride_rows is None  # no captured wave shapes: any wave may ride
     assert runner.capture_graphs([]) == 0
 
 
@@ -145,3 +184,51 @@ def test_padded_waves_match_the_torch_backend_in_chunks(tiny_ouro_dir, kv_layout
         return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
 
     assert run("triton") == run("torch")
+
+
+def test_waves_in_pieces_match_the_torch_backend(tiny_ouro_dir, monkeypatch):
+    """Waves past the largest bucket (8 rows here) run in pieces, asynchronous scheduling
+    (a wave with nothing decoding beside it does not ride a window): the torch backend's
+    tokens and exit depths, with prompts that share a piece and a chunk that stands alone."""
+    from rlt_engine.worker.prefill import PrefillRunner
+
+    prompts = [[7, 8, 9, 10, 11], [14, 15, 16], [20 + i for i in range(11)], [30, 31]]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, exit_threshold=0.6)
+    pieces: list[list[int]] = []
+    one = PrefillRunner._one
+    monkeypatch.setattr(PrefillRunner, "_one", lambda r, w: pieces.append(w.counts) or one(r, w))
+
+    def run(backend: str) -> list:
+        llm = LLM(
+            str(tiny_ouro_dir),
+            dtype="float32",
+            device="cpu",
+            attention_backend=backend,
+            block_size=4,
+            async_scheduling=True,
+        )
+        llm.engine.runner.prefill.max_rows = 8
+        return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
+
+    assert run("triton") == run("torch")
+    assert pieces[:3] == [[5, 3], [11], [2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_waves_in_pieces_equal_cpu(tiny_ouro_dir, monkeypatch):
+    """Waves past the largest bucket (16 rows here) through the captured buckets in pieces,
+    and a chunk longer than that at its exact shape: the CPU's tokens."""
+    from rlt_engine.worker.prefill import PrefillRunner
+
+    cpu, _ = _outputs(tiny_ouro_dir, "cpu")
+    init = PrefillRunner.__init__
+
+    def small(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.max_rows = 16
+
+    monkeypatch.setattr(PrefillRunner, "__init__", small)
+    graphs, captured = _outputs(tiny_ouro_dir, "cuda")
+    assert captured
+    assert graphs == cpu
