@@ -5,9 +5,10 @@ driver (rlt_engine/profile/driver.py) runs `--warmup` unprofiled runs, then one 
 the engine's phases marked, writes the Chrome trace (`--trace-out`; open it in
 chrome://tracing or https://ui.perfetto.dev) and summarises it (rlt_engine/profile/trace.py):
 wall time by phase, GPU time launched by each phase, GPU-busy share of the decode windows,
-kernel launches and host syncs per token step, and the top kernels (CPU ops on CPU), each
-with its added time (its end past the previous kernel's on its stream: under PDL kernels
-overlap, so that, not device time, is what a kernel costs the chain).
+kernel launches and host syncs per token step (the syncs by phase and op: where the host
+waits), and the top kernels (CPU ops on CPU), each with its added time (its end past the
+previous kernel's on its stream: under PDL kernels overlap, so that, not device time, is what a
+kernel costs the chain).
 Human output: tables on stdout, progress on stderr. `--json`: one JSON object on stdout.
 torch loads only when run.
 """
@@ -156,6 +157,8 @@ def _render(report: dict[str, Any]) -> None:
             f"{_num(gpu['launch_calls_per_token_step'])} host launch calls, "
             f"{_num(gpu['syncs_per_token_step'])} host syncs"
         )
+        if gpu["sync_sites"]:
+            stdout.print(_sync_table(gpu["sync_sites"]))
     else:
         stdout.print("GPU busy: n/a (CPU run); kernels per token step: n/a")
     if report["missing_markers"]:
@@ -225,6 +228,21 @@ def _top_table(report: dict[str, Any]) -> Table:
             "overlap under PDL; the added times sum to the busy time)"
         )
         table.caption_justify = "left"
+    return table
+
+
+def _sync_table(sites: list[dict[str, Any]]) -> Table:
+    table = Table(
+        title="host syncs by phase and op (ms: the host waiting)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    for name, justify in (("ms", "right"), ("syncs", "right"), ("phase", "left")):
+        table.add_column(name, justify=justify)
+    table.add_column("innermost op", overflow="ellipsis", no_wrap=True, max_width=60)
+    for site in sites:
+        table.add_row(f"{site['ms']:.2f}", str(site["syncs"]), site["phase"], escape(site["op"]))
     return table
 
 

@@ -19,6 +19,10 @@ prefill waves, the decode window and the read back; ...). Here:
   divided by the token steps (one new token for every request; `output_len - 1` per run), and
   per decode traversal; host launch calls (cudaLaunchKernel, cuLaunchKernel, cudaGraphLaunch)
   and host synchronisations likewise.
+- **Sync sites**: the host's synchronising calls grouped by the phase and the innermost torch
+  op they ran in (`aten::_local_scalar_dense` is an `.item()`, `aten::copy_` a copy from
+  pageable memory or to the host, ...), with the time the host spent in them: where the host
+  waits for the GPU instead of running ahead of it.
 - **Top kernels** by total device time; on CPU (no device events) the top CPU ops by self time.
   Each kernel also gets its **added time**: how far its end lies past the previous kernel's
   end on the same stream (from its own start where the stream was idle before it). Under
@@ -269,7 +273,41 @@ def analyze(
         ),
         "top": _top(device, events, thread, (t0, t1), top),
     }
+    if cuda:
+        ops = [
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
+            for e in events
+            if e.get("cat") == "cpu_op" and on_main(e)
+        ]
+        summary["gpu"]["sync_sites"] = sync_sites(
+            runtime, timeline, _Timeline(exclusive_segments(ops)), phase_of
+        )
     return summary
+
+
+def sync_sites(
+    runtime: list[dict[str, Any]],
+    phases: _Timeline,
+    ops: _Timeline,
+    phase_of: dict[str, str],
+    top: int = 10,
+) -> list[dict[str, Any]]:
+    """The synchronising runtime calls by (phase, innermost torch op), most time first."""
+    sites: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in runtime:
+        if "Synchronize" not in e["name"]:
+            continue
+        at = float(e["ts"])
+        marker = phases.owner(at)
+        phase = phase_of.get(marker, HOST_GAPS) if marker is not None else HOST_GAPS
+        site = sites[(phase, ops.owner(at) or e["name"])]
+        site[0] += 1
+        site[1] += float(e["dur"])
+    rows = [
+        {"phase": phase, "op": op, "syncs": int(n), "ms": us / 1e3}
+        for (phase, op), (n, us) in sites.items()
+    ]
+    return sorted(rows, key=lambda r: (-r["ms"], -r["syncs"], r["phase"], r["op"]))[:top]
 
 
 def _gpu_summary(
@@ -302,7 +340,7 @@ def _gpu_summary(
         "syncs_per_token_step",
     )
     if not cuda:
-        return {"available": False, **dict.fromkeys(keys)}
+        return {"available": False, **dict.fromkeys(keys), "sync_sites": None}
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e, _ in launched]
     busy_wall = union_length(clip(intervals, [wall]))
     window_ms = sum(hi - lo for lo, hi in window_spans)

@@ -52,6 +52,7 @@ def test_json_phases_and_trace(tmp_path: Path) -> None:
     gpu = data["gpu"]
     assert gpu["available"] is False
     assert gpu["busy_share_decode_window"] is None and gpu["kernels_per_token_step"] is None
+    assert gpu["sync_sites"] is None
     top = data["top"]
     assert top["kind"] == "cpu_ops" and 1 <= len(top["items"]) <= 5
     assert all(item["name"].startswith("aten::") for item in top["items"])
@@ -125,6 +126,8 @@ def test_profile_on_cuda_reports_kernels_and_gpu_busy(
     assert gpu["available"] is True and gpu["kernels"] >= gpu["decode_kernels"] > 0
     assert 0 < gpu["busy_share_decode_window"] <= 1 and 0 < gpu["busy_share_wall"] <= 1
     assert gpu["kernels_per_token_step"] > 0 and gpu["launch_calls"] > 0
+    # at least the read backs wait for the GPU
+    assert any(site["phase"] == "read_back" for site in gpu["sync_sites"])
     phases = {p["phase"]: p for p in data["phases"]}
     assert phases["decode_window"]["gpu_ms"] > 0
     assert data["top"]["kind"] == "cuda_kernels" and data["top"]["items"]

@@ -158,6 +158,41 @@ def test_gpu_busy_share_of_the_decode_windows() -> None:
     assert gpu["syncs"] == 1 and gpu["syncs_per_token_step"] == pytest.approx(1 / 4)
 
 
+def test_sync_sites_by_phase_and_innermost_op() -> None:
+    """Each synchronising call goes to the phase and the innermost torch op it ran in (a
+    call outside any op is named by itself), most host time first."""
+
+    def op(name: str, ts: float, dur: float, **where: Any) -> dict[str, Any]:
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur,
+                **(where or MAIN)}  # fmt: skip
+
+    def sync(ts: float, dur: float, **where: Any) -> dict[str, Any]:
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": ts,
+                "dur": dur, "args": {}, **(where or MAIN)}  # fmt: skip
+
+    trace = gpu_trace()
+    trace["traceEvents"] += [
+        op("aten::to", 60, 30),  # prefill 50..150
+        op("aten::copy_", 62, 20),  # innermost: the pageable copy
+        sync(65, 5),
+        sync(70, 5),
+        op("aten::item", 100, 10),
+        op("aten::_local_scalar_dense", 101, 8),
+        sync(102, 4),
+        op("aten::item", 980, 5),  # after the workload's last step: host gaps
+        sync(981, 1),
+        sync(100, 50, pid=1, tid=8),  # another thread: not the engine's
+    ]
+    sites = analyze(trace, token_steps=4, traversals=16)["gpu"]["sync_sites"]
+    assert sites == [
+        {"phase": "read_back", "op": "cudaStreamSynchronize", "syncs": 1, "ms": 0.03},
+        {"phase": "prefill", "op": "aten::copy_", "syncs": 2, "ms": 0.01},
+        {"phase": "prefill", "op": "aten::_local_scalar_dense", "syncs": 1, "ms": 0.004},
+        {"phase": HOST_GAPS, "op": "aten::item", "syncs": 1, "ms": 0.001},
+    ]
+    assert analyze(trace, token_steps=4, traversals=16, cuda=False)["gpu"]["sync_sites"] is None
+
+
 def test_top_kernels_by_device_time() -> None:
     top = analyze(gpu_trace(), token_steps=4, traversals=16, top=2)["top"]
     assert top["kind"] == "cuda_kernels" and top["total_ms"] == pytest.approx(0.59)
