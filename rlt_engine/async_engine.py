@@ -117,12 +117,20 @@ class StepReport:
 
 
 @dataclass
+class _Route:
+    """Where a request's outputs go, and what the engine thread holds back for it."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+    held: list[RequestOutput] = field(default_factory=list)  # deltas not yet sent
+    tokens_sent: int = 0  # the first token goes at once (time to first token)
+
+
+@dataclass
 class _State:
     status: str = "loading"  # loading | ready | dead | stopped
     error: str | None = None
-    streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = field(
-        default_factory=dict
-    )
+    streams: dict[str, _Route] = field(default_factory=dict)
 
 
 class AsyncEngine:
@@ -131,8 +139,14 @@ class AsyncEngine:
         make_engine: Callable[[], LLMEngine],
         *,
         on_step: Callable[[StepReport], None] | None = None,
+        stream_interval: int = 1,
     ) -> None:
+        """`stream_interval`: tokens a request's outputs gather on the engine thread before
+        they go to the caller as one (its first output and its last go at once)."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self._make_engine, self._on_step = make_engine, on_step
+        self.stream_interval = stream_interval
         self._commands: deque[_Add | _Abort] = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -263,7 +277,7 @@ class AsyncEngine:
             except Exception as exc:
                 command.accepted.set_exception(exc)
                 continue
-            self._state.streams[command.request_id] = (command.loop, command.stream.queue)
+            self._state.streams[command.request_id] = _Route(command.loop, command.stream.queue)
             command.accepted.set_result(None)
         if aborted:
             self._report(engine, aborted, 0.0, 0)
@@ -276,24 +290,36 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
-        streams = self._state.streams
+        streams, interval = self._state.streams, self.stream_interval
         for out in outputs:
-            entry = streams.get(out.request_id)
-            if entry is None:
+            route = streams.get(out.request_id)
+            if route is None:
                 continue
+            items: list[Any] = []
             if out.finished:
                 del streams[out.request_id]
-            item: Any = out
-            if out.finish_reason == "error":
-                item = RequestFailedError(out.error or "the request failed")
-            by_loop.setdefault(entry[0], []).append((entry[1], item))
-        for loop, items in by_loop.items():
-            _post(loop, items)
+                if out.finish_reason == "error":  # what it made before, then the error
+                    items = [RequestOutput.merged(route.held)] if route.held else []
+                    items.append(RequestFailedError(out.error or "the request failed"))
+                else:
+                    items = [RequestOutput.merged([*route.held, out])]
+            else:
+                route.held.append(out)
+                held = sum(len(d.new_token_ids) for d in route.held) if interval > 1 else 0
+                if interval == 1 or held >= interval or (held and not route.tokens_sent):
+                    items = [RequestOutput.merged(route.held)]
+                    route.tokens_sent += held
+            if items:
+                route.held = []
+                by_loop.setdefault(route.loop, []).extend((route.queue, i) for i in items)
+        for loop, batch in by_loop.items():
+            _post(loop, batch)
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
-        entry = self._state.streams.pop(request_id, None)
-        if entry is not None:
-            _post(entry[0], [(entry[1], error)])
+        route = self._state.streams.pop(request_id, None)
+        if route is not None:
+            held = [RequestOutput.merged(route.held)] if route.held else []
+            _post(route.loop, [(route.queue, item) for item in [*held, error]])
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._state.streams):

@@ -154,6 +154,77 @@ def test_merged_deltas_stop_at_an_error_and_at_the_last_output() -> None:
         RequestOutput.merged([_delta([1]), dataclasses.replace(_delta([2]), request_id="x")])
 
 
+def test_stream_interval_gathers_tokens_on_the_engine_thread() -> None:
+    """With stream_interval 3 the engine thread sends a request's first token at once, then
+    outputs of at least 3 tokens, and the end with whatever it held; a step without tokens
+    sends nothing; an error follows what was held. Interval 1 sends every step's output."""
+    from rlt_engine.async_engine import _Route
+
+    def deliver(interval: int, steps: list[RequestOutput]) -> list:
+        engine = AsyncEngine(lambda: None, stream_interval=interval)  # type: ignore[arg-type,return-value]
+        loop = asyncio.new_event_loop()
+        try:
+            queue: asyncio.Queue = asyncio.Queue()
+            engine._state.streams["r"] = _Route(loop, queue)
+            for out in steps:
+                engine._deliver([out])
+            loop.run_until_complete(asyncio.sleep(0))  # the posted puts run
+            return [queue.get_nowait() for _ in range(queue.qsize())]
+        finally:
+            loop.close()
+
+    none = dataclasses.replace(_delta([9]), new_token_ids=[], new_exit_depths=[], new_text="")
+    steps = [none, _delta([1]), _delta([2]), _delta([3]), _delta([4, 5]), _delta([6]),
+             _delta([7], finished=True)]  # fmt: skip
+    got = deliver(3, steps)
+    assert [(o.new_token_ids, o.finished) for o in got] == [
+        ([1], False),  # the first token at once (the step before it had none: nothing sent)
+        ([2, 3, 4, 5], False),
+        ([6, 7], True),
+    ]
+    assert "".join(o.new_text for o in got) == "1234567"
+    assert len(deliver(1, steps)) == len(steps)  # every step, as before
+    failed = deliver(3, [_delta([1]), _delta([2]), dataclasses.replace(
+        _delta([3], finished=True), finish_reason="error", error="boom")])  # fmt: skip
+    assert [o.new_token_ids for o in failed[:1]] == [[1]] and failed[1].new_token_ids == [2]
+    assert isinstance(failed[2], RequestFailedError) and "boom" in str(failed[2])
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncEngine(lambda: None, stream_interval=0)  # type: ignore[arg-type,return-value]
+
+
+def test_stream_interval_keeps_the_outputs(served, llm) -> None:
+    """Served with stream_interval 4: the same tokens, depths and text as the synchronous
+    engine, in fewer outputs, each after the first holding at least 4 tokens (or the end)."""
+    engine = AsyncEngine(lambda: served.engine, stream_interval=4)
+    engine.start()
+    assert engine.wait_ready(60)
+    counts: list[list[int]] = []
+
+    async def run(i: int, prompt: str) -> dict:
+        sizes: list[int] = []
+        tokens: list[int] = []
+        async for out in engine.generate(prompt, _params(i), f"s{i}"):
+            sizes.append(len(out.new_token_ids))
+            tokens += out.new_token_ids
+            if out.finished:
+                counts.append(sizes)
+                return {"tokens": out.token_ids, "depths": out.exit_depths, "text": out.text}
+        raise AssertionError("no finished output")
+
+    async def main() -> list[dict]:
+        return await asyncio.gather(*(run(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    want = llm.generate(PROMPTS, [_params(i) for i in range(4)])
+    assert got == [{"tokens": o.token_ids, "depths": o.exit_depths, "text": o.text} for o in want]
+    for sizes in counts:
+        assert sizes[0] >= 1 and all(n >= 4 for n in sizes[1:-1]), sizes
+    assert sum(len(c) for c in counts) < sum(sum(c) for c in counts)  # fewer outputs than tokens
+
+
 def test_arrival_is_when_the_caller_sent_the_request(engine, served, monkeypatch) -> None:
     """TTFT and E2E count from the moment a request was handed to the AsyncEngine, including
     its wait in the command queue until the engine thread drains it between steps."""

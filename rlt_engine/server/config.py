@@ -17,6 +17,9 @@ class ServerConfig:
     max_concurrent_requests: int = 256  # HTTP requests generating at once; more get 429
     request_timeout: float | None = None  # seconds per request; None = no limit
     max_request_bytes: int = 16 * MiB  # request bodies larger than this get 413
+    # tokens a streamed request's outputs gather before they leave the engine thread (the
+    # first token and the end leave at once): fewer, larger SSE chunks, less event-loop work
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -29,5 +32,7 @@ class ServerConfig:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")

@@ -46,7 +46,11 @@ def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any,
     if notice:
         log.warning(notice)
     metrics = ServerMetrics(names[0], engine_config.scheduler.max_num_seqs)
-    engine = AsyncEngine(lambda: LLMEngine(engine_config), on_step=metrics.record)
+    engine = AsyncEngine(
+        lambda: LLMEngine(engine_config),
+        on_step=metrics.record,
+        stream_interval=server.stream_interval,
+    )
     app = build_app(engine, server, names, metrics)
     # loop and http stay "auto": uvloop and httptools (dependencies) where they install, else
     # asyncio and h11; every streamed chunk costs the event loop one socket write either way

@@ -175,7 +175,11 @@ def test_bad_flags_fail_fast() -> None:
     import subprocess
     import sys
 
-    for args, flag in ((["--port", "70000"], "port"), (["--request-timeout", "0"], "timeout")):
+    for args, flag in (
+        (["--port", "70000"], "port"),
+        (["--request-timeout", "0"], "timeout"),
+        (["--stream-interval", "0"], "stream-interval"),
+    ):
         out = subprocess.run(
             [sys.executable, "-m", "rlt_cli.main", "serve", "demo", *args],
             capture_output=True,

@@ -189,3 +189,35 @@ def test_openai_errors_are_typed(client) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="demo", prompt="x", max_tokens=2, temperature=-1)
     assert info.value.body["param"] == "temperature"
+
+
+def test_stream_interval_sends_fewer_larger_chunks(client) -> None:
+    """`--stream-interval 4`: the first chunk as soon as the default server's (the step of
+    the first token), then chunks of at least 4 tokens (the last holds the rest); the text
+    and token ids of the default server's stream."""
+    from server_process import DEMO_ARGS, ServerProcess
+
+    args = dict(model="demo", prompt=PROMPTS[0], max_tokens=17, temperature=0,
+                extra_body={"ignore_eos": True})  # fmt: skip
+
+    def stream(c: openai.OpenAI) -> tuple[list[int], str, list[int]]:
+        sizes, tokens, text = [], [], ""
+        for chunk in c.completions.create(**args, stream=True):
+            for choice in chunk.choices:
+                ids = (choice.model_extra or {}).get("token_ids", [])
+                if ids:
+                    sizes.append(len(ids))
+                tokens += ids
+                text += choice.text
+        return tokens, text, sizes
+
+    tokens, text, sizes = stream(client)
+    proc = ServerProcess(*DEMO_ARGS, "--stream-interval", "4").wait_healthy()
+    try:
+        gathered = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+        tokens4, text4, sizes4 = stream(gathered)
+    finally:
+        proc.stop()
+    assert (tokens4, text4) == (tokens, text) and len(tokens) == 17
+    assert sizes4[0] == sizes[0] and all(n >= 4 for n in sizes4[1:-1])
+    assert len(sizes4) < len(sizes)
