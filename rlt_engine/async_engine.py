@@ -96,6 +96,7 @@ class _Add:
     accepted: concurrent.futures.Future[None]
     loop: asyncio.AbstractEventLoop
     stream: RequestStream
+    final_only: bool = False
     # when the caller sent it: its arrival, so TTFT and E2E include the wait for the engine
     # thread to drain the queue between steps (as vLLM counts from arrival at the server)
     sent: float = field(default_factory=time.monotonic)
@@ -122,6 +123,7 @@ class _Route:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
+    final_only: bool = False  # send nothing before the end
     held: list[RequestOutput] = field(default_factory=list)  # deltas not yet sent
     tokens_sent: int = 0  # the first token goes at once (time to first token)
 
@@ -181,14 +183,22 @@ class AsyncEngine:
 
     # -- requests (asyncio callers) -------------------------------------------------------
     async def add(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        final_only: bool = False,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepted it. Raises ValueError for a
-        request the engine refuses (nothing is left behind)."""
+        request the engine refuses (nothing is left behind). `final_only`: the stream yields
+        one output, the finished one (a caller that wants no deltas: the engine thread keeps
+        them and the caller's loop is woken once)."""
         self._check_accepting()
         stream = RequestStream(self, request_id)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(_Add(request_id, prompt, params, accepted, asyncio.get_running_loop(), stream))
+        loop = asyncio.get_running_loop()
+        self._send(_Add(request_id, prompt, params, accepted, loop, stream, final_only))
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
@@ -277,7 +287,8 @@ class AsyncEngine:
             except Exception as exc:
                 command.accepted.set_exception(exc)
                 continue
-            self._state.streams[command.request_id] = _Route(command.loop, command.stream.queue)
+            route = _Route(command.loop, command.stream.queue, command.final_only)
+            self._state.streams[command.request_id] = route
             command.accepted.set_result(None)
         if aborted:
             self._report(engine, aborted, 0.0, 0)
@@ -303,6 +314,8 @@ class AsyncEngine:
                     items.append(RequestFailedError(out.error or "the request failed"))
                 else:
                     items = [RequestOutput.merged([*route.held, out])]
+            elif route.final_only:
+                route.held.append(out)
             else:
                 route.held.append(out)
                 held = sum(len(d.new_token_ids) for d in route.held) if interval > 1 else 0

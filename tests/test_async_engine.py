@@ -225,6 +225,32 @@ def test_stream_interval_keeps_the_outputs(served, llm) -> None:
     assert sum(len(c) for c in counts) < sum(sum(c) for c in counts)  # fewer outputs than tokens
 
 
+def test_final_only_callers_get_one_output(engine, llm) -> None:
+    """A caller that wants no deltas (a response sent whole) gets the finished output alone,
+    its deltas joined on the engine thread: the synchronous engine's tokens, depths, text and
+    logprobs; a streamed request beside it still gets its deltas (`_run` checks them)."""
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=5, logprobs=2, ignore_eos=True)
+
+    async def main() -> tuple[list[RequestOutput], dict]:
+        whole = await engine.add(PROMPTS[3], params, "whole", final_only=True)
+        streamed = asyncio.ensure_future(_run(engine, PROMPTS[0], _params(0), "streamed"))
+        return [out async for out in whole], await streamed
+
+    outs, streamed = asyncio.run(main())
+    want, other = llm.generate([PROMPTS[3], PROMPTS[0]], [params, _params(0)])
+    assert len(outs) == 1 and outs[0].finished
+    out = outs[0]
+    assert out.new_token_ids == out.token_ids == want.token_ids
+    assert out.new_exit_depths == want.exit_depths and out.new_text == want.text
+    assert out.new_logprobs is not None and want.logprobs is not None
+    # the two requests share GEMMs here and not there: logprobs to fp32 rounding
+    assert [lp.token_id for lp in out.new_logprobs] == [lp.token_id for lp in want.logprobs]
+    assert [lp.logprob for lp in out.new_logprobs] == pytest.approx(
+        [lp.logprob for lp in want.logprobs], abs=1e-5
+    )
+    assert streamed["tokens"] == other.token_ids
+
+
 def test_arrival_is_when_the_caller_sent_the_request(engine, served, monkeypatch) -> None:
     """TTFT and E2E count from the moment a request was handed to the AsyncEngine, including
     its wait in the command queue until the engine thread drains it between steps."""

@@ -72,7 +72,7 @@ class Serving:
             for prompt in prompts:
                 for choice in range(body.n):
                     work.append((prompt, body.sampling_params(max_tokens, body.logprobs, choice)))
-            job = await self._start(body.model, "cmpl", work, body.n)
+            job = await self._start(body.model, "cmpl", work, body.stream)
         except BaseException:
             self.in_flight -= 1
             raise
@@ -93,7 +93,7 @@ class Serving:
                 (ids, body.sampling_params(limit, body.logprobs_count, choice))
                 for choice in range(body.n)
             ]
-            job = await self._start(body.model, "chatcmpl", work, body.n)
+            job = await self._start(body.model, "chatcmpl", work, body.stream)
         except BaseException:
             self.in_flight -= 1
             raise
@@ -136,12 +136,20 @@ class Serving:
         return self.tokenizer.decode(prompt) if self.tokenizer is not None else ""
 
     async def _start(
-        self, model: str, kind: str, work: list[tuple[str | list[int], SamplingParams]], n: int
+        self,
+        model: str,
+        kind: str,
+        work: list[tuple[str | list[int], SamplingParams]],
+        stream: bool,
     ) -> _Job:
         job = _Job(f"{kind}-{uuid.uuid4().hex}", model, int(time.time()))
         try:
             for index, (prompt, params) in enumerate(work):
-                job.streams.append(await self.engine.add(prompt, params, f"{job.id}-{index}"))
+                # a response sent whole needs no deltas: the engine thread keeps them
+                added = await self.engine.add(
+                    prompt, params, f"{job.id}-{index}", final_only=not stream
+                )
+                job.streams.append(added)
         except BaseException as exc:
             job.abort()
             if isinstance(exc, ValueError):
