@@ -144,7 +144,8 @@ class AsyncEngine:
         stream_interval: int = 1,
     ) -> None:
         """`stream_interval`: tokens a request's outputs gather on the engine thread before
-        they go to the caller as one (its first output and its last go at once)."""
+        they go to the caller as one (the output with its first token, and its last, go at
+        once)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self._make_engine, self._on_step = make_engine, on_step
@@ -314,12 +315,11 @@ class AsyncEngine:
                     items.append(RequestFailedError(out.error or "the request failed"))
                 else:
                     items = [RequestOutput.merged([*route.held, out])]
-            elif route.final_only:
-                route.held.append(out)
             else:
                 route.held.append(out)
                 held = sum(len(d.new_token_ids) for d in route.held) if interval > 1 else 0
-                if interval == 1 or held >= interval or (held and not route.tokens_sent):
+                due = interval == 1 or held >= interval or (held and not route.tokens_sent)
+                if due and not route.final_only:
                     items = [RequestOutput.merged(route.held)]
                     route.tokens_sent += held
             if items:
