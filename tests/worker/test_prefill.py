@@ -164,26 +164,27 @@ def test_no_graphs_captured_on_the_cpu(tiny_ouro_dir):
     assert runner.capture_graphs([]) == 0
 
 
+def _tokens(model_dir, backend: str, prompts, params, max_rows: int | None = None, **opts):
+    """Tokens and exit depths of `prompts` on the CPU (Triton under the interpreter), with
+    the largest prefill bucket at `max_rows` where given."""
+    llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", attention_backend=backend, block_size=4,
+        **opts,
+    )  # fmt: skip
+    if max_rows is not None:
+        llm.engine.runner.prefill.max_rows = max_rows
+    return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("kv_layout", ["last_exited", "shared"])
 def test_padded_waves_match_the_torch_backend_in_chunks(tiny_ouro_dir, kv_layout):
     """Chunked prompts (chunks that start mid-prompt, several waves) through the padded path
     (Triton kernels under the interpreter) give the torch backend's tokens and exit depths."""
     prompts = [[7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18]]
     params = SamplingParams(max_tokens=3, ignore_eos=True, exit_threshold=0.6)
-
-    def run(backend: str) -> list:
-        llm = LLM(
-            str(tiny_ouro_dir),
-            dtype="float32",
-            device="cpu",
-            attention_backend=backend,
-            block_size=4,
-            prefill_chunk_size=3,
-            kv_layout=kv_layout,
-        )
-        return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
-
-    assert run("triton") == run("torch")
+    opts = dict(prefill_chunk_size=3, kv_layout=kv_layout)
+    triton = _tokens(tiny_ouro_dir, "triton", prompts, params, **opts)
+    assert triton == _tokens(tiny_ouro_dir, "torch", prompts, params, **opts)
 
 
 def test_waves_in_pieces_match_the_torch_backend(tiny_ouro_dir, monkeypatch):
@@ -197,20 +198,8 @@ def test_waves_in_pieces_match_the_torch_backend(tiny_ouro_dir, monkeypatch):
     pieces: list[list[int]] = []
     one = PrefillRunner._one
     monkeypatch.setattr(PrefillRunner, "_one", lambda r, w: pieces.append(w.counts) or one(r, w))
-
-    def run(backend: str) -> list:
-        llm = LLM(
-            str(tiny_ouro_dir),
-            dtype="float32",
-            device="cpu",
-            attention_backend=backend,
-            block_size=4,
-            async_scheduling=True,
-        )
-        llm.engine.runner.prefill.max_rows = 8
-        return [(o.token_ids, o.exit_depths) for o in llm.generate(prompts, params)]
-
-    assert run("triton") == run("torch")
+    triton = _tokens(tiny_ouro_dir, "triton", prompts, params, 8, async_scheduling=True)
+    assert triton == _tokens(tiny_ouro_dir, "torch", prompts, params, async_scheduling=True)
     assert pieces[:3] == [[5, 3], [11], [2]]
 
 
