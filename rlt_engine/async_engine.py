@@ -125,7 +125,21 @@ class _Route:
     queue: asyncio.Queue[Any]
     final_only: bool = False  # send nothing before the end
     held: list[RequestOutput] = field(default_factory=list)  # deltas not yet sent
-    tokens_sent: int = 0  # the first token goes at once (time to first token)
+    held_tokens: int = 0  # their new tokens
+    token_sent: bool = False  # the first token goes at once (time to first token)
+
+    def hold(self, out: RequestOutput) -> None:
+        self.held.append(out)
+        self.held_tokens += len(out.new_token_ids)
+
+    def take(self) -> list[RequestOutput]:
+        """The held deltas as one output (none if nothing is held), no longer held."""
+        if not self.held:
+            return []
+        out = RequestOutput.merged(self.held)
+        self.token_sent = self.token_sent or self.held_tokens > 0
+        self.held, self.held_tokens = [], 0
+        return [out]
 
 
 @dataclass
@@ -311,19 +325,17 @@ class AsyncEngine:
             if out.finished:
                 del streams[out.request_id]
                 if out.finish_reason == "error":  # what it made before, then the error
-                    items = [RequestOutput.merged(route.held)] if route.held else []
-                    items.append(RequestFailedError(out.error or "the request failed"))
+                    items = [*route.take(), RequestFailedError(out.error or "the request failed")]
                 else:
-                    items = [RequestOutput.merged([*route.held, out])]
+                    route.hold(out)
+                    items = route.take()
             else:
-                route.held.append(out)
-                held = sum(len(d.new_token_ids) for d in route.held) if interval > 1 else 0
-                due = interval == 1 or held >= interval or (held and not route.tokens_sent)
+                route.hold(out)
+                tokens = route.held_tokens
+                due = interval == 1 or tokens >= interval or (tokens and not route.token_sent)
                 if due and not route.final_only:
-                    items = [RequestOutput.merged(route.held)]
-                    route.tokens_sent += held
+                    items = route.take()
             if items:
-                route.held = []
                 by_loop.setdefault(route.loop, []).extend((route.queue, i) for i in items)
         for loop, batch in by_loop.items():
             _post(loop, batch)
@@ -331,8 +343,7 @@ class AsyncEngine:
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         route = self._state.streams.pop(request_id, None)
         if route is not None:
-            held = [RequestOutput.merged(route.held)] if route.held else []
-            _post(route.loop, [(route.queue, item) for item in [*held, error]])
+            _post(route.loop, [(route.queue, item) for item in [*route.take(), error]])
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self._state.streams):
