@@ -1,15 +1,18 @@
-"""AsyncEngine: one owner thread steps an `LLMEngine`; asyncio callers stream its outputs.
+"""AsyncEngine: asyncio callers stream the outputs of an `LLMEngine` that one owner steps.
 
-The engine thread is the only one that touches the engine. Callers talk to it through a
-command queue (add, abort) that it drains between steps, and get their outputs back through
-their own asyncio queue: after each step the thread hands the whole step's outputs to each
-caller's event loop in one `call_soon_threadsafe`, so it never waits on a client, however slow.
+The owner runs `engine_core.run_core`: on a thread of this process, or (`engine_process=True`,
+as `rlt serve` runs it) in a process of its own, so that the engine's host work never waits
+for this process's interpreter lock. Callers send it commands (add, abort) that it drains
+between steps, and get their outputs back through their own asyncio queue: after each step
+the delivering thread (the engine thread, or the thread that reads the engine process's
+events) hands the whole step's outputs to each caller's event loop in one
+`call_soon_threadsafe`, so the engine never waits on a client, however slow.
 
 Faults stay where they happen: a bad request is refused at add (the caller gets the
 `ValueError`); a request whose detokenizer or stop matching fails finishes alone with
 finish_reason "error" (see `LLMEngine.step`); a failed worker step fails only the requests it
-carried (`StepFailedError`); only an error outside those marks the engine dead, and then every
-open stream gets `EngineDeadError` and `/health` says 503.
+carried (`StepFailedError`); only an error outside those (or the engine process dying) marks
+the engine dead, and then every open stream gets `EngineDeadError` and `/health` says 503.
 """
 
 from __future__ import annotations
@@ -17,22 +20,40 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import multiprocessing
+import multiprocessing.process
 import threading
-import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlt_engine.engine import EngineStats, LLMEngine, StepFailedError
+from rlt_engine.engine_core import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    CoreFailed,
+    CoreReady,
+    CoreStopped,
+    CoreTurn,
+    Event,
+    Inbox,
+    PromptIds,
+    StopCore,
+    core_process_main,
+    run_core,
+)
+from rlt_engine.engine_info import EngineInfo
 from rlt_engine.outputs import RequestOutput
 from rlt_engine.sampling_params import SamplingParams
 
-IDLE_WAIT_S = 0.05  # how long the idle thread sleeps before looking at the queue again
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from rlt_engine.engine import EngineStats, LLMEngine
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an unexpected error; nothing more can run."""
+    """The engine stopped on an unexpected error (or its process died); nothing more runs."""
 
 
 class EngineNotReadyError(RuntimeError):
@@ -85,41 +106,32 @@ class RequestStream:
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            self._engine._send(_Abort(self.request_id))
+            self._engine._send(AbortRequest(self.request_id))
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    """An add the core has not answered yet: where its answer and outputs go."""
+
     accepted: concurrent.futures.Future[None]
     loop: asyncio.AbstractEventLoop
     stream: RequestStream
     final_only: bool = False
-    # when the caller sent it: its arrival, so TTFT and E2E include the wait for the engine
-    # thread to drain the queue between steps (as vLLM counts from arrival at the server)
-    sent: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _Abort:
-    request_id: str
 
 
 @dataclass
 class StepReport:
-    """What the engine thread did in one step, for metrics: read on the engine thread."""
+    """What the engine did in one turn, for metrics: read on the thread that delivers."""
 
     stats: EngineStats
     outputs: list[RequestOutput]
-    wall_s: float
+    wall_s: float | None  # the step's wall time; None: no step ran (aborts only)
     failed: int = 0  # requests failed by the step
 
 
 @dataclass
 class _Route:
-    """Where a request's outputs go, and what the engine thread holds back for it."""
+    """Where a request's outputs go, and what the delivering thread holds back for it."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[Any]
@@ -156,25 +168,58 @@ class AsyncEngine:
         *,
         on_step: Callable[[StepReport], None] | None = None,
         stream_interval: int = 1,
+        engine_process: bool = False,
     ) -> None:
-        """`stream_interval`: tokens a request's outputs gather on the engine thread before
-        they go to the caller as one (the output with its first token, and its last, go at
-        once)."""
+        """`stream_interval`: tokens a request's outputs gather before they go to the caller
+        as one (the output with its first token, and its last, go at once).
+        `engine_process`: run the engine in a process of its own (`make_engine` must then
+        pickle: a module-level function or a `functools.partial` of one), not on a thread."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self._make_engine, self._on_step = make_engine, on_step
         self.stream_interval = stream_interval
-        self._commands: deque[_Add | _Abort] = deque()
-        self._wake = threading.Event()
+        self.engine_process = engine_process
+        self._inbox = Inbox()  # the engine thread's (thread mode)
+        self._commands: Connection | None = None  # the engine process's pipe (process mode)
+        self._send_lock = threading.Lock()
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._lock = threading.Lock()  # the pending adds and the status, between threads
+        self._pending: dict[str, _Add] = {}
         self._stopping = False
         self._state = _State()
         self._loaded = threading.Event()
-        self.engine: LLMEngine | None = None
-        self._thread = threading.Thread(target=self._run, name="rlt-engine", daemon=True)
+        self.engine: LLMEngine | None = None  # thread mode: the engine the thread owns
+        self._info: EngineInfo | None = None
+        self._tokenizer: Any = None
+        self._thread: threading.Thread | None = None
+        self._prompts = PromptIds()  # process mode: prompt ids sent once per request
 
     # -- lifecycle (any thread) -----------------------------------------------------------
     def start(self) -> None:
-        """Load the model and start stepping, both on the engine thread; returns at once."""
+        """Start the engine (its model loads there) and return at once."""
+        if not self.engine_process:
+            args = (self._make_engine, self._inbox, self._on_event, self._on_loaded)
+            self._thread = threading.Thread(target=run_core, args=args, name="rlt-engine")
+        else:
+            # spawn, not fork: CUDA cannot be used in a forked child, and the child must not
+            # inherit the server's sockets and threads
+            ctx = multiprocessing.get_context("spawn")
+            commands_out, commands_in = ctx.Pipe(duplex=False)
+            events_out, events_in = ctx.Pipe(duplex=False)
+            self.process = ctx.Process(
+                target=core_process_main,
+                args=(self._make_engine, commands_out, events_in),
+                name="rlt-engine",
+                daemon=True,  # never outlives the server
+            )
+            self.process.start()
+            commands_out.close()  # the child's ends: its exit then reads as EOF here
+            events_in.close()
+            self._commands = commands_in
+            self._thread = threading.Thread(
+                target=self._receive, args=(events_out,), name="rlt-engine-events"
+            )
+        self._thread.daemon = True
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -189,12 +234,35 @@ class AsyncEngine:
     def error(self) -> str | None:
         return self._state.error
 
+    @property
+    def info(self) -> EngineInfo | None:
+        """What the loaded engine is (None while loading)."""
+        return self._info
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (None for a model without one, or while loading)."""
+        return self._tokenizer
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop after the requests still running finish (or `timeout`); abort what is left."""
-        self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive():
+        with self._lock:
+            self._stopping = True
+        self._send(StopCore())
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
+        if self.process is not None:
+            self.process.join(5.0)
+            if self.process.is_alive():  # past the timeout: requests still running
+                self.process.kill()
+                self.process.join()
+            if self._thread is not None:
+                self._thread.join(5.0)
+            if self._state.status not in ("dead", "stopped"):
+                self._finish("stopped", None, EngineDeadError("the engine stopped"))
+            with self._send_lock:
+                assert self._commands is not None
+                self._commands.close()
 
     # -- requests (asyncio callers) -------------------------------------------------------
     async def add(
@@ -207,17 +275,24 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request and wait until the engine accepted it. Raises ValueError for a
         request the engine refuses (nothing is left behind). `final_only`: the stream yields
-        one output, the finished one (a caller that wants no deltas: the engine thread keeps
-        them and the caller's loop is woken once)."""
-        self._check_accepting()
+        one output, the finished one (a caller that wants no deltas: the delivering thread
+        keeps them and the caller's loop is woken once)."""
         stream = RequestStream(self, request_id)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
         loop = asyncio.get_running_loop()
-        self._send(_Add(request_id, prompt, params, accepted, loop, stream, final_only))
+        with self._lock:
+            self._check_accepting()
+            if request_id in self._pending:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._pending[request_id] = _Add(accepted, loop, stream, final_only)
+        self._send(AddRequest(request_id, prompt, params))
         try:
             await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            stream.abort()  # cancelled while queued: the core may have taken it; never run it
+            raise
         except BaseException:
-            stream.abort()  # cancelled while queued: make sure it never runs
+            stream.done = True  # refused: the core holds nothing of it
             raise
         return stream
 
@@ -239,80 +314,84 @@ class AsyncEngine:
         if status != "ready" or self._stopping:
             raise EngineDeadError(self._state.error or "the engine is shutting down")
 
-    def _send(self, command: _Add | _Abort) -> None:
-        self._commands.append(command)
-        self._wake.set()
-
-    # -- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            self.engine = self._make_engine()
-        except BaseException as exc:
-            self._state.status, self._state.error = "dead", f"model failed to load: {exc}"
-            self._loaded.set()
+    def _send(self, command: Command) -> None:
+        if self._commands is None:
+            self._inbox.put(command)
             return
+        # a closed pipe: the engine process is gone, and the events thread reports it
+        with self._send_lock, contextlib.suppress(OSError):
+            self._commands.send(command)
+
+    # -- events from the core (the engine thread, or the events thread of process mode) --
+    def _on_loaded(self, engine: LLMEngine) -> None:
+        self.engine, self._tokenizer = engine, engine.tokenizer
+
+    def _receive(self, events: Connection) -> None:
+        try:
+            while True:
+                try:
+                    event = events.recv()
+                except (EOFError, OSError):
+                    break
+                self._on_event(event)
+        finally:
+            events.close()
+        if self._state.status in ("loading", "ready"):
+            assert self.process is not None
+            self.process.join(5.0)
+            message = f"the engine process exited unexpectedly (exit code {self.process.exitcode})"
+            self._finish("dead", message, EngineDeadError(message))
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, CoreTurn):
+            self._on_turn(event)
+        elif isinstance(event, CoreReady):
+            self._ready(event.info)
+        elif isinstance(event, CoreFailed):
+            self._finish("dead", event.message, EngineDeadError(event.message))
+        elif isinstance(event, CoreStopped):
+            self._finish("stopped", None, EngineDeadError("the engine stopped"))
+
+    def _ready(self, info: EngineInfo) -> None:
+        if self.engine_process and info.has_tokenizer:
+            from rlt_engine.models.tokenizer import load_tokenizer
+
+            try:  # the server's own copy: chat templates and logprob tokens are rendered here
+                self._tokenizer = load_tokenizer(info.model_dir)
+            except Exception as exc:
+                self._send(StopCore(now=True))
+                message = f"model failed to load: {exc}"
+                self._finish("dead", message, EngineDeadError(message))
+                return
+        self._info = info
         self._state.status = "ready"
         self._loaded.set()
-        try:
-            self._loop(self.engine)
-        except BaseException as exc:
-            self._die(f"engine stopped: {type(exc).__name__}: {exc}")
-            return
-        self._state.status = "stopped"
-        self._fail_all(EngineDeadError("the engine stopped"))
 
-    def _loop(self, engine: LLMEngine) -> None:
-        while True:
-            self._drain(engine)
-            busy = engine.has_unfinished_requests()
-            if self._stopping and not busy:
-                return
-            if not busy:
-                self._wake.clear()
-                if not self._commands:
-                    self._wake.wait(IDLE_WAIT_S)
-                continue
-            start = time.perf_counter()
-            failed = 0
-            try:
-                outputs = engine.step()
-            except StepFailedError as exc:
-                outputs, failed = [], len(exc.request_ids)
-                for rid in exc.request_ids:
-                    self._deliver_error(rid, RequestFailedError(str(exc)))
-            self._deliver(outputs)
-            self._report(engine, outputs, time.perf_counter() - start, failed)
-
-    def _drain(self, engine: LLMEngine) -> None:
-        aborted = []
-        while self._commands:
-            command = self._commands.popleft()
-            if isinstance(command, _Abort):
-                if self._state.streams.pop(command.request_id, None) is not None:
-                    out = engine.abort_request(command.request_id)
-                    if out is not None:
-                        aborted.append(out)
-                continue
-            if command.accepted.cancelled():
-                continue
-            try:
-                engine.add_request(
-                    command.prompt, command.params, command.request_id, arrival_time=command.sent
-                )
-            except Exception as exc:
-                command.accepted.set_exception(exc)
-                continue
-            route = _Route(command.loop, command.stream.queue, command.final_only)
-            self._state.streams[command.request_id] = route
-            command.accepted.set_result(None)
-        if aborted:
-            self._report(engine, aborted, 0.0, 0)
-
-    def _report(
-        self, engine: LLMEngine, outputs: list[RequestOutput], wall_s: float, failed: int
-    ) -> None:
-        if self._on_step is not None:
-            self._on_step(StepReport(engine.stats(), outputs, wall_s, failed))
+    def _on_turn(self, turn: CoreTurn) -> None:
+        if self.engine_process:
+            self._prompts.restore(turn)
+        streams = self._state.streams
+        for rid in turn.accepted:
+            with self._lock:
+                add = self._pending.pop(rid, None)
+            if add is None or add.accepted.cancelled():
+                continue  # cancelled while queued: its abort follows
+            streams[rid] = _Route(add.loop, add.stream.queue, add.final_only)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                add.accepted.set_result(None)
+        for rid, kind, message in turn.refused:
+            with self._lock:
+                add = self._pending.pop(rid, None)
+            if add is not None:
+                known = {"ValueError": ValueError, "EngineDeadError": EngineDeadError}.get(kind)
+                error = known(message) if known else RequestFailedError(f"{kind}: {message}")
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    add.accepted.set_exception(error)
+        for rid, message in turn.failed:
+            self._deliver_error(rid, RequestFailedError(message))
+        self._deliver(turn.outputs)
+        if self._on_step is not None and turn.stats is not None:
+            self._on_step(StepReport(turn.stats, turn.outputs, turn.wall_s, len(turn.failed)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
@@ -345,17 +424,18 @@ class AsyncEngine:
         if route is not None:
             _post(route.loop, [(route.queue, item) for item in [*route.take(), error]])
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _finish(self, status: str, message: str | None, error: BaseException) -> None:
+        """The engine is gone (dead, or stopped): every open stream and waiting add gets
+        `error`; nothing more is accepted."""
+        with self._lock:
+            self._state.status, self._state.error = status, message
+            pending, self._pending = self._pending, {}
+        self._loaded.set()
+        for add in pending.values():
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                add.accepted.set_exception(error)
         for rid in list(self._state.streams):
             self._deliver_error(rid, error)
-
-    def _die(self, message: str) -> None:
-        self._state.status, self._state.error = "dead", message
-        self._fail_all(EngineDeadError(message))
-        while self._commands:  # adds that arrived meanwhile
-            command = self._commands.popleft()
-            if isinstance(command, _Add) and not command.accepted.done():
-                command.accepted.set_exception(EngineDeadError(message))
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

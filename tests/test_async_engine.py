@@ -1,24 +1,35 @@
-"""AsyncEngine (one engine thread, asyncio callers) against the synchronous LLM: the same
-tokens, deltas that add up to the final output, aborts that free everything, one request's
-fault failing that request alone, and a clean shutdown."""
+"""AsyncEngine (the engine on a thread or in its own process, asyncio callers) against the
+synchronous LLM: the same tokens, deltas that add up to the final output, aborts that free
+everything, one request's fault failing that request alone, a clean shutdown, and an engine
+process that dies or is orphaned."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.async_engine import (
     AsyncEngine,
+    EngineDeadError,
     EngineNotReadyError,
     RequestFailedError,
     RequestStream,
+    StepReport,
 )
+from rlt_engine.config import EngineConfig
 from rlt_engine.detokenizer import IncrementalDetokenizer
+from rlt_engine.engine import LLMEngine
 from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 
 PROMPTS = ["Q: 1 + 2 =\nA:", "Q: 7 - 3 =\nA:", "Q: 4 * 2 =\nA:", "Q: 9 / 3 =\nA:"]
@@ -358,3 +369,122 @@ def test_load_failure_is_reported() -> None:
     engine.start()
     assert not engine.wait_ready(30)
     assert engine.status == "dead" and "field 'x'" in (engine.error or "")
+
+
+# -- the engine in a process of its own (`rlt serve` runs it so) ----------------------------
+def _process_engine(**kwargs) -> AsyncEngine:  # type: ignore[no-untyped-def]
+    config = EngineConfig.from_options(model="demo", **OPTIONS)
+    engine = AsyncEngine(functools.partial(LLMEngine, config), engine_process=True, **kwargs)
+    engine.start()
+    assert engine.wait_ready(120), engine.error
+    return engine
+
+
+def test_engine_process_equals_sync(llm) -> None:
+    """In its own process the engine gives the synchronous engine's tokens, depths, text and
+    logprobs, refuses a bad request with the same ValueError, frees an aborted request, and
+    reports every turn; shutdown ends the process cleanly."""
+    reports: list[StepReport] = []
+    engine = _process_engine(on_step=reports.append, stream_interval=3)
+    assert engine.info is not None and engine.info.model_type == "ouro"
+    assert engine.tokenizer is not None and engine.engine is None  # the server's own copy
+
+    async def main() -> list[dict]:
+        with pytest.raises(ValueError, match="context"):
+            await engine.add("x" * 100_000, SamplingParams(max_tokens=4), "too-long")
+        stream = await engine.add(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True), "a")
+        assert not (await stream.__anext__()).finished
+        stream.abort()
+        jobs = [_run(engine, p, _params(i), f"r{i}") for i, p in enumerate(PROMPTS * 2)]
+        return await asyncio.gather(*jobs)
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    want = llm.generate(PROMPTS * 2, [_params(i) for i in range(8)])
+    assert got == [{"tokens": o.token_ids, "depths": o.exit_depths, "text": o.text} for o in want]
+    assert engine.status == "stopped" and engine.process is not None
+    assert engine.process.exitcode == 0
+    outputs = [o for r in reports for o in r.outputs]
+    # every delta has its prompt's ids, though they crossed the pipe only once
+    prompts = {f"r{i}": o.prompt_token_ids for i, o in enumerate(want)}
+    assert all(
+        o.prompt_token_ids == prompts[o.request_id] for o in outputs if o.request_id[0] == "r"
+    )
+    assert sum(o.request_id == "r0" for o in outputs) > 2
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finished}
+    assert finished["a"] == "abort" and len(finished) == 9
+    last = reports[-1].stats
+    assert last.blocks_used == 0 and last.num_running == last.num_waiting == 0
+    assert any(r.wall_s is None for r in reports)  # the abort's own turn: no step ran
+
+
+def test_engine_process_death_fails_open_streams() -> None:
+    """The engine process killed mid-stream: the open stream ends with EngineDeadError, the
+    engine is dead (with the exit code), and new requests are refused; nothing hangs."""
+    engine = _process_engine()
+    assert engine.process is not None and engine.process.pid is not None
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=2000, ignore_eos=True)
+        stream = await engine.add(PROMPTS[0], params, "long")
+        await stream.__anext__()
+        os.kill(engine.process.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        with pytest.raises(EngineDeadError, match="exit code -9"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.add(PROMPTS[1], SamplingParams(max_tokens=2), "after")
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert engine.status == "dead" and "exited unexpectedly" in (engine.error or "")
+    engine.shutdown()
+
+
+def test_engine_process_load_failure_is_reported(tmp_path) -> None:
+    config = EngineConfig.from_options(model=str(tmp_path / "missing"), device="cpu")
+    engine = AsyncEngine(functools.partial(LLMEngine, config), engine_process=True)
+    engine.start()
+    assert not engine.wait_ready(120)
+    assert engine.status == "dead" and "model failed to load" in (engine.error or "")
+    engine.shutdown()
+    assert engine.process is not None and engine.process.exitcode == 0
+
+
+def test_engine_process_exits_with_its_parent(tmp_path) -> None:
+    """A server killed outright (no shutdown) leaves no engine process behind: the engine
+    process sees its command pipe close and stops."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import functools, os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from rlt_engine.async_engine import AsyncEngine\n"
+        "from rlt_engine.config import EngineConfig\n"
+        "from rlt_engine.engine import LLMEngine\n"
+        "if __name__ == '__main__':\n"
+        "    config = EngineConfig.from_options(model='demo', device='cpu', dtype='float32')\n"
+        "    engine = AsyncEngine(functools.partial(LLMEngine, config), engine_process=True)\n"
+        "    engine.start()\n"
+        "    assert engine.wait_ready(120), engine.error\n"
+        "    print(engine.process.pid, flush=True)\n"
+        "    os._exit(0)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"engine process {pid} outlived its parent"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

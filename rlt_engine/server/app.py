@@ -75,7 +75,7 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        info = engine.engine.info if engine.engine is not None else None
+        info = engine.info
         extra: dict[str, Any] = {}
         if info is not None:
             extra = {

@@ -7,6 +7,7 @@ open requests to finish (up to DRAIN_TIMEOUT_S), then the app's lifespan stops t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any
@@ -46,10 +47,13 @@ def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any,
     if notice:
         log.warning(notice)
     metrics = ServerMetrics(names[0], engine_config.scheduler.max_num_seqs)
+    # the engine in a process of its own: the event loop's work for thousands of streams
+    # never holds the interpreter lock that the engine's host work needs
     engine = AsyncEngine(
-        lambda: LLMEngine(engine_config),
+        functools.partial(LLMEngine, engine_config),
         on_step=metrics.record,
         stream_interval=server.stream_interval,
+        engine_process=True,
     )
     app = build_app(engine, server, names, metrics)
     # loop and http stay "auto": uvloop and httptools (dependencies) where they install, else

@@ -116,9 +116,10 @@ class ServerMetrics:
         self.prefix_hits.inc(max(0, hit - h0))
         self.preemptions.inc(max(0, preempted - p0))
         self._seen_prefix = (queried, hit, preempted)
-        if s.decode_rows:
-            self.batch_size.observe(s.decode_rows)
-        self.step_seconds.observe(report.wall_s)
+        if report.wall_s is not None:  # a step ran (not only aborts)
+            if s.decode_rows:
+                self.batch_size.observe(s.decode_rows)
+            self.step_seconds.observe(report.wall_s)
         now = time.monotonic()
         for out in report.outputs:
             self._record_output(out, now)

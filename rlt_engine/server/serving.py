@@ -58,8 +58,7 @@ class Serving:
 
     @property
     def tokenizer(self) -> Any:
-        assert self.engine.engine is not None
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     # -- entry points -------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -87,8 +86,8 @@ class Serving:
             ids = self._render_chat(body)
             limit = body.token_limit
             if limit is None:  # as vLLM: whatever context the prompt leaves
-                assert self.engine.engine is not None
-                limit = max(1, self.engine.engine.info.max_model_len - len(ids))
+                assert self.engine.info is not None
+                limit = max(1, self.engine.info.max_model_len - len(ids))
             work = [
                 (ids, body.sampling_params(limit, body.logprobs_count, choice))
                 for choice in range(body.n)
