@@ -9,13 +9,15 @@ and summarize). Served / in-process is the cost of the HTTP path itself; in-proc
 
 Each run is `cC:N` (N requests, at most C in flight, all sent at once) or `rR:N` (N requests,
 Poisson arrivals at R requests/s); a warm-up run (64 requests at c=64, not reported) captures the
-CUDA graphs first (`--warmup N` to change its size).
+CUDA graphs first (`--warmup N` to change its size). `--engine-process` runs the engine in a
+process of its own, as `rlt serve` does; without it, on a thread of this one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import sys
@@ -102,7 +104,7 @@ async def main_async(args: argparse.Namespace) -> list[dict]:
         if getattr(args, name):
             options[name] = getattr(args, name)
     config = EngineConfig.from_options(**options)
-    engine = AsyncEngine(lambda: LLMEngine(config))
+    engine = AsyncEngine(functools.partial(LLMEngine, config), engine_process=args.engine_process)
     engine.start()
     if not engine.wait_ready():
         raise SystemExit(f"the engine failed to start: {engine.error}")
@@ -141,6 +143,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=64, help="requests of the unreported warm-up")
     ap.add_argument("--json", action="store_true", help="one JSON report per line")
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a process of its own, as `rlt serve` does (default: a thread)",
+    )
     args = ap.parse_args()
     reports = asyncio.run(main_async(args))
     if args.json:

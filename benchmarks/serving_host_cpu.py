@@ -3,11 +3,13 @@
 Starts `rlt serve` on MODEL in a subprocess, sends `rlt bench --url` closed-loop runs at each
 concurrency (a warm-up run first, not reported), and reads the CPU time of the server's
 threads from /proc before and after each run: the main thread runs the event loop (HTTP
-parsing, the SSE chunks, socket writes), every other thread is the engine's (planning,
-launches, read backs, detokenization) or torch's. With a model whose compute is negligible
-(the 64-wide test checkpoint with the bundled model's tokenizer, `--tiny`) the engine side
-is host work too, and microseconds per output token say how many tokens a second one core of
-this host can serve:
+parsing, the SSE chunks, socket writes); the engine's work (planning, launches, read backs,
+detokenization, torch's threads) is in the engine process, counted apart, and the server's
+other threads read its events (a server from before the seventeenth session ran the engine
+on one of those threads). With a model whose compute is negligible (the 64-wide test
+checkpoint with the bundled model's tokenizer, `--tiny`) the engine side is host work too,
+and microseconds per output token say how many tokens a second one core of this host can
+serve:
 
     python benchmarks/serving_host_cpu.py --tiny -c 64,256 --num-prompts 1024 --json
 
@@ -62,6 +64,25 @@ def thread_cpu(pid: int) -> tuple[float, float]:
         else:
             other += seconds
     return main, other
+
+
+def children_cpu(pid: int) -> float:
+    """CPU seconds of every thread of `pid`'s child processes (the engine process of a
+    server that runs one; 0 for a server whose engine is a thread)."""
+    kids: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids.update(int(k) for k in f.read().split())
+        except FileNotFoundError:
+            continue
+    total = 0.0
+    for kid in kids:
+        try:
+            total += sum(thread_cpu(kid))
+        except FileNotFoundError:  # the child ended
+            continue
+    return total
 
 
 def free_port() -> int:
@@ -130,8 +151,10 @@ def main() -> None:
             rows = []
             for c in concurrency:
                 main0, other0 = thread_cpu(proc.pid)
+                engine0 = children_cpu(proc.pid)
                 report = bench(url, c, args.num_prompts, args)
                 main1, other1 = thread_cpu(proc.pid)
+                engine1 = children_cpu(proc.pid)
                 tokens = report["total_output_tokens"]
                 row = {
                     "concurrency": c,
@@ -145,6 +168,8 @@ def main() -> None:
                     "other_threads_cpu_s": other1 - other0,
                     "event_loop_us_per_token": (main1 - main0) / tokens * 1e6,
                     "other_threads_us_per_token": (other1 - other0) / tokens * 1e6,
+                    "engine_process_cpu_s": engine1 - engine0,
+                    "engine_process_us_per_token": (engine1 - engine0) / tokens * 1e6,
                     "failed": report["failed"],
                     "errors": report["errors"],  # message -> count
                 }
@@ -153,7 +178,8 @@ def main() -> None:
                     print(
                         f"c={c}: {row['output_tokens_per_s']:.0f} tok/s, event loop "
                         f"{row['event_loop_us_per_token']:.1f} us/token, other threads "
-                        f"{row['other_threads_us_per_token']:.1f} us/token, "
+                        f"{row['other_threads_us_per_token']:.1f} us/token, engine process "
+                        f"{row['engine_process_us_per_token']:.1f} us/token, "
                         f"{row['failed']} failed",
                         flush=True,
                     )

@@ -327,6 +327,7 @@ class AsyncEngine:
         self.engine, self._tokenizer = engine, engine.tokenizer
 
     def _receive(self, events: Connection) -> None:
+        message = None
         try:
             while True:
                 try:
@@ -334,13 +335,21 @@ class AsyncEngine:
                 except (EOFError, OSError):
                     break
                 self._on_event(event)
+        except Exception as exc:  # a bug on this side: nothing would deliver any more
+            message = f"the server stopped reading the engine: {type(exc).__name__}: {exc}"
+            self._send(StopCore(now=True))
         finally:
             events.close()
-        if self._state.status in ("loading", "ready"):
+        if self._state.status not in ("loading", "ready"):
+            return
+        if message is None and self._stopping:
+            self._finish("stopped", None, EngineDeadError("the engine stopped"))
+            return
+        if message is None:
             assert self.process is not None
             self.process.join(5.0)
             message = f"the engine process exited unexpectedly (exit code {self.process.exitcode})"
-            self._finish("dead", message, EngineDeadError(message))
+        self._finish("dead", message, EngineDeadError(message))
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, CoreTurn):

@@ -488,3 +488,28 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_a_fault_reading_the_engine_process_stops_it() -> None:
+    """A bug on the server's side of the pipe (here in the metrics callback) must not leave
+    streams waiting on a reader that is gone: they end with EngineDeadError, the engine is
+    dead with the cause, and the engine process exits."""
+
+    def broken_metrics(report: StepReport) -> None:
+        if report.outputs:
+            raise KeyError("planted")
+
+    engine = _process_engine(on_step=broken_metrics)
+
+    async def main() -> None:
+        stream = await engine.add(PROMPTS[0], SamplingParams(max_tokens=50), "m")
+        with pytest.raises(EngineDeadError, match="planted"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert engine.status == "dead" and "stopped reading the engine" in (engine.error or "")
+    assert engine.process is not None
+    engine.process.join(30)
+    assert engine.process.exitcode is not None
+    engine.shutdown()

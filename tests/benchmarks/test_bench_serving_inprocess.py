@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_serving_inprocess.py"
 DEMO = ["--model", "demo", "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4"]
@@ -26,8 +28,10 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_closed_loop_and_poisson_runs_report_every_request():
-    done = _run(*DEMO, "--warmup", "1", "--runs", "c2:3,r50:2", "--output-len", "3", "--json")
+@pytest.mark.parametrize("where", [[], ["--engine-process"]], ids=["thread", "process"])
+def test_closed_loop_and_poisson_runs_report_every_request(where: list[str]):
+    runs = ("--warmup", "1", "--runs", "c2:3,r50:2", "--output-len", "3", "--json")
+    done = _run(*DEMO, *where, *runs)
     assert done.returncode == 0, done.stderr
     reports = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["run"] for r in reports] == ["c2", "r50"]

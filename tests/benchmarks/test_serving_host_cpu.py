@@ -40,6 +40,9 @@ def test_runs_report_the_event_loop_and_engine_cpu_per_token():
         assert run["event_loop_cpu_s"] >= 0 and run["other_threads_cpu_s"] >= 0
         assert run["event_loop_us_per_token"] == run["event_loop_cpu_s"] / 24 * 1e6
         assert run["other_threads_us_per_token"] == run["other_threads_cpu_s"] / 24 * 1e6
+        assert run["engine_process_us_per_token"] == run["engine_process_cpu_s"] / 24 * 1e6
+    # the engine runs in the server's child process: its work is counted there
+    assert sum(run["engine_process_cpu_s"] for run in runs) > 0
 
 
 def test_refused_requests_are_reported_not_only_left_out_of_the_rate():
@@ -65,3 +68,18 @@ def test_thread_cpu_splits_the_main_thread_from_the_others(tmp_path):
     model = script.tiny_model(tmp_path / "tiny")
     names = {p.name for p in model.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+
+
+def test_children_cpu_counts_the_child_processes(tmp_path):
+    script = load("serving_host_cpu")
+    busy = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.process_time()\n"
+         "while time.process_time() - t < 0.3: pass\nprint(1, flush=True)\ntime.sleep(30)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert busy.stdout is not None and busy.stdout.readline().strip() == "1"
+        assert script.children_cpu(os.getpid()) >= 0.25
+    finally:
+        busy.kill()
+        busy.wait()
