@@ -27,6 +27,7 @@ from rlt_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
+    from rlt_engine.config import EngineConfig
     from rlt_engine.engine import EngineStats, LLMEngine
 
 IDLE_WAIT_S = 0.05  # how long an idle core sleeps before looking at its inbox again
@@ -197,6 +198,15 @@ def _apply(engine: LLMEngine, commands: list[Command]) -> tuple[CoreTurn, StopCo
 
 
 # -- the core in a process of its own -------------------------------------------------------
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """`LLMEngine(config)`, imported here: with `functools.partial(build_engine, config)` as
+    the engine process's factory, the server process does not load torch and the model code
+    for itself."""
+    from rlt_engine.engine import LLMEngine
+
+    return LLMEngine(config)
+
+
 class PromptIds:
     """Each request's prompt ids cross the pipe once, with its first output: every later
     delta would carry the whole prompt again (at c=256 with 2,000-token prompts, half a

@@ -165,8 +165,8 @@ def test_merged_deltas_stop_at_an_error_and_at_the_last_output() -> None:
         RequestOutput.merged([_delta([1]), dataclasses.replace(_delta([2]), request_id="x")])
 
 
-def test_stream_interval_gathers_tokens_on_the_engine_thread() -> None:
-    """With stream_interval 3 the engine thread sends a request's first token at once, then
+def test_stream_interval_gathers_tokens_before_delivery() -> None:
+    """With stream_interval 3 the delivering thread sends a request's first token at once, then
     outputs of at least 3 tokens, and the end with whatever it held; a step without tokens
     sends nothing; an error follows what was held. Interval 1 sends every step's output."""
     from rlt_engine.async_engine import _Route

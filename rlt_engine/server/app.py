@@ -1,7 +1,7 @@
 """The FastAPI app of `rlt serve`: routes, authentication, limits and error bodies.
 
 `build_app` takes an `AsyncEngine` that is not started; the app's lifespan starts it (the
-model loads on the engine thread while the server already answers `/health` with 503) and
+model loads in the engine process while the server already answers `/health` with 503) and
 shuts it down after uvicorn has drained the open requests (SIGTERM: graceful shutdown).
 """
 

@@ -17,7 +17,7 @@ class ServerConfig:
     max_concurrent_requests: int = 256  # HTTP requests generating at once; more get 429
     request_timeout: float | None = None  # seconds per request; None = no limit
     max_request_bytes: int = 16 * MiB  # request bodies larger than this get 413
-    # tokens a streamed request's outputs gather before they leave the engine thread (the
+    # tokens a streamed request's outputs gather before they go to its handler (the
     # first token and the end leave at once): fewer, larger SSE chunks, less event-loop work
     stream_interval: int = 1
 

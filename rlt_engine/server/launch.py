@@ -39,7 +39,7 @@ def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any,
     """The uvicorn server (not started) and its app, for `rlt serve` and tests."""
     import uvicorn
 
-    from rlt_engine.engine import LLMEngine
+    from rlt_engine.engine_core import build_engine
     from rlt_engine.server.app import build_app
     from rlt_engine.server.metrics import ServerMetrics
 
@@ -50,7 +50,7 @@ def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any,
     # the engine in a process of its own: the event loop's work for thousands of streams
     # never holds the interpreter lock that the engine's host work needs
     engine = AsyncEngine(
-        functools.partial(LLMEngine, engine_config),
+        functools.partial(build_engine, engine_config),
         on_step=metrics.record,
         stream_interval=server.stream_interval,
         engine_process=True,

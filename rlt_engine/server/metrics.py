@@ -1,10 +1,11 @@
 """Prometheus metrics for `/metrics`, named as vLLM names them where vLLM has one (so
 existing dashboards and load tools read them), plus `rlt:` metrics for the looped model.
 
-Everything is recorded on the engine thread from each step's `StepReport`: engine gauges
-from the step's stats, per-request latencies from the outputs' timestamps (server-side, as
-vLLM measures them: from the handler's hand-over to the AsyncEngine, its queue wait
-included). One registry per server, so several servers can live in one process.
+Everything is recorded on the thread that delivers the engine's outputs, from each step's
+`StepReport`: engine gauges from the step's stats, per-request latencies from the outputs'
+timestamps (server-side, as vLLM measures them: from the handler's hand-over to the
+AsyncEngine, its queue wait included). One registry per server, so several servers can
+live in one process.
 """
 
 from __future__ import annotations

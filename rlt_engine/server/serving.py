@@ -144,7 +144,7 @@ class Serving:
         job = _Job(f"{kind}-{uuid.uuid4().hex}", model, int(time.time()))
         try:
             for index, (prompt, params) in enumerate(work):
-                # a response sent whole needs no deltas: the engine thread keeps them
+                # a response sent whole needs no deltas: the delivering thread keeps them
                 added = await self.engine.add(
                     prompt, params, f"{job.id}-{index}", final_only=not stream
                 )

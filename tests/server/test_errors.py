@@ -161,7 +161,7 @@ def test_request_timeout_408() -> None:
         ) as r:
             events = [line for line in r.iter_lines() if line]
         assert '"code":408' in events[-2] and events[-1] == "data: [DONE]"
-        # the abort reaches the engine thread on its next turn
+        # the abort reaches the engine on its next turn
         for _ in range(100):
             if proc.metric("rlt:kv_blocks_used") == 0:
                 break
@@ -206,7 +206,7 @@ def test_missing_model_is_one_line(tmp_path) -> None:
 
 
 def test_broken_checkpoint_exits_with_one_line(tmp_path) -> None:
-    """A checkpoint that fails while loading (on the engine thread) stops the server."""
+    """A checkpoint that fails while loading (in the engine process) stops the server."""
     import shutil
     import subprocess
     import sys

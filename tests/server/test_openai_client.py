@@ -192,9 +192,11 @@ def test_openai_errors_are_typed(client) -> None:
 
 
 def test_stream_interval_sends_fewer_larger_chunks(client) -> None:
-    """`--stream-interval 4`: the first chunk as soon as the default server's (the step of
-    the first token), then chunks of at least 4 tokens (the last holds the rest); the text
-    and token ids of the default server's stream."""
+    """`--stream-interval 4`: chunks of at least 4 tokens after the first (the last holds the
+    rest), the text and token ids of the default server's stream. That the first token is not
+    held is `test_stream_interval_gathers_tokens_before_delivery`'s to check: over HTTP,
+    a server whose event loop reads late merges the first delta with the next, whatever the
+    interval, and the engine process runs ahead of it."""
     from server_process import DEMO_ARGS, ServerProcess
 
     args = dict(model="demo", prompt=PROMPTS[0], max_tokens=17, temperature=0,
@@ -219,5 +221,5 @@ def test_stream_interval_sends_fewer_larger_chunks(client) -> None:
     finally:
         proc.stop()
     assert (tokens4, text4) == (tokens, text) and len(tokens) == 17
-    assert sizes4[0] == sizes[0] and all(n >= 4 for n in sizes4[1:-1])
+    assert all(n >= 4 for n in sizes4[1:-1])
     assert len(sizes4) < len(sizes)
