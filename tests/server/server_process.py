@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -29,8 +30,14 @@ class ServerProcess:
     """`rlt serve ARGS` (or `python SCRIPT ARGS` for a patched server) until `stop()`."""
 
     def __init__(
-        self, *args: str, script: Path | None = None, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        script: Path | None = None,
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
     ) -> None:
+        """`new_session`: the server leads its own process group (a terminal's Ctrl-C goes
+        to the whole group)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         head = [str(script)] if script else ["-m", "rlt_cli.main", "serve"]
@@ -45,6 +52,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=new_session,
         )
 
     def wait_healthy(self) -> ServerProcess:
@@ -72,6 +80,14 @@ class ServerProcess:
             raise KeyError(f"{name} not in /metrics")
         return sum(values)
 
+    def engine_pid(self) -> int:
+        """The engine process: the server's child that multiprocessing spawned."""
+        for pid in children(self.proc.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return pid
+        raise RuntimeError("the server has no engine process")
+
     def terminate(self, timeout: float = 60.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
@@ -92,3 +108,21 @@ class ServerProcess:
         self._log.flush()
         self._log.seek(0)
         return self._log.read()
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (of all its threads)."""
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

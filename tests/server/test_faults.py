@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
-from server_process import DEMO_ARGS, ServerProcess
+from server_process import DEMO_ARGS, ServerProcess, children, running
 
 FAULT_SERVER = Path(__file__).with_name("fault_server.py")
 FAULT_MARKER = "<<inject-fault>>"
@@ -166,3 +168,61 @@ def test_sigterm_drains_running_requests() -> None:
         assert '"finish_reason":"length"' in events[-2]
     finally:
         proc.stop()
+
+
+def test_ctrl_c_drains_and_leaves_no_process_behind() -> None:
+    """Ctrl-C in a terminal reaches the server and its engine process at once (one process
+    group): the engine process ignores it, the server drains the running request, stops the
+    engine, and exits 130; no process of it is left."""
+    proc = ServerProcess(*DEMO_ARGS, new_session=True).wait_healthy()
+    kids = children(proc.proc.pid)
+    assert proc.engine_pid() in kids
+    body = {"model": "demo", "prompt": "1", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    got: dict[str, list[str]] = {}
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=120) as r:
+            got["events"] = []
+            for line in r.iter_lines():
+                first.set()
+                if line:
+                    got["events"].append(line)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert first.wait(60)
+        os.killpg(proc.proc.pid, signal.SIGINT)
+        assert proc.proc.wait(120) == 130, proc.output()
+        t.join(60)
+        events = got["events"]
+        assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+        _wait_for(lambda: not any(running(k) for k in kids))
+    finally:
+        proc.stop()
+
+
+def test_a_dead_engine_process_is_503_not_a_hang() -> None:
+    """The engine process killed mid-stream (the OOM killer, a crashed kernel): the open stream
+    ends with an in-band 503 and [DONE], /health is 503 with the exit code, new requests get
+    503, and the server still stops cleanly."""
+    proc = ServerProcess(*DEMO_ARGS).wait_healthy()
+    try:
+        body = {"model": "demo", "prompt": "1", "max_tokens": 1500, "ignore_eos": True}
+        with httpx.stream(
+            "POST", proc.url + "/v1/completions", json=body | {"stream": True}, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(lines)
+            os.kill(proc.engine_pid(), signal.SIGKILL)
+            events = [line for line in lines if line]
+        assert '"code":503' in events[-2] and events[-1] == "data: [DONE]"
+        health = httpx.get(proc.url + "/health", timeout=10)
+        assert health.status_code == 503 and "exit code -9" in health.json()["error"]["message"]
+        again = httpx.post(proc.url + "/v1/completions", json=body, timeout=10)
+        assert again.status_code == 503
+    finally:
+        proc.stop()
+    assert proc.proc.returncode is not None
