@@ -277,24 +277,42 @@ class AsyncEngine:
         request the engine refuses (nothing is left behind). `final_only`: the stream yields
         one output, the finished one (a caller that wants no deltas: the delivering thread
         keeps them and the caller's loop is woken once)."""
-        stream = RequestStream(self, request_id)
-        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        (stream,) = await self.add_all([(prompt, params, request_id)], final_only=final_only)
+        return stream
+
+    async def add_all(
+        self,
+        requests: list[tuple[str | list[int], SamplingParams, str]],
+        *,
+        final_only: bool = False,
+    ) -> list[RequestStream]:
+        """`add` for (prompt, params, request id) triples at once: the engine takes them all
+        on one turn (`n` choices, a list of prompts), not one a turn. If one is refused (or
+        the caller is cancelled), those it took are aborted and the error raised."""
         loop = asyncio.get_running_loop()
+        streams = [RequestStream(self, rid) for _, _, rid in requests]
+        futures: list[concurrent.futures.Future[None]] = []
         with self._lock:
             self._check_accepting()
-            if request_id in self._pending:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._pending[request_id] = _Add(accepted, loop, stream, final_only)
-        self._send(AddRequest(request_id, prompt, params))
+            ids = [rid for _, _, rid in requests]
+            taken = [rid for rid in ids if rid in self._pending]
+            if taken or len(set(ids)) < len(ids):
+                raise ValueError(f"request id {(taken or ids)[0]!r} is already in use")
+            for stream in streams:
+                futures.append(concurrent.futures.Future())
+                self._pending[stream.request_id] = _Add(futures[-1], loop, stream, final_only)
+        self._send([AddRequest(rid, prompt, params) for prompt, params, rid in requests])
         try:
-            await asyncio.wrap_future(accepted)
-        except asyncio.CancelledError:
-            stream.abort()  # cancelled while queued: the core may have taken it; never run it
-            raise
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except BaseException:
-            stream.done = True  # refused: the core holds nothing of it
+            for stream, future in zip(streams, futures, strict=True):
+                refused = future.done() and not future.cancelled() and future.exception()
+                if refused:  # the core holds nothing of it (and its id may be another's)
+                    stream.done = True
+                else:  # taken, or not answered yet (cancelled): never let it run
+                    stream.abort()
             raise
-        return stream
+        return streams
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
@@ -314,7 +332,7 @@ class AsyncEngine:
         if status != "ready" or self._stopping:
             raise EngineDeadError(self._state.error or "the engine is shutting down")
 
-    def _send(self, command: Command) -> None:
+    def _send(self, command: Command | list[Command]) -> None:
         if self._commands is None:
             self._inbox.put(command)
             return

@@ -102,8 +102,12 @@ class Inbox:
         self._items: deque[Command] = deque()
         self._wake = threading.Event()
 
-    def put(self, command: Command) -> None:
-        self._items.append(command)
+    def put(self, command: Command | list[Command]) -> None:
+        """One command, or several sent together (taken on the same turn)."""
+        if isinstance(command, list):
+            self._items.extend(command)
+        else:
+            self._items.append(command)
         self._wake.set()
 
     def drain(self) -> list[Command]:

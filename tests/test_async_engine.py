@@ -513,3 +513,55 @@ def test_a_fault_reading_the_engine_process_stops_it() -> None:
     engine.process.join(30)
     assert engine.process.exitcode is not None
     engine.shutdown()
+
+
+def test_add_all_takes_every_request_on_one_turn(llm) -> None:
+    """`n` choices or a list of prompts reach the engine together: with the engine busy, their
+    first tokens come from one step (added one by one, one a turn, they would not), with the
+    synchronous engine's tokens."""
+    reports: list[StepReport] = []
+    engine = _process_engine(on_step=reports.append)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def main() -> list[list[int]]:
+        busy = await engine.add(PROMPTS[0], SamplingParams(max_tokens=300, ignore_eos=True), "b")
+        await busy.__anext__()
+        # three: with the busy one they fill the 4 slots, so none waits for a slot
+        streams = await engine.add_all([(p, params, f"x{i}") for i, p in enumerate(PROMPTS[1:])])
+        finals = []
+        for stream in streams:
+            finals.append([out async for out in stream][-1])
+        busy.abort()
+        return [f.token_ids for f in finals]
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert got == [o.token_ids for o in llm.generate(PROMPTS[1:], params)]
+    first = {}
+    for step, report in enumerate(reports):
+        for out in report.outputs:
+            if out.request_id.startswith("x") and out.new_token_ids:
+                first.setdefault(out.request_id, step)
+    assert len(first) == 3 and len(set(first.values())) == 1, first
+
+
+def test_add_all_refused_leaves_nothing(engine, served) -> None:
+    """One request of several refused: ValueError, and the others never run (the fixture
+    checks that every block is back)."""
+
+    async def main() -> None:
+        good = (PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True), "ok")
+        bad = ("x" * 100_000, SamplingParams(max_tokens=4), "too-long")
+        with pytest.raises(ValueError, match="context"):
+            await engine.add_all([good, bad, (PROMPTS[1], good[1], "ok2")])
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_all([good, good])
+
+    asyncio.run(main())
+    for _ in range(200):  # the aborts reach the engine on its next turn
+        if served.engine.blocks.num_used == 0 and not served.engine.has_unfinished_requests():
+            break
+        time.sleep(0.02)
+    assert not served.engine.has_unfinished_requests()

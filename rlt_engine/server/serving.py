@@ -142,13 +142,11 @@ class Serving:
         stream: bool,
     ) -> _Job:
         job = _Job(f"{kind}-{uuid.uuid4().hex}", model, int(time.time()))
+        requests = [(prompt, params, f"{job.id}-{i}") for i, (prompt, params) in enumerate(work)]
         try:
-            for index, (prompt, params) in enumerate(work):
-                # a response sent whole needs no deltas: the delivering thread keeps them
-                added = await self.engine.add(
-                    prompt, params, f"{job.id}-{index}", final_only=not stream
-                )
-                job.streams.append(added)
+            # all choices and prompts on one engine turn; a response sent whole needs no
+            # deltas: the delivering thread keeps them
+            job.streams = await self.engine.add_all(requests, final_only=not stream)
         except BaseException as exc:
             job.abort()
             if isinstance(exc, ValueError):
