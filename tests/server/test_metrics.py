@@ -1,0 +1,58 @@
+"""ServerMetrics.record against hand-made step reports: every series counts what the outputs
+and stats say, once (the values a dashboard shows, read back from the registry)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlt_engine.async_engine import StepReport
+from rlt_engine.engine import EngineStats
+from rlt_engine.outputs import RequestMetrics, RequestOutput
+from rlt_engine.server.metrics import ServerMetrics
+
+
+def _stats(used: int = 10, queried: int = 0, hit: int = 0, preempted: int = 0) -> EngineStats:
+    return EngineStats(2, 1, 0, used, 100, queried, hit, preempted, decode_rows=2)
+
+
+def _out(
+    rid: str, tokens: list[int], depths: list[int], total: int, reason: str | None = None
+) -> RequestOutput:
+    return RequestOutput(
+        rid, [1, 2, 3], tokens, depths, "", None, total, reason is not None, reason,
+        RequestMetrics(arrival_time=100.0, first_token_time=100.5, finish_time=None),
+    )  # fmt: skip
+
+
+def test_record_counts_tokens_depths_requests_and_steps() -> None:
+    m = ServerMetrics("demo", 8)
+    value = m.registry.get_sample_value
+    label = {"model_name": "demo"}
+    m.record(StepReport(_stats(queried=16, hit=8), [_out("a", [5], [4], 1)], 0.02))
+    m.record(
+        StepReport(
+            _stats(used=12, queried=32, hit=8, preempted=1),
+            [_out("a", [6, 7], [2, 4], 3), _out("b", [9], [3], 1)],
+            0.03,
+        )
+    )
+    m.record(StepReport(_stats(used=4), [_out("a", [], [], 3, "length")], None))  # aborts only
+    assert value("vllm:generation_tokens_total", label) == 4
+    assert value("vllm:prompt_tokens_total", label) == 6  # a and b, once each
+    depth = {d: value("rlt:output_tokens_by_exit_depth_total", label | {"depth": str(d)})
+             for d in (2, 3, 4)}  # fmt: skip
+    assert depth == {2: 1, 3: 1, 4: 2}
+    assert value("vllm:prefix_cache_queries_total", label) == 32  # cumulative, not summed
+    assert value("vllm:prefix_cache_hits_total", label) == 8
+    assert value("vllm:num_preemptions_total", label) == 1
+    assert value("vllm:time_to_first_token_seconds_count", label) == 2
+    assert value("vllm:time_to_first_token_seconds_sum", label) == pytest.approx(1.0)
+    reason = label | {"finished_reason": "length"}
+    assert value("vllm:request_success_total", reason) == 1
+    assert value("rlt:loops_per_token_sum", label) == pytest.approx(10 / 3)
+    # the turn that only aborted is not a step
+    assert value("rlt:engine_step_seconds_count", label) == 2
+    assert value("rlt:engine_step_seconds_sum", label) == pytest.approx(0.05)
+    assert value("rlt:traversal_batch_size_count", label) == 2
+    assert value("rlt:kv_blocks_used", label) == 4
+    assert value("vllm:kv_cache_usage_perc", label) == pytest.approx(0.04)
