@@ -3,6 +3,9 @@ and stats say, once (the values a dashboard shows, read back from the registry).
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 from rlt_engine.async_engine import StepReport
@@ -56,3 +59,41 @@ def test_record_counts_tokens_depths_requests_and_steps() -> None:
     assert value("rlt:traversal_batch_size_count", label) == 2
     assert value("rlt:kv_blocks_used", label) == 4
     assert value("vllm:kv_cache_usage_perc", label) == pytest.approx(0.04)
+
+
+def test_metrics_over_http_count_what_was_served(server) -> None:
+    """One request through the real server (engine process, events thread, registry): the
+    counters move by exactly its tokens, its prompt and one success."""
+    import httpx
+
+    names = ("vllm:generation_tokens_total", "rlt:output_tokens_by_exit_depth_total",
+             "vllm:prompt_tokens_total", "vllm:request_success_total")  # fmt: skip
+
+    def values() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        return {n: _total(text, n) for n in names}
+
+    before = values()
+    body = {"model": "demo", "prompt": "2 + 2 =", "max_tokens": 7, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    want = {
+        "vllm:generation_tokens_total": 7,
+        "rlt:output_tokens_by_exit_depth_total": 7,
+        "vllm:prompt_tokens_total": r.json()["usage"]["prompt_tokens"],
+        "vllm:request_success_total": 1,
+    }
+    deadline = time.monotonic() + 10  # recorded just after the outputs are handed over
+    while True:
+        after = values()
+        delta = {n: after[n] - before[n] for n in names}
+        if delta == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert delta == want
+
+
+def _total(text: str, name: str) -> float:
+    """The sum of a metric's samples in a /metrics page (0 before its first sample)."""
+    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
