@@ -249,8 +249,12 @@ def core_process_main(
 ) -> None:
     """The engine process: a reader thread moves commands from the pipe into the inbox (so
     the caller's sends never wait on a step), the main thread runs the core and sends its
-    events back. The caller's end closing (the server died) stops the core at once."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's; it sends StopCore
+    events back. It stops when the caller says so, or at once when the caller's end closes
+    (the server died); signals meant for the server's process group leave it running."""
+    # Ctrl-C (the terminal's process group) and SIGTERM to the whole group (systemd's default
+    # KillMode) are the server's: it drains its requests, then sends StopCore
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox = Inbox()
 
     def read() -> None:

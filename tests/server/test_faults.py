@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from server_process import DEMO_ARGS, ServerProcess, children, running
 
 FAULT_SERVER = Path(__file__).with_name("fault_server.py")
@@ -170,10 +171,11 @@ def test_sigterm_drains_running_requests() -> None:
         proc.stop()
 
 
-def test_ctrl_c_drains_and_leaves_no_process_behind() -> None:
-    """Ctrl-C in a terminal reaches the server and its engine process at once (one process
-    group): the engine process ignores it, the server drains the running request, stops the
-    engine, and exits 130; no process of it is left."""
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_a_signal_to_the_process_group_drains_and_leaves_no_process(sig, code) -> None:
+    """Ctrl-C in a terminal, or SIGTERM from systemd (KillMode=control-group), reaches the
+    server and its engine process at once: the engine process ignores it, the server drains
+    the running request, stops the engine, and exits (130, 0); no process of it is left."""
     proc = ServerProcess(*DEMO_ARGS, new_session=True).wait_healthy()
     kids = children(proc.proc.pid)
     assert proc.engine_pid() in kids
@@ -193,8 +195,8 @@ def test_ctrl_c_drains_and_leaves_no_process_behind() -> None:
     t.start()
     try:
         assert first.wait(60)
-        os.killpg(proc.proc.pid, signal.SIGINT)
-        assert proc.proc.wait(120) == 130, proc.output()
+        os.killpg(proc.proc.pid, sig)
+        assert proc.proc.wait(120) == code, proc.output()
         t.join(60)
         events = got["events"]
         assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
