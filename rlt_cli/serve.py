@@ -34,6 +34,8 @@ SERVER_HELP = {
     "max_request_bytes": "Largest request body; larger ones get 413.",
     "stream_interval": "Tokens a streamed response gathers per chunk (the first token and the "
     "end go at once); larger: fewer chunks, less server CPU per token at high concurrency.",
+    "api_server_count": "API server processes (one event loop each) on one socket, all served "
+    "by one engine process; more than 1 when one event loop cannot keep up.",
 }
 _MODEL_ARGUMENT = keyword(
     "model_argument",
@@ -66,6 +68,15 @@ def _run(values: dict[str, Any]) -> None:
 
         mc = engine_config.model
         resolve_model_dir(mc.model, mc.revision, mc.load_format)
+    if server.api_server_count > 1:
+        from rlt_engine.server.api_servers import run_api_servers
+
+        code = run_api_servers(engine_config, server)
+        if code == 130:
+            raise KeyboardInterrupt  # as one server's Ctrl-C ends
+        if code:
+            raise ValueError("an API server failed (its error is above)")
+        return
     from rlt_engine.server.launch import make_server
 
     uvicorn_server, engine = make_server(engine_config, server)

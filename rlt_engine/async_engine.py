@@ -37,12 +37,11 @@ from rlt_engine.engine_core import (
     CoreTurn,
     Event,
     Inbox,
-    PromptIds,
     StopCore,
-    core_process_main,
     run_core,
 )
 from rlt_engine.engine_info import EngineInfo
+from rlt_engine.engine_process import PromptIds, engine_main
 from rlt_engine.outputs import RequestOutput
 from rlt_engine.sampling_params import SamplingParams
 
@@ -123,7 +122,7 @@ class _Add:
 class StepReport:
     """What the engine did in one turn, for metrics: read on the thread that delivers."""
 
-    stats: EngineStats
+    stats: EngineStats | None  # None: another API server of the engine counts the engine
     outputs: list[RequestOutput]
     wall_s: float | None  # the step's wall time; None: no step ran (aborts only)
     failed: int = 0  # requests failed by the step
@@ -193,6 +192,22 @@ class AsyncEngine:
         self._tokenizer: Any = None
         self._thread: threading.Thread | None = None
         self._prompts = PromptIds()  # process mode: prompt ids sent once per request
+        self._attached: tuple[Connection, Connection] | None = None
+
+    @classmethod
+    def attach(
+        cls,
+        commands: Connection,
+        events: Connection,
+        *,
+        on_step: Callable[[StepReport], None] | None = None,
+        stream_interval: int = 1,
+    ) -> AsyncEngine:
+        """A client of an engine process that another process started and owns (one of the
+        API servers of `rlt serve --api-server-count N`), over its pipe ends."""
+        engine = cls(_started_elsewhere, on_step=on_step, stream_interval=stream_interval)
+        engine.engine_process, engine._attached = True, (commands, events)
+        return engine
 
     # -- lifecycle (any thread) -----------------------------------------------------------
     def start(self) -> None:
@@ -200,6 +215,11 @@ class AsyncEngine:
         if not self.engine_process:
             args = (self._make_engine, self._inbox, self._on_event, self._on_loaded)
             self._thread = threading.Thread(target=run_core, args=args, name="rlt-engine")
+        elif self._attached is not None:
+            self._commands, events = self._attached
+            self._thread = threading.Thread(
+                target=self._receive, args=(events,), name="rlt-engine-events"
+            )
         else:
             # spawn, not fork: CUDA cannot be used in a forked child, and the child must not
             # inherit the server's sockets and threads
@@ -207,8 +227,8 @@ class AsyncEngine:
             commands_out, commands_in = ctx.Pipe(duplex=False)
             events_out, events_in = ctx.Pipe(duplex=False)
             self.process = ctx.Process(
-                target=core_process_main,
-                args=(self._make_engine, commands_out, events_in),
+                target=engine_main,
+                args=(self._make_engine, [(commands_out, events_in)]),
                 name="rlt-engine",
                 daemon=True,  # never outlives the server
             )
@@ -221,6 +241,11 @@ class AsyncEngine:
             )
         self._thread.daemon = True
         self._thread.start()
+
+    @property
+    def attached(self) -> bool:
+        """A client of an engine process owned elsewhere (see `attach`)."""
+        return self._attached is not None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._loaded.wait(timeout)
@@ -249,6 +274,12 @@ class AsyncEngine:
         with self._lock:
             self._stopping = True
         self._send(StopCore())
+        if self._attached is not None:  # the engine stops with its last client, not this one
+            with self._send_lock:
+                self._attached[0].close()
+            if self._state.status not in ("dead", "stopped"):
+                self._finish("stopped", None, EngineDeadError("the engine stopped"))
+            return
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
         if self.process is not None:
@@ -363,8 +394,9 @@ class AsyncEngine:
         if message is None and self._stopping:
             self._finish("stopped", None, EngineDeadError("the engine stopped"))
             return
-        if message is None:
-            assert self.process is not None
+        if message is None and self.process is None:
+            message = "the engine process went away"
+        elif message is None:
             self.process.join(5.0)
             message = f"the engine process exited unexpectedly (exit code {self.process.exitcode})"
         self._finish("dead", message, EngineDeadError(message))
@@ -417,7 +449,7 @@ class AsyncEngine:
         for rid, message in turn.failed:
             self._deliver_error(rid, RequestFailedError(message))
         self._deliver(turn.outputs)
-        if self._on_step is not None and turn.stats is not None:
+        if self._on_step is not None and (turn.stats is not None or turn.outputs):
             self._on_step(StepReport(turn.stats, turn.outputs, turn.wall_s, len(turn.failed)))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -463,6 +495,10 @@ class AsyncEngine:
                 add.accepted.set_exception(error)
         for rid in list(self._state.streams):
             self._deliver_error(rid, error)
+
+
+def _started_elsewhere() -> LLMEngine:
+    raise RuntimeError("an attached AsyncEngine has no engine of its own to build")
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue[Any], Any]]) -> None:

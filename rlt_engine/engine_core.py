@@ -3,7 +3,7 @@
 `run_core` owns an `LLMEngine` and nothing else: it takes commands (add, abort, stop) from an
 `Inbox` and hands back plain events (`CoreReady`, `CoreTurn`, `CoreFailed`, `CoreStopped`)
 through `emit`. It runs on a thread of the caller's process (`AsyncEngine`, the library and
-the tests) or in a process of its own (`rlt serve`, `core_process_main`): there the engine's
+the tests) or in a process of its own (`rlt serve`, `engine_process.py`): there the engine's
 host work (planning, launches, detokenization) has an interpreter to itself, so an event loop
 busy writing thousands of SSE chunks a second never holds the lock the engine needs to feed
 the GPU. The events are plain dataclasses, pickled over a pipe in the second case.
@@ -11,23 +11,18 @@ the GPU. The events are plain dataclasses, pickled over a pipe in the second cas
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlt_engine.engine_info import EngineInfo
 from rlt_engine.outputs import RequestOutput
 from rlt_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from multiprocessing.connection import Connection
-
-    from rlt_engine.config import EngineConfig
     from rlt_engine.engine import EngineStats, LLMEngine
 
 IDLE_WAIT_S = 0.05  # how long an idle core sleeps before looking at its inbox again
@@ -199,83 +194,3 @@ def _apply(engine: LLMEngine, commands: list[Command]) -> tuple[CoreTurn, StopCo
                 continue
             turn.accepted.append(command.request_id)
     return turn, stop
-
-
-# -- the core in a process of its own -------------------------------------------------------
-def build_engine(config: EngineConfig) -> LLMEngine:
-    """`LLMEngine(config)`, imported here: with `functools.partial(build_engine, config)` as
-    the engine process's factory, the server process does not load torch and the model code
-    for itself."""
-    from rlt_engine.engine import LLMEngine
-
-    return LLMEngine(config)
-
-
-class PromptIds:
-    """Each request's prompt ids cross the pipe once, with its first output: every later
-    delta would carry the whole prompt again (at c=256 with 2,000-token prompts, half a
-    million ints a step). The engine process `strip`s them, the caller `restore`s them; both
-    see the same turns in the same order."""
-
-    def __init__(self) -> None:
-        self._ids: dict[str, list[int]] = {}  # requests whose ids have crossed (the caller's)
-
-    def strip(self, turn: CoreTurn) -> None:
-        for out in turn.outputs:  # the turn's own outputs, made for this send
-            if out.request_id in self._ids:
-                out.prompt_token_ids = []
-            if out.finished:
-                self._ids.pop(out.request_id, None)
-            else:
-                self._ids[out.request_id] = []  # sent; nothing kept on this side
-        for rid, _ in turn.failed:
-            self._ids.pop(rid, None)
-
-    def restore(self, turn: CoreTurn) -> None:
-        for out in turn.outputs:
-            ids = self._ids.get(out.request_id)
-            if ids is not None:
-                out.prompt_token_ids = ids
-            if out.finished:
-                self._ids.pop(out.request_id, None)
-            elif ids is None:
-                self._ids[out.request_id] = out.prompt_token_ids
-        for rid, _ in turn.failed:
-            self._ids.pop(rid, None)
-
-
-def core_process_main(
-    make_engine: Callable[[], LLMEngine], commands: Connection, events: Connection
-) -> None:
-    """The engine process: a reader thread moves commands from the pipe into the inbox (so
-    the caller's sends never wait on a step), the main thread runs the core and sends its
-    events back. It stops when the caller says so, or at once when the caller's end closes
-    (the server died); signals meant for the server's process group leave it running."""
-    # Ctrl-C (the terminal's process group) and SIGTERM to the whole group (systemd's default
-    # KillMode) are the server's: it drains its requests, then sends StopCore
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    inbox = Inbox()
-
-    def read() -> None:
-        while True:
-            try:
-                inbox.put(commands.recv())
-            except (EOFError, OSError):
-                inbox.put(StopCore(now=True))
-                return
-
-    threading.Thread(target=read, name="rlt-core-commands", daemon=True).start()
-
-    prompts = PromptIds()
-
-    def emit(event: Any) -> None:
-        if isinstance(event, CoreTurn):
-            prompts.strip(event)
-        events.send(event)
-
-    try:
-        with contextlib.suppress(OSError):  # a closed pipe: nobody listens any more
-            run_core(make_engine, inbox, emit)
-    finally:
-        events.close()

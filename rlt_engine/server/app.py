@@ -1,12 +1,14 @@
 """The FastAPI app of `rlt serve`: routes, authentication, limits and error bodies.
 
 `build_app` takes an `AsyncEngine` that is not started; the app's lifespan starts it (the
-model loads in the engine process while the server already answers `/health` with 503) and
-shuts it down after uvicorn has drained the open requests (SIGTERM: graceful shutdown).
+model loads in the engine process while the server already answers `/health` with 503; with
+several API servers, each starts taking connections once the engine is ready) and shuts it
+down after uvicorn has drained the open requests (SIGTERM: graceful shutdown).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +38,9 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        if engine.attached:  # one of several API servers on one socket: it takes connections
+            # only once its engine is ready, so none lands on it while it still loads
+            await asyncio.to_thread(engine.wait_ready)
         yield
         engine.shutdown()
 

@@ -20,6 +20,9 @@ class ServerConfig:
     # tokens a streamed request's outputs gather before they go to its handler (the
     # first token and the end leave at once): fewer, larger SSE chunks, less event-loop work
     stream_interval: int = 1
+    # API server processes over one socket and one engine process: past ~15,000 streamed
+    # tokens a second one event loop is the limit (server/api_servers.py)
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -34,5 +37,7 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")

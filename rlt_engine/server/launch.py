@@ -37,10 +37,7 @@ def served_names(
 
 def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any, AsyncEngine]:
     """The uvicorn server (not started) and its app, for `rlt serve` and tests."""
-    import uvicorn
-
-    from rlt_engine.engine_core import build_engine
-    from rlt_engine.server.app import build_app
+    from rlt_engine.engine_process import build_engine
     from rlt_engine.server.metrics import ServerMetrics
 
     engine_config, names, notice = served_names(engine_config, server)
@@ -55,6 +52,16 @@ def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any,
         stream_interval=server.stream_interval,
         engine_process=True,
     )
+    return http_server(engine, server, names, metrics), engine
+
+
+def http_server(engine: AsyncEngine, server: ServerConfig, names: list[str], metrics: Any) -> Any:
+    """The uvicorn server (not started) of the app over `engine`; it stops if the model fails
+    to load."""
+    import uvicorn
+
+    from rlt_engine.server.app import build_app
+
     app = build_app(engine, server, names, metrics)
     # loop and http stay "auto": uvloop and httptools (dependencies) where they install, else
     # asyncio and h11; every streamed chunk costs the event loop one socket write either way
@@ -74,4 +81,4 @@ def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any,
             uvicorn_server.should_exit = True  # a server without a model is no server
 
     threading.Thread(target=stop_if_load_fails, name="rlt-load-watch", daemon=True).start()
-    return uvicorn_server, engine
+    return uvicorn_server

@@ -5,17 +5,30 @@ Everything is recorded on the thread that delivers the engine's outputs, from ea
 `StepReport`: engine gauges from the step's stats, per-request latencies from the outputs'
 timestamps (server-side, as vLLM measures them: from the handler's hand-over to the
 AsyncEngine, its queue wait included). One registry per server, so several servers can
-live in one process.
+live in one process; several API server processes of one engine (`--api-server-count`) share
+a multiprocess directory instead, and each one's `/metrics` reads them all.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 from rlt_engine.async_engine import StepReport
+
+if TYPE_CHECKING:
+    from rlt_engine.engine import EngineStats
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -33,7 +46,9 @@ class ServerMetrics:
         names = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r).labels(**label)
+            # several API servers: one of them sets the engine's gauges, the others hold 0
+            mode = "livemax"
+            return Gauge(name, doc, names, registry=r, multiprocess_mode=mode).labels(**label)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=r).labels(**label)
@@ -106,7 +121,13 @@ class ServerMetrics:
         self._prompt_seen: set[str] = set()
 
     def record(self, report: StepReport) -> None:
-        s = report.stats
+        if report.stats is not None:  # None: another API server counts the engine
+            self._record_engine(report.stats, report.wall_s)
+        now = time.monotonic()
+        for out in report.outputs:
+            self._record_output(out, now)
+
+    def _record_engine(self, s: EngineStats, wall_s: float | None) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting + s.num_swapped)
         self.blocks_used.set(s.blocks_used)
@@ -118,13 +139,10 @@ class ServerMetrics:
         self.prefix_hits.inc(max(0, hit - h0))
         self.preemptions.inc(max(0, preempted - p0))
         self._seen_prefix = (queried, hit, preempted)
-        if report.wall_s is not None:  # a step ran (not only aborts)
+        if wall_s is not None:  # a step ran (not only aborts)
             if s.decode_rows:
                 self.batch_size.observe(s.decode_rows)
-            self.step_seconds.observe(report.wall_s)
-        now = time.monotonic()
-        for out in report.outputs:
-            self._record_output(out, now)
+            self.step_seconds.observe(wall_s)
 
     def _record_output(self, out, now: float) -> None:  # type: ignore[no-untyped-def]
         rid, n = out.request_id, len(out.new_token_ids)
@@ -164,4 +182,8 @@ class ServerMetrics:
             self._prompt_seen.discard(rid)
 
     def render(self) -> bytes:
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:  # several API servers: all of theirs
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

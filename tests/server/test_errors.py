@@ -179,6 +179,7 @@ def test_bad_flags_fail_fast() -> None:
         (["--port", "70000"], "port"),
         (["--request-timeout", "0"], "timeout"),
         (["--stream-interval", "0"], "stream-interval"),
+        (["--api-server-count", "0"], "api-server-count"),
     ):
         out = subprocess.run(
             [sys.executable, "-m", "rlt_cli.main", "serve", "demo", *args],

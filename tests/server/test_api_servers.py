@@ -1,0 +1,122 @@
+"""`rlt serve --api-server-count 2`: two API server processes on one socket, one engine
+process, the outputs of the in-process engine, metrics that count both servers' requests, a
+drain on SIGTERM, a taken port and a model that fails to load in one line; no process left."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from server_process import DEMO_ARGS, ServerProcess, children, running
+
+from rlt_engine import SamplingParams
+
+PROMPTS = [f"Q: {i} + {i} =\nA:" for i in range(12)]
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def _spawned(pid: int) -> list[int]:
+    """The engine and API server processes under `pid` (not multiprocessing's tracker)."""
+    out = []
+    for kid in children(pid):
+        with open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(kid)
+    return out
+
+
+def test_two_api_servers_serve_count_and_drain(demo_llm) -> None:
+    proc = ServerProcess(*DEMO_ARGS, "--api-server-count", "2").wait_healthy()
+    try:
+        # healthy = one server is ready; each takes connections once its own copy of the
+        # tokenizer has loaded (the engine's gauges come from the first server)
+        _wait_for(lambda: proc.output().count("Application startup complete") == 2, 60)
+        kids = children(proc.proc.pid)
+        assert len(_spawned(proc.proc.pid)) == 3  # the engine and two API servers
+        results: dict[int, list[int]] = {}
+
+        def one(i: int) -> None:
+            # a connection each (closed after), so the kernel spreads them over the servers
+            body = {"model": "demo", "prompt": PROMPTS[i], "max_tokens": 6, "temperature": 0}
+            r = httpx.post(proc.url + "/v1/completions", json=body, timeout=120,
+                           headers={"Connection": "close"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            results[i] = r.json()["choices"][0]["token_ids"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        want = demo_llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
+        assert [results[i] for i in range(len(PROMPTS))] == [o.token_ids for o in want]
+        tokens = sum(len(ids) for ids in results.values())
+        # whichever server answers /metrics counts both servers' requests, the engine's once
+        for _ in range(4):
+            _wait_for(lambda: proc.metric("vllm:generation_tokens_total") == tokens)
+            assert proc.metric("vllm:request_success_total") == len(PROMPTS)
+            assert proc.metric("rlt:kv_blocks_used") == 0
+            assert proc.metric("rlt:kv_blocks_total") > 0
+
+        # SIGTERM: a running stream finishes, then everything exits
+        body = {"model": "demo", "prompt": "1", "max_tokens": 200, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        events: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    first.set()
+                    if line:
+                        events.append(line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        assert proc.terminate(timeout=150) == 0, proc.output()
+        t.join(60)
+        assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+        _wait_for(lambda: not any(running(k) for k in kids))
+    finally:
+        proc.stop()
+
+
+def test_a_taken_port_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "rlt_cli.main", "serve", "demo", "--device", "cpu",
+             "--api-server-count", "2", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 1
+    assert f"--port {port}" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_model_that_fails_to_load_stops_every_process(tmp_path) -> None:
+    """A checkpoint that fails in the engine process: each server says so, the command
+    exits 1, and no process is left."""
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "ouro", "hidden_size": "wide"}')
+    proc = ServerProcess(str(model), "--api-server-count", "2")
+    try:
+        assert proc.proc.wait(120) == 1, proc.output()
+        assert "model failed to load" in proc.output()
+        assert "Traceback" not in proc.output()
+    finally:
+        proc.stop()
