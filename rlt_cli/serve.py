@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -71,20 +72,24 @@ def _run(values: dict[str, Any]) -> None:
     if server.api_server_count > 1:
         from rlt_engine.server.api_servers import run_api_servers
 
-        code = run_api_servers(engine_config, server)
-        if code == 130:
-            raise KeyboardInterrupt  # as one server's Ctrl-C ends
-        if code:
+        if run_api_servers(engine_config, server):
             raise ValueError("an API server failed (its error is above)")
         return
     from rlt_engine.server.launch import make_server
 
     uvicorn_server, engine = make_server(engine_config, server)
-    # uvicorn drains on SIGTERM, then re-raises the signal: after a drain, exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn_server.run()
+    run_until_stopped(uvicorn_server)
     if engine.status == "dead":
         raise ValueError(engine.error or "the engine failed")
+
+
+def run_until_stopped(uvicorn_server: Any) -> None:
+    """Serve until SIGTERM or Ctrl-C, then drain; a stop asked for is a success (exit 0).
+    Uvicorn re-raises the signal after its drain; for SIGINT, asyncio's runner then raises
+    KeyboardInterrupt or returns depending on a race, so both end here."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn_server.run()
 
 
 def serve_command() -> Any:

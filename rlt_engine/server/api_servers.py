@@ -18,6 +18,7 @@ one of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -43,7 +44,7 @@ STOP_TIMEOUT_S = 150  # the servers' drain (120 s) and then some
 
 
 def run_api_servers(engine_config: EngineConfig, server: ServerConfig) -> int:
-    """Serve until stopped; the exit code (0, 130 after Ctrl-C, 1 if a server failed)."""
+    """Serve until stopped; the exit code (0 after SIGTERM or Ctrl-C, 1 if a server failed)."""
     from rlt_engine.engine_process import build_engine, engine_main
     from rlt_engine.server.launch import served_names
 
@@ -113,10 +114,7 @@ def run_api_servers(engine_config: EngineConfig, server: ServerConfig) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    codes = [proc.exitcode for proc in servers]
-    if any(code not in (0, 130) for code in codes):
-        return 1
-    return 130 if signal.SIGINT in signals else 0
+    return 1 if any(proc.exitcode != 0 for proc in servers) else 0
 
 
 def _supervise(servers: list[Any], stop: Any, signals: list[int]) -> None:
@@ -166,9 +164,7 @@ def api_server_main(
     )
     uvicorn_server = http_server(engine, server, names, metrics)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn re-raises it after the drain
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # a stop asked for (see rlt_cli/serve.py)
         uvicorn_server.run(sockets=[listener])
-    except KeyboardInterrupt:
-        sys.exit(130)
     if engine.status == "dead":
         sys.exit(1)
