@@ -41,7 +41,7 @@ from rlt_engine.engine_core import (
     run_core,
 )
 from rlt_engine.engine_info import EngineInfo
-from rlt_engine.engine_process import PromptIds, engine_main
+from rlt_engine.engine_process import PromptIds, client_pipes, engine_main
 from rlt_engine.outputs import RequestOutput
 from rlt_engine.sampling_params import SamplingParams
 
@@ -224,18 +224,16 @@ class AsyncEngine:
             # spawn, not fork: CUDA cannot be used in a forked child, and the child must not
             # inherit the server's sockets and threads
             ctx = multiprocessing.get_context("spawn")
-            commands_out, commands_in = ctx.Pipe(duplex=False)
-            events_out, events_in = ctx.Pipe(duplex=False)
+            ([engine_end], [(self._commands, events_out)]) = client_pipes(ctx, 1)
             self.process = ctx.Process(
                 target=engine_main,
-                args=(self._make_engine, [(commands_out, events_in)]),
+                args=(self._make_engine, [engine_end]),
                 name="rlt-engine",
                 daemon=True,  # never outlives the server
             )
             self.process.start()
-            commands_out.close()  # the child's ends: its exit then reads as EOF here
-            events_in.close()
-            self._commands = commands_in
+            for end in engine_end:  # the child's: its exit then reads as EOF here
+                end.close()
             self._thread = threading.Thread(
                 target=self._receive, args=(events_out,), name="rlt-engine-events"
             )

@@ -47,6 +47,19 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return LLMEngine(config)
 
 
+def client_pipes(ctx: Any, count: int) -> tuple[list[Any], list[Any]]:
+    """Pipes for `count` clients from multiprocessing context `ctx`: (the engine's ends, the
+    servers' ends), each a (commands, events) pair per client; commands flow to the engine,
+    events back."""
+    engine_ends, server_ends = [], []
+    for _ in range(count):
+        commands_out, commands_in = ctx.Pipe(duplex=False)
+        events_out, events_in = ctx.Pipe(duplex=False)
+        engine_ends.append((commands_out, events_in))
+        server_ends.append((commands_in, events_out))
+    return engine_ends, server_ends
+
+
 class PromptIds:
     """Each request's prompt ids cross the pipe once, with its first output: every later
     delta would carry the whole prompt again (at c=256 with 2,000-token prompts, half a

@@ -9,7 +9,7 @@ import threading
 import time
 
 from rlt_engine.engine_core import AbortRequest, AddRequest, CoreReady, CoreTurn, Inbox, StopCore
-from rlt_engine.engine_process import Clients
+from rlt_engine.engine_process import Clients, client_pipes
 from rlt_engine.outputs import RequestMetrics, RequestOutput
 from rlt_engine.sampling_params import SamplingParams
 
@@ -22,14 +22,7 @@ def _out(rid: str, finished: bool = False) -> RequestOutput:
 
 
 def _pipes(n: int):  # type: ignore[no-untyped-def]
-    """(engine ends, server ends) of n clients: commands server -> engine, events back."""
-    engine_ends, server_ends = [], []
-    for _ in range(n):
-        commands_out, commands_in = multiprocessing.Pipe(duplex=False)
-        events_out, events_in = multiprocessing.Pipe(duplex=False)
-        engine_ends.append((commands_out, events_in))
-        server_ends.append((commands_in, events_out))
-    return engine_ends, server_ends
+    return client_pipes(multiprocessing.get_context(), n)
 
 
 def _drain(inbox: Inbox, want: int, timeout: float = 10.0) -> list:  # type: ignore[type-arg]

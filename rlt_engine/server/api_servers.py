@@ -45,7 +45,7 @@ STOP_TIMEOUT_S = 150  # the servers' drain (120 s) and then some
 
 def run_api_servers(engine_config: EngineConfig, server: ServerConfig) -> int:
     """Serve until stopped; the exit code (0 after SIGTERM or Ctrl-C, 1 if a server failed)."""
-    from rlt_engine.engine_process import build_engine, engine_main
+    from rlt_engine.engine_process import build_engine, client_pipes, engine_main
     from rlt_engine.server.launch import served_names
 
     engine_config, names, notice = served_names(engine_config, server)
@@ -56,12 +56,7 @@ def run_api_servers(engine_config: EngineConfig, server: ServerConfig) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="rlt-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the servers inherit it
     ctx = multiprocessing.get_context("spawn")
-    engine_ends, server_ends = [], []
-    for _ in range(count):
-        commands_out, commands_in = ctx.Pipe(duplex=False)
-        events_out, events_in = ctx.Pipe(duplex=False)
-        engine_ends.append((commands_out, events_in))
-        server_ends.append((commands_in, events_out))
+    engine_ends, server_ends = client_pipes(ctx, count)
     engine = ctx.Process(
         target=engine_main,
         args=(functools.partial(build_engine, engine_config), engine_ends),
