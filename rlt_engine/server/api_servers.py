@@ -19,10 +19,8 @@ one of them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -63,13 +61,11 @@ def run_api_servers(engine_config: EngineConfig, server: ServerConfig) -> int:
         name="rlt-engine",
         daemon=True,
     )
-    # each server admits its share of --max-concurrent-requests
-    share = math.ceil(server.max_concurrent_requests / count)
-    each = dataclasses.replace(server, max_concurrent_requests=share)
+    in_flight = ctx.Value("i", 0)  # one --max-concurrent-requests count for all servers
     servers = [
         ctx.Process(
             target=api_server_main,
-            args=(engine_config, each, names, commands, events, listener),
+            args=(engine_config, server, names, commands, events, listener, in_flight),
             name=f"rlt-api-server-{i}",
             daemon=True,
         )
@@ -146,18 +142,21 @@ def api_server_main(
     commands: Connection,
     events: Connection,
     listener: socket.socket,
+    in_flight: Any,
 ) -> None:
     """One API server process: the app over its pipe ends to the engine, served by uvicorn
     on the shared socket."""
     from rlt_engine.async_engine import AsyncEngine
     from rlt_engine.server.launch import http_server
     from rlt_engine.server.metrics import ServerMetrics
+    from rlt_engine.server.serving import InFlight
 
     metrics = ServerMetrics(names[0], engine_config.scheduler.max_num_seqs)
     engine = AsyncEngine.attach(
         commands, events, on_step=metrics.record, stream_interval=server.stream_interval
     )
-    uvicorn_server = http_server(engine, server, names, metrics)
+    admitted = InFlight(server.max_concurrent_requests, in_flight)
+    uvicorn_server = http_server(engine, server, names, metrics, admitted)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn re-raises it after the drain
     with contextlib.suppress(KeyboardInterrupt):  # a stop asked for (see rlt_cli/serve.py)
         uvicorn_server.run(sockets=[listener])

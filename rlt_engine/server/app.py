@@ -26,13 +26,18 @@ from rlt_engine.server.config import ServerConfig
 from rlt_engine.server.errors import APIError, error_response
 from rlt_engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from rlt_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ParamError
-from rlt_engine.server.serving import Serving
+from rlt_engine.server.serving import InFlight, Serving
 
 
 def build_app(
-    engine: AsyncEngine, config: ServerConfig, names: list[str], metrics: ServerMetrics
+    engine: AsyncEngine,
+    config: ServerConfig,
+    names: list[str],
+    metrics: ServerMetrics,
+    in_flight: InFlight | None = None,
 ) -> FastAPI:
-    serving = Serving(engine, names, config)
+    """`in_flight`: the admission count, when several API servers share one."""
+    serving = Serving(engine, names, config, in_flight)
     started = int(time.time())
 
     @asynccontextmanager

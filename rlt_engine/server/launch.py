@@ -55,14 +55,16 @@ def make_server(engine_config: EngineConfig, server: ServerConfig) -> tuple[Any,
     return http_server(engine, server, names, metrics), engine
 
 
-def http_server(engine: AsyncEngine, server: ServerConfig, names: list[str], metrics: Any) -> Any:
+def http_server(
+    engine: AsyncEngine, server: ServerConfig, names: list[str], metrics: Any, in_flight: Any = None
+) -> Any:
     """The uvicorn server (not started) of the app over `engine`; it stops if the model fails
-    to load."""
+    to load. `in_flight`: see `build_app`."""
     import uvicorn
 
     from rlt_engine.server.app import build_app
 
-    app = build_app(engine, server, names, metrics)
+    app = build_app(engine, server, names, metrics, in_flight)
     # loop and http stay "auto": uvloop and httptools (dependencies) where they install, else
     # asyncio and h11; every streamed chunk costs the event loop one socket write either way
     config = uvicorn.Config(

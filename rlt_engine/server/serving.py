@@ -51,10 +51,49 @@ class _Job:
             stream.abort()
 
 
+class InFlight:
+    """HTTP requests generating now, against `--max-concurrent-requests`: a count of this
+    process's, or (`shared`, a multiprocessing Value) one count for every API server of an
+    engine, so that N servers admit what one would."""
+
+    def __init__(self, limit: int, shared: Any = None) -> None:
+        self.limit, self._shared, self._count = limit, shared, 0
+
+    @property
+    def count(self) -> int:
+        return self._count if self._shared is None else int(self._shared.value)
+
+    def enter(self) -> bool:
+        """Take a place; False if all are taken."""
+        if self._shared is None:
+            if self._count >= self.limit:
+                return False
+            self._count += 1
+            return True
+        with self._shared.get_lock():
+            if self._shared.value >= self.limit:
+                return False
+            self._shared.value += 1
+            return True
+
+    def leave(self) -> None:
+        if self._shared is None:
+            self._count -= 1
+            return
+        with self._shared.get_lock():
+            self._shared.value -= 1
+
+
 class Serving:
-    def __init__(self, engine: AsyncEngine, names: list[str], config: ServerConfig) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        names: list[str],
+        config: ServerConfig,
+        in_flight: InFlight | None = None,
+    ) -> None:
         self.engine, self.names, self.config = engine, names, config
-        self.in_flight = 0
+        self.in_flight = in_flight or InFlight(config.max_concurrent_requests)
 
     @property
     def tokenizer(self) -> Any:
@@ -73,7 +112,7 @@ class Serving:
                     work.append((prompt, body.sampling_params(max_tokens, body.logprobs, choice)))
             job = await self._start(body.model, "cmpl", work, body.stream)
         except BaseException:
-            self.in_flight -= 1
+            self.in_flight.leave()
             raise
         echo = [self._prompt_text(p) for p in prompts] if body.echo else None
         render = _CompletionRender(self.tokenizer, echo, body.n)
@@ -94,7 +133,7 @@ class Serving:
             ]
             job = await self._start(body.model, "chatcmpl", work, body.stream)
         except BaseException:
-            self.in_flight -= 1
+            self.in_flight.leave()
             raise
         render = _ChatRender(self.tokenizer)
         return await self._respond(job, body.stream, body.include_usage, render, request)
@@ -107,14 +146,13 @@ class Serving:
             raise APIError(503, self.engine.error or "the engine is not running")
         if model not in self.names:
             raise APIError(404, f"the model {model!r} does not exist", "model")
-        if self.in_flight >= self.config.max_concurrent_requests:
+        if not self.in_flight.enter():
             raise APIError(
                 429,
-                f"server busy: {self.in_flight} requests in flight "
+                f"server busy: {self.in_flight.count} requests in flight "
                 f"(--max-concurrent-requests {self.config.max_concurrent_requests})",
                 headers={"Retry-After": "1"},
             )
-        self.in_flight += 1
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         from rlt_engine.models.tokenizer import TokenizerError, render_chat
@@ -173,7 +211,7 @@ class Serving:
         job.abort()
         if not job.released:
             job.released = True
-            self.in_flight -= 1
+            self.in_flight.leave()
 
     async def _collect(self, job: _Job, request: Request) -> list[RequestOutput]:
         """Every choice's final output; aborted when the client leaves or time runs out."""

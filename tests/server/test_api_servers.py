@@ -120,3 +120,39 @@ def test_a_model_that_fails_to_load_stops_every_process(tmp_path) -> None:
         assert "Traceback" not in proc.output()
     finally:
         proc.stop()
+
+
+def test_the_concurrency_limit_is_one_for_all_servers() -> None:
+    """`--max-concurrent-requests 2` with two servers: while two long requests run, whichever
+    server took them, a third gets 429 from either server; after them, one runs again."""
+    proc = ServerProcess(*DEMO_ARGS, "--api-server-count", "2", "--max-concurrent-requests", "2")
+    proc.wait_healthy()
+    try:
+        _wait_for(lambda: proc.output().count("Application startup complete") == 2, 60)
+        # long enough to outlast the checks, short enough for both to fit the KV pool at once
+        body = {"model": "demo", "prompt": "1", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        started = [threading.Event(), threading.Event()]
+
+        def hold(i: int) -> None:
+            url = proc.url + "/v1/completions"
+            # a client (a connection) each, read to the end
+            with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body) as r:
+                for _ in r.iter_lines():
+                    started[i].set()
+
+        holders = [threading.Thread(target=hold, args=(i,)) for i in range(2)]
+        for t in holders:
+            t.start()
+        assert all(e.wait(60) for e in started)
+        small = {"model": "demo", "prompt": "2", "max_tokens": 2}
+        codes = [httpx.post(proc.url + "/v1/completions", json=small, timeout=30,
+                            headers={"Connection": "close"}).status_code
+                 for _ in range(4)]  # fmt: skip
+        running = sum(t.is_alive() for t in holders)
+        for t in holders:
+            t.join(120)
+        assert running == 2 and codes == [429] * 4
+        assert httpx.post(proc.url + "/v1/completions", json=small, timeout=30).status_code == 200
+    finally:
+        proc.stop()
