@@ -104,6 +104,7 @@ def run_api_servers(engine_config: EngineConfig, server: ServerConfig) -> int:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 1 if any(proc.exitcode != 0 for proc in servers) else 0
 
