@@ -275,8 +275,7 @@ class AsyncEngine:
         if self._attached is not None:  # the engine stops with its last client, not this one
             with self._send_lock:
                 self._attached[0].close()
-            if self._state.status not in ("dead", "stopped"):
-                self._finish("stopped", None, EngineDeadError("the engine stopped"))
+            self._stopped()
             return
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
@@ -287,8 +286,7 @@ class AsyncEngine:
                 self.process.join()
             if self._thread is not None:
                 self._thread.join(5.0)
-            if self._state.status not in ("dead", "stopped"):
-                self._finish("stopped", None, EngineDeadError("the engine stopped"))
+            self._stopped()
             with self._send_lock:
                 assert self._commands is not None
                 self._commands.close()
@@ -390,8 +388,7 @@ class AsyncEngine:
         if self._state.status not in ("loading", "ready"):
             return
         if message is None and self._stopping:
-            self._finish("stopped", None, EngineDeadError("the engine stopped"))
-            return
+            return self._stopped()
         if message is None and self.process is None:
             message = "the engine process went away"
         elif message is None:
@@ -407,7 +404,7 @@ class AsyncEngine:
         elif isinstance(event, CoreFailed):
             self._finish("dead", event.message, EngineDeadError(event.message))
         elif isinstance(event, CoreStopped):
-            self._finish("stopped", None, EngineDeadError("the engine stopped"))
+            self._stopped()
 
     def _ready(self, info: EngineInfo) -> None:
         if self.engine_process and info.has_tokenizer:
@@ -480,6 +477,11 @@ class AsyncEngine:
         route = self._state.streams.pop(request_id, None)
         if route is not None:
             _post(route.loop, [(route.queue, item) for item in [*route.take(), error]])
+
+    def _stopped(self) -> None:
+        """The engine stopped as asked (a no-op if it already ended)."""
+        if self._state.status not in ("dead", "stopped"):
+            self._finish("stopped", None, EngineDeadError("the engine stopped"))
 
     def _finish(self, status: str, message: str | None, error: BaseException) -> None:
         """The engine is gone (dead, or stopped): every open stream and waiting add gets

@@ -63,10 +63,9 @@ class CoreReady:
 
 @dataclass
 class CoreFailed:
-    """The model failed to load (`loading`) or the loop stopped on an unexpected error."""
+    """The model failed to load, or the loop stopped on an unexpected error."""
 
     message: str
-    loading: bool = False
 
 
 @dataclass
@@ -127,7 +126,7 @@ def run_core(
     try:
         engine = make_engine()
     except BaseException as exc:
-        emit(CoreFailed(f"model failed to load: {exc}", loading=True))
+        emit(CoreFailed(f"model failed to load: {exc}"))
         return
     if on_loaded is not None:
         on_loaded(engine)

@@ -67,18 +67,19 @@ class PromptIds:
     see the same turns in the same order."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, list[int]] = {}  # requests whose ids have crossed (the caller's)
+        self._sent: set[str] = set()  # the engine's side: requests whose ids have crossed
+        self._ids: dict[str, list[int]] = {}  # the caller's side: those ids
 
     def strip(self, turn: CoreTurn) -> None:
         for out in turn.outputs:  # the turn's own outputs, made for this send
-            if out.request_id in self._ids:
+            if out.request_id in self._sent:
                 out.prompt_token_ids = []
-            if out.finished:
-                self._ids.pop(out.request_id, None)
-            else:
-                self._ids[out.request_id] = []  # sent; nothing kept on this side
+                if out.finished:
+                    self._sent.discard(out.request_id)
+            elif not out.finished:
+                self._sent.add(out.request_id)
         for rid, _ in turn.failed:
-            self._ids.pop(rid, None)
+            self._sent.discard(rid)
 
     def restore(self, turn: CoreTurn) -> None:
         for out in turn.outputs:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import running
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.async_engine import (
@@ -477,17 +478,9 @@ def test_engine_process_exits_with_its_parent(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[-1])
     deadline = time.monotonic() + 30
-    while _alive(pid):
+    while running(pid):
         assert time.monotonic() < deadline, f"engine process {pid} outlived its parent"
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 def test_a_fault_reading_the_engine_process_stops_it() -> None:

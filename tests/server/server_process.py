@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+from processes import spawned
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
@@ -82,11 +82,10 @@ class ServerProcess:
 
     def engine_pid(self) -> int:
         """The engine process: the server's child that multiprocessing spawned."""
-        for pid in children(self.proc.pid):
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    return pid
-        raise RuntimeError("the server has no engine process")
+        kids = spawned(self.proc.pid)
+        if not kids:
+            raise RuntimeError("the server has no engine process")
+        return kids[0]
 
     def terminate(self, timeout: float = 60.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -108,21 +107,3 @@ class ServerProcess:
         self._log.flush()
         self._log.seek(0)
         return self._log.read()
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of `pid` (of all its threads)."""
-    kids: list[int] = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/children") as f:
-            kids += [int(k) for k in f.read().split()]
-    return kids
-
-
-def running(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -8,31 +8,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
-from server_process import DEMO_ARGS, ServerProcess, children, running
+from processes import children, running, spawned, wait_for
+from server_process import DEMO_ARGS, ServerProcess
 
 from rlt_engine import SamplingParams
 
 PROMPTS = [f"Q: {i} + {i} =\nA:" for i in range(12)]
-
-
-def _wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
-def _spawned(pid: int) -> list[int]:
-    """The engine and API server processes under `pid` (not multiprocessing's tracker)."""
-    out = []
-    for kid in children(pid):
-        with open(f"/proc/{kid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                out.append(kid)
-    return out
 
 
 def test_two_api_servers_serve_count_and_drain(demo_llm) -> None:
@@ -40,9 +23,9 @@ def test_two_api_servers_serve_count_and_drain(demo_llm) -> None:
     try:
         # healthy = one server is ready; each takes connections once its own copy of the
         # tokenizer has loaded (the engine's gauges come from the first server)
-        _wait_for(lambda: proc.output().count("Application startup complete") == 2, 60)
+        wait_for(lambda: proc.output().count("Application startup complete") == 2, 60)
         kids = children(proc.proc.pid)
-        assert len(_spawned(proc.proc.pid)) == 3  # the engine and two API servers
+        assert len(spawned(proc.proc.pid)) == 3  # the engine and two API servers
         results: dict[int, list[int]] = {}
 
         def one(i: int) -> None:
@@ -63,7 +46,7 @@ def test_two_api_servers_serve_count_and_drain(demo_llm) -> None:
         tokens = sum(len(ids) for ids in results.values())
         # whichever server answers /metrics counts both servers' requests, the engine's once
         for _ in range(4):
-            _wait_for(lambda: proc.metric("vllm:generation_tokens_total") == tokens)
+            wait_for(lambda: proc.metric("vllm:generation_tokens_total") == tokens)
             assert proc.metric("vllm:request_success_total") == len(PROMPTS)
             assert proc.metric("rlt:kv_blocks_used") == 0
             assert proc.metric("rlt:kv_blocks_total") > 0
@@ -87,7 +70,7 @@ def test_two_api_servers_serve_count_and_drain(demo_llm) -> None:
         assert proc.terminate(timeout=150) == 0, proc.output()
         t.join(60)
         assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
-        _wait_for(lambda: not any(running(k) for k in kids))
+        wait_for(lambda: not any(running(k) for k in kids))
     finally:
         proc.stop()
 
@@ -128,7 +111,7 @@ def test_the_concurrency_limit_is_one_for_all_servers() -> None:
     proc = ServerProcess(*DEMO_ARGS, "--api-server-count", "2", "--max-concurrent-requests", "2")
     proc.wait_healthy()
     try:
-        _wait_for(lambda: proc.output().count("Application startup complete") == 2, 60)
+        wait_for(lambda: proc.output().count("Application startup complete") == 2, 60)
         # long enough to outlast the checks, short enough for both to fit the KV pool at once
         body = {"model": "demo", "prompt": "1", "max_tokens": 300, "ignore_eos": True,
                 "stream": True}  # fmt: skip
@@ -149,10 +132,10 @@ def test_the_concurrency_limit_is_one_for_all_servers() -> None:
         codes = [httpx.post(proc.url + "/v1/completions", json=small, timeout=30,
                             headers={"Connection": "close"}).status_code
                  for _ in range(4)]  # fmt: skip
-        running = sum(t.is_alive() for t in holders)
+        holding = sum(t.is_alive() for t in holders)
         for t in holders:
             t.join(120)
-        assert running == 2 and codes == [429] * 4
+        assert holding == 2 and codes == [429] * 4
         assert httpx.post(proc.url + "/v1/completions", json=small, timeout=30).status_code == 200
     finally:
         proc.stop()

@@ -9,23 +9,16 @@ import os
 import random
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_process import DEMO_ARGS, ServerProcess, children, running
+from processes import children, running, wait_for
+from server_process import DEMO_ARGS, ServerProcess
 
 FAULT_SERVER = Path(__file__).with_name("fault_server.py")
 FAULT_MARKER = "<<inject-fault>>"
-
-
-def _wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_disconnect_mid_stream_frees_blocks(server) -> None:
@@ -36,8 +29,8 @@ def test_disconnect_mid_stream_frees_blocks(server) -> None:
             next(lines)
         assert server.metric("rlt:kv_blocks_used") > 0
     # the client is gone: the request is aborted and its blocks are back within a step
-    _wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
-    _wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
+    wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
+    wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
     assert 'finished_reason="abort"' in httpx.get(server.url + "/metrics").text
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -46,7 +39,7 @@ def test_non_streaming_disconnect_frees_blocks(server) -> None:
     body = {"model": "demo", "prompt": "1", "max_tokens": 1500, "ignore_eos": True}
     with contextlib.suppress(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
-    _wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
+    wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
 
 
 def test_200_concurrent_streams_with_random_aborts(server) -> None:
@@ -89,8 +82,8 @@ def test_200_concurrent_streams_with_random_aborts(server) -> None:
 
     results = asyncio.run(main())
     assert results.count("done") >= 100 and set(results) <= {"done", "aborted"}
-    _wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
-    _wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
+    wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
+    wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
     assert server.metric("vllm:num_requests_waiting") == 0
     assert httpx.get(server.url + "/health").status_code == 200
 
@@ -201,7 +194,7 @@ def test_a_signal_to_the_process_group_drains_and_leaves_no_process(sig) -> None
         t.join(60)
         events = got["events"]
         assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
-        _wait_for(lambda: not any(running(k) for k in kids))
+        wait_for(lambda: not any(running(k) for k in kids))
     finally:
         proc.stop()
 
