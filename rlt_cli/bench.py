@@ -36,6 +36,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rlt_cli.command import callback, keyword
+from rlt_cli.engine import load_llm
 from rlt_cli.options import engine_fields, engine_parameters, to_field_values
 from rlt_cli.output import check_device, status_spinner, stderr, stdout
 from rlt_engine.config import EngineConfig, SchedulerConfig
@@ -381,10 +382,7 @@ def _parse_serving(values: dict[str, Any]) -> ServingBenchConfig:
 # -- running ------------------------------------------------------------------------------
 def load_engine(w: Workload) -> LLM:
     """Load the model and check the workload against it (loop controls, context)."""
-    from rlt_engine.llm import LLM
-
-    with status_spinner("loading model"):
-        llm = LLM(**w.engine_options)
+    llm = load_llm(w.engine_options)
     info = llm.info
     if info.notice:
         stderr.print(f"[dim]{escape(info.notice)}[/]")

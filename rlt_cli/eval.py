@@ -19,6 +19,7 @@ import typer
 from rich.markup import escape
 
 from rlt_cli.command import callback, keyword
+from rlt_cli.engine import load_llm
 from rlt_cli.options import engine_fields, engine_parameters, flag_name, to_field_values
 from rlt_cli.output import check_device, status_spinner, stderr, stdout
 from rlt_engine.config import EngineConfig, KVLayout
@@ -345,10 +346,7 @@ def _backend(run: EvalRun) -> Backend:
         model = run.engine_options.get("model")
         return HTTPBackend(run.url, model, run.config.chat, run.concurrency, run.api_key)
     check_device(run.engine_options.get("device", "auto"))
-    from rlt_engine.llm import LLM
-
-    with status_spinner("loading model"):
-        llm = LLM(**run.engine_options)
+    llm = load_llm(run.engine_options)
     if llm.info.notice and not run.json_output:
         stderr.print(f"[dim]{escape(llm.info.notice)}[/]")
     if llm.tokenizer is None:

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rlt_cli.command import callback, keyword
+from rlt_cli.engine import load_llm
 from rlt_cli.options import (
     engine_fields,
     engine_parameters,
@@ -179,10 +180,7 @@ def _file_prompts(path: Path) -> list[str]:
 # -- running ------------------------------------------------------------------------------
 def _generate(run: GenerateRun) -> None:
     check_device(run.engine_options.get("device", "auto"))
-    from rlt_engine.llm import LLM
-
-    with status_spinner("loading model"):
-        llm = LLM(**run.engine_options)
+    llm = load_llm(run.engine_options)
     if llm.info.notice:
         stderr.print(f"[dim]{escape(llm.info.notice)}[/]")
     if run.verbose:

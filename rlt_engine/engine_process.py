@@ -30,6 +30,7 @@ from rlt_engine.engine_core import (
     StopCore,
     run_core,
 )
+from rlt_engine.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -190,7 +191,8 @@ def engine_main(
         clients.emit(event)
 
     try:
-        run_core(make_engine, inbox, emit)
+        # this process keeps its engine for life: its startup heap need never be walked again
+        run_core(make_engine, inbox, emit, on_loaded=lambda _: freeze_startup_heap())
     finally:
         for _, events in pipes:
             events.close()

@@ -7,9 +7,11 @@ and the package imports even without an editable install.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,17 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
         node = item.nodeid.replace("\\", "/")
         if "triton" in node or "tests/kernels/" in node or "test_fast_path" in node:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _collector_as_it_was() -> Iterator[None]:
+    """A command run in-process (`rlt bench` through CliRunner) freezes the heap and spaces the
+    young collections, as it should in a process of its own (rlt_engine/heap.py); the test
+    process gets its collector back after each test."""
+    threshold = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from typing import Any
 
 from rlt_engine.async_engine import AsyncEngine
 from rlt_engine.config import EngineConfig
+from rlt_engine.heap import freeze_startup_heap
 from rlt_engine.server.config import ServerConfig
 
 DRAIN_TIMEOUT_S = 120
@@ -77,10 +78,12 @@ def http_server(
     )
     uvicorn_server = uvicorn.Server(config)
 
-    def stop_if_load_fails() -> None:
-        if not engine.wait_ready() and engine.status == "dead":
+    def watch_load() -> None:
+        if engine.wait_ready():  # the server's heap is complete (its tokenizer is loaded)
+            freeze_startup_heap()
+        elif engine.status == "dead":
             log.error(engine.error)
             uvicorn_server.should_exit = True  # a server without a model is no server
 
-    threading.Thread(target=stop_if_load_fails, name="rlt-load-watch", daemon=True).start()
+    threading.Thread(target=watch_load, name="rlt-load-watch", daemon=True).start()
     return uvicorn_server
