@@ -5,8 +5,9 @@ as `rlt serve` runs it) in a process of its own, so that the engine's host work 
 for this process's interpreter lock. Callers send it commands (add, abort) that it drains
 between steps, and get their outputs back through their own asyncio queue: after each step
 the delivering thread (the engine thread, or the thread that reads the engine process's
-events) hands the whole step's outputs to each caller's event loop in one
-`call_soon_threadsafe`, so the engine never waits on a client, however slow.
+events) hands the whole step's outputs, and its answers to adds, to each caller's event loop
+in one `call_soon_threadsafe` (`_Posts`), so the engine never waits on a client, however
+slow, and a caller's loop wakes once a step however many of its requests it touched.
 
 Faults stay where they happen: a bad request is refused at add (the caller gets the
 `ValueError`); a request whose detokenizer or stop matching fails finishes alone with
@@ -18,7 +19,6 @@ the engine dead, and then every open stream gets `EngineDeadError` and `/health`
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import multiprocessing
 import multiprocessing.process
@@ -112,7 +112,7 @@ class RequestStream:
 class _Add:
     """An add the core has not answered yet: where its answer and outputs go."""
 
-    accepted: concurrent.futures.Future[None]
+    accepted: asyncio.Future[None]  # of the caller's loop, answered through `_Posts`
     loop: asyncio.AbstractEventLoop
     stream: RequestStream
     final_only: bool = False
@@ -318,7 +318,7 @@ class AsyncEngine:
         the caller is cancelled), those it took are aborted and the error raised."""
         loop = asyncio.get_running_loop()
         streams = [RequestStream(self, rid) for _, _, rid in requests]
-        futures: list[concurrent.futures.Future[None]] = []
+        futures: list[asyncio.Future[None]] = []
         with self._lock:
             self._check_accepting()
             ids = [rid for _, _, rid in requests]
@@ -326,11 +326,11 @@ class AsyncEngine:
             if taken or len(set(ids)) < len(ids):
                 raise ValueError(f"request id {(taken or ids)[0]!r} is already in use")
             for stream in streams:
-                futures.append(concurrent.futures.Future())
+                futures.append(loop.create_future())
                 self._pending[stream.request_id] = _Add(futures[-1], loop, stream, final_only)
         self._send([AddRequest(rid, prompt, params) for prompt, params, rid in requests])
         try:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            await asyncio.gather(*futures)
         except BaseException:
             for stream, future in zip(streams, futures, strict=True):
                 refused = future.done() and not future.cancelled() and future.exception()
@@ -424,31 +424,30 @@ class AsyncEngine:
     def _on_turn(self, turn: CoreTurn) -> None:
         if self.engine_process:
             self._prompts.restore(turn)
+        posts = _Posts()
         streams = self._state.streams
         for rid in turn.accepted:
             with self._lock:
                 add = self._pending.pop(rid, None)
-            if add is None or add.accepted.cancelled():
+            if add is None or add.accepted.done():
                 continue  # cancelled while queued: its abort follows
             streams[rid] = _Route(add.loop, add.stream.queue, add.final_only)
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                add.accepted.set_result(None)
+            posts.add(add.loop, add.accepted, None)
         for rid, kind, message in turn.refused:
             with self._lock:
                 add = self._pending.pop(rid, None)
             if add is not None:
                 known = {"ValueError": ValueError, "EngineDeadError": EngineDeadError}.get(kind)
                 error = known(message) if known else RequestFailedError(f"{kind}: {message}")
-                with contextlib.suppress(concurrent.futures.InvalidStateError):
-                    add.accepted.set_exception(error)
+                posts.add(add.loop, add.accepted, error)
         for rid, message in turn.failed:
-            self._deliver_error(rid, RequestFailedError(message))
-        self._deliver(turn.outputs)
+            self._deliver_error(rid, RequestFailedError(message), posts)
+        self._deliver(turn.outputs, posts)
+        posts.send()
         if self._on_step is not None and (turn.stats is not None or turn.outputs):
             self._on_step(StepReport(turn.stats, turn.outputs, turn.wall_s, len(turn.failed)))
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+    def _deliver(self, outputs: list[RequestOutput], posts: _Posts) -> None:
         streams, interval = self._state.streams, self.stream_interval
         for out in outputs:
             route = streams.get(out.request_id)
@@ -468,15 +467,14 @@ class AsyncEngine:
                 due = interval == 1 or tokens >= interval or (tokens and not route.token_sent)
                 if due and not route.final_only:
                     items = route.take()
-            if items:
-                by_loop.setdefault(route.loop, []).extend((route.queue, i) for i in items)
-        for loop, batch in by_loop.items():
-            _post(loop, batch)
+            for item in items:
+                posts.add(route.loop, route.queue, item)
 
-    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+    def _deliver_error(self, request_id: str, error: BaseException, posts: _Posts) -> None:
         route = self._state.streams.pop(request_id, None)
         if route is not None:
-            _post(route.loop, [(route.queue, item) for item in [*route.take(), error]])
+            for item in [*route.take(), error]:
+                posts.add(route.loop, route.queue, item)
 
     def _stopped(self) -> None:
         """The engine stopped as asked (a no-op if it already ended)."""
@@ -490,21 +488,48 @@ class AsyncEngine:
             self._state.status, self._state.error = status, message
             pending, self._pending = self._pending, {}
         self._loaded.set()
+        posts = _Posts()
         for add in pending.values():
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                add.accepted.set_exception(error)
+            posts.add(add.loop, add.accepted, error)
         for rid in list(self._state.streams):
-            self._deliver_error(rid, error)
+            self._deliver_error(rid, error, posts)
+        posts.send()
+
+
+class _Posts:
+    """What one turn hands to callers' event loops, in order, one wake-up per loop: items for
+    streams' queues, and answers to adds (a result, or an error to raise)."""
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
+
+    def add(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        target: asyncio.Queue[Any] | asyncio.Future[None],
+        item: Any,
+    ) -> None:
+        self._by_loop.setdefault(loop, []).append((target, item))
+
+    def send(self) -> None:
+        for loop, items in self._by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+                loop.call_soon_threadsafe(_put, items)
+
+
+def _put(items: list[tuple[Any, Any]]) -> None:
+    """On the caller's loop: queue each item, or answer each add (unless its caller gave up
+    waiting: cancelled)."""
+    for target, item in items:
+        if isinstance(target, asyncio.Queue):
+            target.put_nowait(item)
+        elif target.done():
+            continue
+        elif isinstance(item, BaseException):
+            target.set_exception(item)
+        else:
+            target.set_result(item)
 
 
 def _started_elsewhere() -> LLMEngine:
     raise RuntimeError("an attached AsyncEngine has no engine of its own to build")
-
-
-def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    def put() -> None:
-        for queue, item in items:
-            queue.put_nowait(item)
-
-    with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
-        loop.call_soon_threadsafe(put)

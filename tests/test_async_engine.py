@@ -31,6 +31,7 @@ from rlt_engine.async_engine import (
 from rlt_engine.config import EngineConfig
 from rlt_engine.detokenizer import IncrementalDetokenizer
 from rlt_engine.engine import LLMEngine
+from rlt_engine.engine_core import CoreTurn
 from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 
 PROMPTS = ["Q: 1 + 2 =\nA:", "Q: 7 - 3 =\nA:", "Q: 4 * 2 =\nA:", "Q: 9 / 3 =\nA:"]
@@ -179,7 +180,7 @@ def test_stream_interval_gathers_tokens_before_delivery() -> None:
             queue: asyncio.Queue = asyncio.Queue()
             engine._state.streams["r"] = _Route(loop, queue)
             for out in steps:
-                engine._deliver([out])
+                engine._on_turn(CoreTurn(outputs=[out]))
             loop.run_until_complete(asyncio.sleep(0))  # the posted puts run
             return [queue.get_nowait() for _ in range(queue.qsize())]
         finally:
@@ -538,6 +539,32 @@ def test_add_all_takes_every_request_on_one_turn(llm) -> None:
             if out.request_id.startswith("x") and out.new_token_ids:
                 first.setdefault(out.request_id, step)
     assert len(first) == 3 and len(set(first.values())) == 1, first
+
+
+def test_caller_cancelled_before_the_answer_leaves_nothing(engine, served) -> None:
+    """A caller cancelled while its add waits for the engine's answer: the request is aborted
+    whether the answer came first or not, and nothing of it stays (no route, no pending add,
+    every block back)."""
+
+    async def main() -> None:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        task = asyncio.ensure_future(engine.add_all([(PROMPTS[0], params, "early")]))
+        await asyncio.sleep(0)  # the add is sent; its answer cannot have been read yet
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the answer and the abort's output arrive; nobody reads them
+            if not engine._state.streams and not engine._pending:
+                break
+            await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    for _ in range(200):
+        if served.engine.blocks.num_used == 0 and not served.engine.has_unfinished_requests():
+            break
+        time.sleep(0.02)
+    assert not served.engine.has_unfinished_requests()
+    assert not engine._state.streams and not engine._pending
 
 
 def test_add_all_refused_leaves_nothing(engine, served) -> None:
