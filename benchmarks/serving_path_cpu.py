@@ -17,6 +17,13 @@ the result, with the garbage collector's pauses in that time:
     python benchmarks/serving_path_cpu.py -c 64,256 --json
 
 What is left out: HTTP parsing and routing per request, and uvicorn's socket write per chunk.
+`--http` puts them back: the same core behind `rlt serve`'s own app and uvicorn on this
+process's main thread, driven over a socket by `rlt bench --url` (a client process sharing the
+cores). Offered more than it can write, the server falls behind and merges each stream's
+queued deltas into fewer chunks: the delivered rate at a high `--token-rate` is one API
+server's ceiling on this host:
+
+    python benchmarks/serving_path_cpu.py --http -c 64,256 --token-rate 32000
 """
 
 from __future__ import annotations
@@ -204,6 +211,55 @@ def _uvloop_run(main: Any) -> Any:
     return uvloop.run(main)
 
 
+def _run_http(
+    engine: AsyncEngine, metrics: ServerMetrics, concurrency: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The same core behind `rlt serve`'s real app and uvicorn on this process's main thread
+    (its own load watcher freezes the heap), driven over a socket by `rlt bench --url`."""
+    from serving_host_cpu import bench, free_port
+
+    from rlt_engine.server.launch import http_server
+
+    port = free_port()
+    config = ServerConfig(port=port, max_concurrent_requests=max(256, concurrency))
+    server = http_server(engine, config, ["bench"], metrics)
+    url, row = f"http://127.0.0.1:{port}", {}
+
+    def drive() -> None:
+        try:
+            while not (engine.status == "ready" and server.started):
+                time.sleep(0.05)
+            bench(url, concurrency, concurrency, args)  # warm-up
+            pauses = GCPauses()
+            main0, other0 = thread_cpu()
+            with pauses:
+                report = bench(url, concurrency, args.num_prompts, args)
+            main1, other1 = thread_cpu()
+            tokens = report["total_output_tokens"]
+            row.update(
+                concurrency=concurrency,
+                requests=report["completed"],
+                tokens=tokens,
+                chunks_per_token=1 / report["tokens_per_chunk"],
+                wall_s=report["duration_s"],
+                tokens_per_s=report["output_throughput"],
+                ttft_ms_p50=report["ttft_ms"]["median"],
+                tpot_ms_p50=report["tpot_ms"]["median"],
+                failed=report["failed"],
+                event_loop_us_per_token=(main1 - main0) / tokens * 1e6,
+                other_threads_us_per_token=(other1 - other0) / tokens * 1e6,
+                gc=pauses.summary(),
+            )
+        finally:
+            server.should_exit = True
+
+    threading.Thread(target=drive, name="bench-driver", daemon=True).start()
+    server.run()
+    if not row:
+        raise SystemExit("the HTTP run failed (see above)")
+    return row
+
+
 def run(concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     commands_out, commands_in = ctx.Pipe(duplex=False)
@@ -220,6 +276,11 @@ def run(concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     events_in.close()
     metrics = ServerMetrics("bench", concurrency)
     engine = AsyncEngine.attach(commands_in, events_out, on_step=metrics.record)
+    if args.http:
+        try:
+            return _run_http(engine, metrics, concurrency, args)
+        finally:
+            core.join(10)
     engine.start()
     assert engine.wait_ready(60), engine.error
     config = ServerConfig(max_concurrent_requests=concurrency)
@@ -267,8 +328,17 @@ def main() -> None:
         "default: CPython's collector as it comes",
     )
     p.add_argument("--asyncio", action="store_true", help="asyncio's event loop, not uvloop")
+    p.add_argument(
+        "--http",
+        action="store_true",
+        help="serve the core through rlt serve's app and uvicorn, driven by `rlt bench --url` "
+        "(a client process on the same cores; the collector as rlt serve sets it)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.http and (args.python_gc != "rlt" or args.asyncio):
+        p.error("--http runs rlt serve's own app: uvloop, the collector as it sets it")
+    args.input_len = args.prompt_len  # serving_host_cpu.bench's name for it
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         runs = [run(c, args) for _ in range(args.repeat)]

@@ -46,3 +46,25 @@ def test_both_collector_settings_run():
         out = _run("-c", "2", "--num-prompts", "2", "--output-len", "4", "--repeat", "1",
                    "--token-rate", "400", "--python-gc", setting)  # fmt: skip
         assert out["args"]["python_gc"] == setting and out["rows"][0]["requests"] == 2
+
+
+def test_http_runs_the_real_app_behind_a_socket():
+    """--http: the same core behind rlt serve's app and uvicorn, driven by `rlt bench --url`."""
+    out = _run("-c", "2", "--num-prompts", "4", "--output-len", "4", "--repeat", "1",
+               "--token-rate", "400", "--http")  # fmt: skip
+    row = out["rows"][0]
+    assert row["requests"] == 4 and row["tokens"] == 16 and row["failed"] == 0
+    assert row["chunks_per_token"] == 0.5  # 2 tokens a step, a chunk each (the client's count)
+    assert row["ttft_ms_p50"] > 0 and row["event_loop_us_per_token"] >= 0
+    assert set(row["gc"][0]) == {"gen0", "gen1", "gen2"}
+
+
+def test_http_refuses_settings_rlt_serve_does_not_have():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--http", "--python-gc", "default"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2 and "--http runs rlt serve's own app" in done.stderr
