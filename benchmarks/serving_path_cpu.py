@@ -40,10 +40,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from serving_host_cpu import bench, free_port, thread_cpu  # a script of this directory
+
 from rlt_engine.async_engine import AsyncEngine
 from rlt_engine.engine import EngineStats
-from rlt_engine.engine_core import AbortRequest, AddRequest, CoreReady, CoreTurn, StopCore
+from rlt_engine.engine_core import (
+    AbortRequest,
+    AddRequest,
+    CoreReady,
+    CoreTurn,
+    Inbox,
+    StopCore,
+)
 from rlt_engine.engine_info import EngineInfo
+from rlt_engine.engine_process import PromptIds
 from rlt_engine.heap import freeze_startup_heap
 from rlt_engine.outputs import RequestMetrics, RequestOutput
 from rlt_engine.server.config import ServerConfig
@@ -73,30 +83,25 @@ class _Running:
 
 def scripted_core(commands: Any, events: Any, args: dict[str, Any]) -> None:
     """The engine process's side of the pipe, with no model: every `step_ms`, `tokens_per_step`
-    tokens (ids 100.., text ' ab' each) for every running request."""
-    inbox: list[Any] = []
-    lock = threading.Lock()
+    tokens (ids 100.., text ' ab' each) for every running request. Commands arrive through
+    the core's `Inbox` and prompt ids cross once (`PromptIds`), as in the engine process."""
+    inbox, prompts = Inbox(), PromptIds()
 
     def read() -> None:
         while True:
             try:
-                item = commands.recv()
+                inbox.put(commands.recv())
             except EOFError:
                 return
-            with lock:
-                inbox.extend(item if isinstance(item, list) else [item])
 
     threading.Thread(target=read, daemon=True).start()
     events.send(CoreReady(_info(args["max_num_seqs"])))
     running: dict[str, _Running] = {}
-    sent_prompt: set[str] = set()
     step_s, per_step, total = args["step_ms"] / 1e3, args["tokens_per_step"], args["output_len"]
     next_step = time.monotonic()
     while True:
-        with lock:
-            items, inbox[:] = inbox[:], []
         turn = CoreTurn()
-        for command in items:
+        for command in inbox.drain():
             if isinstance(command, StopCore):
                 return
             if isinstance(command, AddRequest):
@@ -118,7 +123,7 @@ def scripted_core(commands: Any, events: Any, args: dict[str, Any]) -> None:
             done = r.made >= total
             out = RequestOutput(
                 request_id=rid,
-                prompt_token_ids=[] if rid in sent_prompt else r.prompt,
+                prompt_token_ids=r.prompt,
                 new_token_ids=list(range(100, 100 + n)),
                 new_exit_depths=[4] * n,
                 new_text=" ab" * n,
@@ -131,13 +136,12 @@ def scripted_core(commands: Any, events: Any, args: dict[str, Any]) -> None:
                 exit_depths=[4] * r.made if done else [],
                 text=" ab" * r.made if done else "",
             )
-            sent_prompt.add(rid)
             if done:
                 del running[rid]
-                sent_prompt.discard(rid)
             turn.outputs.append(out)
         turn.stats = EngineStats(len(running), 0, 0, 100, 8192, 0, 0, 0, len(running))
         turn.wall_s = step_s
+        prompts.strip(turn)
         events.send(turn)
 
 
@@ -165,21 +169,6 @@ class GCPauses:
             f"gen{g}": {"runs": len(r), "ms": 1e3 * sum(r), "max_ms": 1e3 * max(r, default=0.0)}
             for g, r in self.runs.items()
         }
-
-
-def thread_cpu() -> tuple[float, float]:
-    """(main thread, other threads) CPU seconds of this process."""
-    tick = os.sysconf("SC_CLK_TCK")
-    main = other = 0.0
-    for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        cpu = (int(fields[11]) + int(fields[12])) / tick
-        if int(tid) == os.getpid():
-            main += cpu
-        else:
-            other += cpu
-    return main, other
 
 
 async def _serve(serving: Serving, concurrency: int, requests: int, prompt: list[int]) -> dict:
@@ -216,8 +205,6 @@ def _run_http(
 ) -> dict[str, Any]:
     """The same core behind `rlt serve`'s real app and uvicorn on this process's main thread
     (its own load watcher freezes the heap), driven over a socket by `rlt bench --url`."""
-    from serving_host_cpu import bench, free_port
-
     from rlt_engine.server.launch import http_server
 
     port = free_port()
@@ -231,10 +218,10 @@ def _run_http(
                 time.sleep(0.05)
             bench(url, concurrency, concurrency, args)  # warm-up
             pauses = GCPauses()
-            main0, other0 = thread_cpu()
+            main0, other0 = thread_cpu(os.getpid())
             with pauses:
                 report = bench(url, concurrency, args.num_prompts, args)
-            main1, other1 = thread_cpu()
+            main1, other1 = thread_cpu(os.getpid())
             tokens = report["total_output_tokens"]
             row.update(
                 concurrency=concurrency,
@@ -291,10 +278,10 @@ def run(concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     if args.python_gc == "rlt":  # as `rlt serve`'s API server does once its engine is ready
         freeze_startup_heap()
     pauses = GCPauses()
-    main0, other0, wall0 = *thread_cpu(), time.perf_counter()
+    main0, other0, wall0 = *thread_cpu(os.getpid()), time.perf_counter()
     with pauses:
         counts = event_loop(_serve(serving, concurrency, args.num_prompts, prompt))
-    main1, other1, wall1 = *thread_cpu(), time.perf_counter()
+    main1, other1, wall1 = *thread_cpu(os.getpid()), time.perf_counter()
     engine.shutdown()
     core.join(10)
     tokens = counts["requests"] * args.output_len

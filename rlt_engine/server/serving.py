@@ -315,13 +315,14 @@ class _JobStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         stream = asyncio.current_task()
         assert stream is not None
-        state = {"ended": False, "gone": False}
+        ended = gone = False
 
         async def watch() -> None:
+            nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass
-            if not state["ended"]:  # never once the response is over: its cleanup runs
-                state["gone"] = True
+            if not ended:  # never once the response is over: its cleanup runs
+                gone = True
                 stream.cancel()
 
         watcher = asyncio.ensure_future(watch())
@@ -335,12 +336,12 @@ class _JobStreamingResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": body, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not gone:
                 raise
             if hasattr(stream, "uncancel"):  # Python >= 3.11: this cancel is handled
                 stream.uncancel()
         finally:
-            state["ended"] = True
+            ended = True
             watcher.cancel()
             self._on_close()
             close = getattr(self.body_iterator, "aclose", None)
