@@ -91,11 +91,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            raise SystemExit(f"the server exited with {proc.returncode}; its stderr ends:\n{tail}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
@@ -142,11 +143,13 @@ def main() -> None:
         ]  # fmt: skip
         # one torch thread: idle intra-op workers spin, which would read as engine time
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.Popen(
-            cmd, cwd=args.server_root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        log = Path(tmp) / "server.log"
+        with log.open("wb") as err:
+            proc = subprocess.Popen(
+                cmd, cwd=args.server_root, env=env, stdout=subprocess.DEVNULL, stderr=err
+            )
         try:
-            wait_healthy(url, proc)
+            wait_healthy(url, proc, log)
             bench(url, max(concurrency), args.warmup, args)
             rows = []
             for c in concurrency:
