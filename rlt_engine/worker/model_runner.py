@@ -168,6 +168,7 @@ class ModelRunner:
             self._swap_in(swap_in)
         for append in plan.block_appends:
             self.slots.append(append.slot, append.blocks)
+        self.slots.flush()
         waves, rider, layout = plan.prefill, None, None
         if plan.wave_rides:
             if len(waves) != 1 or plan.decode_traversals < self.depth:

@@ -83,23 +83,32 @@ class SlotBatch:
         self.seed = zeros(n)
         self.block_tables = zeros(n, num_planes, max_blocks, dt=torch.int32)
         self.host: dict[int, SlotHost] = {}
+        self._rows: dict[str, dict[int, object]] = {}  # field -> slot -> value, until flush
 
     # -- diffs from the plan -------------------------------------------------------------
+    # Inits and clears are row writes kept on the host until `flush`: a scalar `field[slot] =
+    # value` on CUDA is a pageable copy that waits for every window in flight (16 such waits
+    # per admitted request, each stalling asynchronous scheduling), while a flush is one
+    # pinned upload per field group and one `index_copy_` per field, whatever the count.
     def init(self, op: SlotInit, depth: int) -> None:
         s, p, c = op.slot, op.params, op.controls
         if len(op.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request")
         self.clear(s)
-        self.min_loops[s], self.max_loops[s] = c.min_loops, c.max_loops
-        # fixed depth as an unreachable threshold, so the device needs no `< 1` test
-        self.threshold[s] = c.exit_threshold if c.exit_threshold < 1.0 else 2.0
-        self.max_tokens[s] = p.max_tokens
-        if op.stop_token_ids:
-            stop = upload(torch.tensor(op.stop_token_ids), self.device)
-            self.stop_ids[s, : len(op.stop_token_ids)] = stop
-        self.temperature[s] = 0.0 if p.greedy else p.temperature
-        self.top_k[s], self.top_p[s] = p.top_k, p.top_p
-        self.seed[s] = _int64(op.seed)
+        stop = list(op.stop_token_ids)
+        self._write(
+            s,
+            min_loops=c.min_loops,
+            max_loops=c.max_loops,
+            # fixed depth as an unreachable threshold, so the device needs no `< 1` test
+            threshold=c.exit_threshold if c.exit_threshold < 1.0 else 2.0,
+            max_tokens=p.max_tokens,
+            stop_ids=stop + [-1] * (MAX_STOP_IDS - len(stop)),
+            temperature=0.0 if p.greedy else p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            seed=_int64(op.seed),
+        )
         self.host[s] = SlotHost(p, c.may_exit_early(depth), 0)
         self.append(s, op.block_tables)
 
@@ -115,14 +124,35 @@ class SlotBatch:
 
     def clear(self, slot: int) -> None:
         """Back to the idle state: an idle slot writes nothing and emits nothing."""
-        self.active[slot] = False
-        self.parked[slot] = False
-        self.loop[slot] = 0
-        self.position[slot] = 0
-        self.generated[slot] = 0
-        self.remaining[slot] = 1.0
-        self.stop_ids[slot] = -1
+        self._write(
+            slot,
+            active=False,
+            parked=False,
+            loop=0,
+            position=0,
+            generated=0,
+            remaining=1.0,
+            stop_ids=[-1] * MAX_STOP_IDS,
+        )
         self.host.pop(slot, None)
+
+    def _write(self, slot: int, **values: object) -> None:
+        for name, value in values.items():
+            self._rows.setdefault(name, {})[slot] = value  # a later write to a row wins
+
+    def flush(self) -> None:
+        """Put the row writes of inits and clears on the device (before anything reads them)."""
+        groups: dict[tuple[torch.dtype, torch.Size, tuple[int, ...]], list[str]] = {}
+        for name, rows in self._rows.items():
+            field = getattr(self, name)
+            groups.setdefault((field.dtype, field.shape[1:], tuple(rows)), []).append(name)
+        for (dtype, _, slots), names in groups.items():
+            index = upload(torch.tensor(slots), self.device)
+            values = [list(self._rows[name].values()) for name in names]
+            columns = upload(torch.tensor(values, dtype=dtype), self.device)
+            for name, column in zip(names, columns, strict=True):
+                getattr(self, name).index_copy_(0, index, column)
+        self._rows.clear()
 
     def start_decode(
         self,
@@ -158,6 +188,7 @@ class SlotBatch:
 
     # -- preemption ----------------------------------------------------------------------
     def snapshot(self, slot: int) -> tuple[dict[str, torch.Tensor], SlotHost]:
+        self.flush()
         state = {name: getattr(self, name)[slot].to("cpu", copy=True) for name in self.FIELDS}
         return state, self.host[slot]
 
@@ -165,6 +196,7 @@ class SlotBatch:
         self, slot: int, saved: tuple[dict[str, torch.Tensor], SlotHost], tables: Tables
     ) -> None:
         state, host = saved
+        self.flush()  # a pending clear of this slot must not land on the restored row
         for name in self.FIELDS:
             getattr(self, name)[slot] = upload(state[name], self.device)
         self.host[slot] = SlotHost(host.params, host.early_exit, 0)

@@ -1,0 +1,131 @@
+"""The slot batch's row writes: inits and clears wait on the host until `flush`, then land as if
+each had been written in order; on CUDA they never wait for the stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlt_engine.core.exit_rule import LoopControls
+from rlt_engine.core.plan import SlotInit
+from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.worker.slot_batch import MAX_STOP_IDS, SlotBatch
+
+DEPTH = 4
+
+
+def batch(device: str = "cpu", num_slots: int = 4) -> SlotBatch:
+    return SlotBatch(num_slots, 2, 8, 16, torch.float32, torch.device(device))
+
+
+def slot_init(slot: int, stop: tuple[int, ...] = (7, 9), **params: object) -> SlotInit:
+    return SlotInit(
+        slot=slot,
+        params=SamplingParams(max_tokens=5, **params),
+        seed=(1 << 64) - 3,  # wraps into the signed range
+        controls=LoopControls(min_loops=2, max_loops=3, exit_threshold=0.5),
+        stop_token_ids=stop,
+        prompt_len=4,
+        block_tables=((1, 2), (3, 4)),
+    )
+
+
+def row(s: SlotBatch, slot: int) -> dict[str, object]:
+    return {name: getattr(s, name)[slot].tolist() for name in SlotBatch.FIELDS if name != "hidden"}
+
+
+def test_init_lands_at_flush() -> None:
+    s = batch()
+    s.init(slot_init(1, temperature=0.7, top_k=5, top_p=0.9), DEPTH)
+    assert s.max_tokens[1].item() == 0, "nothing is written before the flush"
+    s.flush()
+    r = row(s, 1)
+    assert (r["min_loops"], r["max_loops"], r["max_tokens"], r["top_k"]) == (2, 3, 5, 5)
+    assert r["threshold"] == 0.5 and r["top_p"] == pytest.approx(0.9)
+    assert r["temperature"] == pytest.approx(0.7) and r["seed"] == -3
+    assert r["stop_ids"] == [7, 9] + [-1] * (MAX_STOP_IDS - 2)
+    assert (r["active"], r["parked"], r["loop"], r["generated"], r["remaining"]) == (
+        False,
+        False,
+        0,
+        0,
+        1.0,
+    )
+    assert s.block_tables[1, :, :2].tolist() == [[1, 2], [3, 4]]
+    assert row(s, 0)["max_tokens"] == 0, "other slots untouched"
+
+
+def test_fixed_depth_threshold_is_unreachable() -> None:
+    s = batch()
+    op = slot_init(0)
+    s.init(SlotInit(**{**op.__dict__, "controls": LoopControls(1, DEPTH, 1.0)}), DEPTH)
+    s.flush()
+    assert s.threshold[0].item() == 2.0 and not s.host[0].early_exit
+
+
+def test_the_last_write_to_a_row_wins() -> None:
+    """A slot freed and given to a new request in one plan: the new request's row, and a
+    shorter stop list leaves none of the old ids behind."""
+    s = batch()
+    s.init(slot_init(2, stop=(1, 2, 3, 4), temperature=0.8), DEPTH)
+    s.flush()
+    s.active[2] = True
+    s.generated[2] = 3
+    s.clear(2)
+    s.init(slot_init(2, stop=(5,)), DEPTH)  # greedy
+    s.flush()
+    r = row(s, 2)
+    assert r["stop_ids"] == [5] + [-1] * (MAX_STOP_IDS - 1)
+    assert (r["active"], r["generated"], r["temperature"]) == (False, 0, 0.0)
+
+
+def test_restore_is_not_overwritten_by_a_pending_clear() -> None:
+    """Swap out, clear, and a restore into the same slot in one plan: the restored row stays."""
+    s = batch()
+    s.init(slot_init(0), DEPTH)
+    s.flush()
+    s.active[0], s.generated[0], s.loop[0] = True, 4, 2
+    saved = s.snapshot(0)
+    s.clear(0)
+    s.restore(0, saved, ((5,), (6,)))
+    s.flush()
+    r = row(s, 0)
+    assert (r["active"], r["generated"], r["loop"], r["stop_ids"][:2]) == (True, 4, 2, [7, 9])
+
+
+def test_snapshot_sees_pending_writes() -> None:
+    s = batch()
+    s.init(slot_init(3), DEPTH)
+    state, host = s.snapshot(3)
+    assert state["max_tokens"].item() == 5 and host.params.max_tokens == 5
+
+
+def test_clear_of_a_slot_never_used_is_a_write_too() -> None:
+    s = batch()
+    s.stop_ids[1] = 4
+    s.clear(1)
+    s.flush()
+    assert row(s, 1)["stop_ids"] == [-1] * MAX_STOP_IDS
+
+
+@pytest.mark.gpu
+def test_inits_and_clears_never_wait_for_the_stream() -> None:
+    """A scalar write to a CUDA tensor is a pageable copy that synchronises the stream; the row
+    writes must not be (they run while a window is in flight)."""
+    s = batch("cuda", num_slots=8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for slot in range(8):
+            s.init(slot_init(slot, temperature=0.5), DEPTH)
+        s.flush()
+        for slot in range(0, 8, 2):
+            s.clear(slot)
+        s.init(slot_init(0, stop=()), DEPTH)
+        s.append(0, ((8,), (9,)))
+        s.flush()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert s.max_tokens.tolist() == [5] * 8
+    assert s.stop_ids[0].tolist() == [-1] * MAX_STOP_IDS
+    assert s.block_tables[0, :, :3].tolist() == [[1, 2, 8], [3, 4, 9]]
