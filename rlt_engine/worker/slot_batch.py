@@ -168,7 +168,12 @@ class SlotBatch:
         last loop, inside a captured traversal)."""
 
         def put(field: torch.Tensor, value: torch.Tensor | float | bool) -> None:
-            field[slots] = value if when is None else torch.where(when, value, field[slots])
+            if when is not None:
+                field[slots] = torch.where(when, value, field[slots])
+            elif isinstance(value, torch.Tensor):
+                field[slots] = value
+            else:  # `field[slots] = 0` would copy the scalar from pageable memory: a stream sync
+                field.index_fill_(0, slots, value)
 
         ones = torch.ones_like(slots)
         put(self.token, tokens)

@@ -109,9 +109,10 @@ def test_clear_of_a_slot_never_used_is_a_write_too() -> None:
 
 
 @pytest.mark.gpu
-def test_inits_and_clears_never_wait_for_the_stream() -> None:
+def test_slot_writes_never_wait_for_the_stream() -> None:
     """A scalar write to a CUDA tensor is a pageable copy that synchronises the stream; the row
-    writes must not be (they run while a window is in flight)."""
+    writes and an eager prefill's start of decoding must not be (they run while a window is in
+    flight)."""
     s = batch("cuda", num_slots=8)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -124,8 +125,13 @@ def test_inits_and_clears_never_wait_for_the_stream() -> None:
         s.init(slot_init(0, stop=()), DEPTH)
         s.append(0, ((8,), (9,)))
         s.flush()
+        slots = torch.tensor([1, 3], device="cuda")
+        s.start_decode(slots, torch.tensor([7, 11], device="cuda"), slots + 4, refill=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert s.max_tokens.tolist() == [5] * 8
     assert s.stop_ids[0].tolist() == [-1] * MAX_STOP_IDS
     assert s.block_tables[0, :, :3].tolist() == [[1, 2, 8], [3, 4, 9]]
+    # slot 1's first token is a stop id: it ends there; slot 3 decodes from position 7, parked
+    assert s.active[[1, 3]].tolist() == [False, True] and s.parked[[1, 3]].tolist() == [True] * 2
+    assert s.position[[1, 3]].tolist() == [5, 7] and s.generated[[1, 3]].tolist() == [1, 1]
