@@ -107,6 +107,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
     raise SystemExit("the server did not become healthy")
 
 
+def graph_captures(url: str) -> tuple[float, float]:
+    """(CUDA graphs captured, host seconds capturing) so far, from the server's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    names = ("rlt:cuda_graph_captures_total", "rlt:cuda_graph_capture_seconds_total")
+    values = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return tuple(values.values())  # type: ignore[return-value]
+
+
 def bench(url: str, c: int, n: int, args: argparse.Namespace) -> dict:
     cmd = [
         sys.executable, "-m", "rlt_cli.main", "bench", "--url", url,
@@ -155,7 +168,9 @@ def main() -> None:
             for c in concurrency:
                 main0, other0 = thread_cpu(proc.pid)
                 engine0 = children_cpu(proc.pid)
+                graphs0, capture0 = graph_captures(url)
                 report = bench(url, c, args.num_prompts, args)
+                graphs1, capture1 = graph_captures(url)
                 main1, other1 = thread_cpu(proc.pid)
                 engine1 = children_cpu(proc.pid)
                 tokens = report["total_output_tokens"]
@@ -177,6 +192,9 @@ def main() -> None:
                     "other_threads_us_per_token": (other1 - other0) / tokens * 1e6,
                     "engine_process_cpu_s": engine1 - engine0,
                     "engine_process_us_per_token": (engine1 - engine0) / tokens * 1e6,
+                    # captured on first use during the run: each stalled every stream
+                    "graphs_captured": graphs1 - graphs0,
+                    "graph_capture_s": capture1 - capture0,
                     "failed": report["failed"],
                     "errors": report["errors"],  # message -> count
                 }

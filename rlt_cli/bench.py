@@ -553,6 +553,9 @@ def _result(
         "tpot_ms_p50": r["tpot_ms_p50"],
         "e2e_ms_p50": r["e2e_ms_p50"],
         "steps_per_run": r["steps_per_run"],
+        # CUDA graphs captured on first use during the measured runs (0 after a full warm-up)
+        "graphs_captured": r["graphs_captured_in_runs"],
+        "graph_capture_s": r["graph_capture_s_in_runs"],
         "exit_depths": {str(d): r["exit_depths"].get(d, 0) for d in range(1, depth + 1)},
         "memory_start_bytes": r.get("memory_start_bytes"),
         "peak_memory_bytes": r.get("peak_memory_bytes"),
@@ -598,6 +601,12 @@ def _table(report: dict[str, Any]) -> Table:
         f"(first token and prefill excluded). {floor_note}. peak: max GPU memory allocated. "
         f"dK: output tokens by exit depth K, K = 1..{depth}"
     )
+    late = [r for r in report["results"] if r["graphs_captured"]]
+    if late:  # a capture stalls every request in flight: those runs are slower than serving
+        caption += ". CUDA graphs captured while measuring: " + ", ".join(
+            f"c={r['concurrency']}: {r['graphs_captured']} ({r['graph_capture_s']:.2f} s)"
+            for r in late
+        )
     table = Table(caption=caption, caption_justify="left", box=None, pad_edge=False)
     columns = ("concurrency", "tok/s", "floor", "% floor", "TTFT p50", "TTFT p90", "TPOT p50")
     for name in (*columns, "E2E p50", "peak"):

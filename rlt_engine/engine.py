@@ -60,6 +60,10 @@ class EngineStats:
     prefix_hit_tokens: int
     preemptions: int
     decode_rows: int  # requests in the latest step's decode window (0: none)
+    # CUDA graphs captured since the engine started (start-up's included), and the host
+    # seconds they took: one captured on first use stalls every request in flight
+    graphs_captured: int = 0
+    graph_capture_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -335,6 +339,8 @@ class LLMEngine:
             prefix_hit_tokens=prefix.hit_blocks * size,
             preemptions=sched.num_preemptions,
             decode_rows=self._decode_rows,
+            graphs_captured=self.runner.captures.graphs,
+            graph_capture_s=self.runner.captures.seconds,
         )
 
     def cache_stats(self) -> dict[str, float | int]:

@@ -34,6 +34,19 @@ def test_cuda_seeded_sampling_is_batch_invariant(tiny_ouro_dir):
     assert alone == batched
 
 
+def test_cuda_graph_captures_are_counted(tiny_ouro_dir):
+    """Start-up captures the common graphs; a new variant (top-k sampling) is captured on
+    first use, and the engine's stats count both, with the host time they took."""
+    llm = LLM(str(tiny_ouro_dir), dtype="float32", device="cuda")
+    start = llm.engine.stats()
+    assert start.graphs_captured > 0 and start.graph_capture_s > 0
+    p = SamplingParams(max_tokens=4, temperature=0.8, top_k=5, seed=1, ignore_eos=True)
+    llm.generate([[5, 6, 7]], p)
+    after = llm.engine.stats()
+    assert after.graphs_captured > start.graphs_captured
+    assert after.graph_capture_s > start.graph_capture_s
+
+
 def _one_row(model_dir, device: str):
     llm = LLM(str(model_dir), dtype="float32", device=device, block_size=4)
     params = SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=0.6)

@@ -138,12 +138,14 @@ def benchmark(
         if on_run is not None:
             on_run("warmup", i + 1, warmup)
         run_once(engine, concurrency, prompt_len, output_len, params, seed=seed + 1000 + i)
+    before = engine.stats()
     runs = []
     for i in range(repeats):
         if on_run is not None:
             on_run("run", i + 1, repeats)
         runs.append(run_once(engine, concurrency, prompt_len, output_len, params, seed=seed + i))
     peak_bytes = torch.cuda.max_memory_allocated(engine.device) if cuda else None
+    after = engine.stats()  # graphs captured while measuring: their stalls are in the numbers
     rates = [r.decode_tokens_per_s for r in runs]
     ttfts = [t for r in runs for t in r.ttft_ms]
     e2es = [t for r in runs for t in r.e2e_ms]
@@ -168,6 +170,8 @@ def benchmark(
         "e2e_ms_p50": percentile(e2es, 50),
         "exit_depths": dict(sorted(depths.items())),
         "steps_per_run": runs[0].steps,
+        "graphs_captured_in_runs": after.graphs_captured - before.graphs_captured,
+        "graph_capture_s_in_runs": after.graph_capture_s - before.graph_capture_s,
         # CUDA only (None on CPU): bytes allocated at the start (weights, KV pool, buffers) and
         # the peak over warm-up and measured runs (reset per call)
         "memory_start_bytes": start_bytes,

@@ -66,6 +66,14 @@ class ServerMetrics:
         )
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted to CPU memory.")
+        self.graph_captures = counter(
+            "rlt:cuda_graph_captures",
+            "CUDA graphs captured, start-up's included; one captured while serving stalls "
+            "every request in flight.",
+        )
+        self.graph_capture_seconds = counter(
+            "rlt:cuda_graph_capture_seconds", "Host seconds spent capturing CUDA graphs."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self._success = Counter(
@@ -116,6 +124,7 @@ class ServerMetrics:
         self._model = model_name
         self._depth_counters: dict[int, Counter] = {}  # depth -> its labelled counter
         self._seen_prefix = (0, 0, 0)  # cumulative engine counters already exported
+        self._seen_graphs = (0, 0.0)  # graphs captured, seconds: already exported
         self._last_token: dict[str, tuple[float, float]] = {}  # id -> (first, latest) times
         self._loops: dict[str, int] = {}
         self._prompt_seen: set[str] = set()
@@ -139,6 +148,10 @@ class ServerMetrics:
         self.prefix_hits.inc(max(0, hit - h0))
         self.preemptions.inc(max(0, preempted - p0))
         self._seen_prefix = (queried, hit, preempted)
+        g0, gs0 = self._seen_graphs
+        self.graph_captures.inc(max(0, s.graphs_captured - g0))
+        self.graph_capture_seconds.inc(max(0.0, s.graph_capture_s - gs0))
+        self._seen_graphs = (s.graphs_captured, s.graph_capture_s)
         if wall_s is not None:  # a step ran (not only aborts)
             if s.decode_rows:
                 self.batch_size.observe(s.decode_rows)

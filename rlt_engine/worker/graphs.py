@@ -11,6 +11,11 @@ warm-up run happens with every slot marked idle, so capturing never changes a re
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import torch
 
 from rlt_engine.worker.decode import DecodeTraversal, Flags, RidingWave
@@ -24,9 +29,26 @@ def bucket_sizes(num_slots: int) -> list[int]:
     return [*sizes, num_slots]
 
 
+@dataclass
+class CaptureTally:
+    """CUDA graphs captured so far and the host seconds they took (their two warm-up runs
+    included). A capture after start-up is a stall that every request in flight waits
+    through, so the engine reports both (`EngineStats`, `/metrics`, `rlt bench`)."""
+
+    graphs: int = 0
+    seconds: float = 0.0
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.graphs += 1
+        self.seconds += time.perf_counter() - start
+
+
 class GraphCache:
-    def __init__(self, traversal: DecodeTraversal, num_slots: int) -> None:
-        self.traversal = traversal
+    def __init__(self, traversal: DecodeTraversal, num_slots: int, tally: CaptureTally) -> None:
+        self.traversal, self.tally = traversal, tally
         self.buckets = bucket_sizes(num_slots)
         # (padded B, flags, riding wave variant or None) -> graph
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -60,7 +82,8 @@ class GraphCache:
         key = (b, flags, None if wave is None else wave.key)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = self._capture(b, flags, wave)
+            with self.tally.timing():
+                graph = self.graphs[key] = self._capture(b, flags, wave)
         return graph
 
     def _capture(self, b: int, flags: Flags, wave: RidingWave | None) -> torch.cuda.CUDAGraph:

@@ -40,7 +40,7 @@ from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import TritonPagedAttention, attention_backend
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
 from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags, RidingWave
-from rlt_engine.worker.graphs import GraphCache, bucket_sizes
+from rlt_engine.worker.graphs import CaptureTally, GraphCache, bucket_sizes
 from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, PrefillRunner, WaveLayout
 from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, upload
 
@@ -129,8 +129,9 @@ class ModelRunner:
         if triton:
             model.use_fast_path()  # packed weights, fused norm and RoPE kernels
         capturable = isinstance(self.kv, TritonPagedAttention) and self.device.type == "cuda"
+        self.captures = CaptureTally()
         self.graphs = (
-            GraphCache(self.traversal, num_slots)
+            GraphCache(self.traversal, num_slots, self.captures)
             if (capturable and not execution.enforce_eager)
             else None
         )
@@ -141,6 +142,7 @@ class ModelRunner:
             shared=self.shared,
             fixed_shapes=isinstance(self.kv, TritonPagedAttention),
             graph_pool=self.graphs.pool if self.graphs is not None else None,
+            tally=self.captures,
         )
         # a riding wave's state at fixed addresses (worker/decode.py's RidingWave)
         self._rider_hidden = torch.zeros(

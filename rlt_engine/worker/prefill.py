@@ -27,7 +27,7 @@ import torch
 from rlt_engine.core.plan import PrefillChunk
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import PagedKVCache, PagedMetadata
-from rlt_engine.worker.graphs import bucket_sizes
+from rlt_engine.worker.graphs import CaptureTally, bucket_sizes
 from rlt_engine.worker.slot_batch import SlotBatch, upload
 
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -122,10 +122,11 @@ class PrefillRunner:
         shared: bool,
         fixed_shapes: bool,
         graph_pool: tuple | None,
+        tally: CaptureTally,
     ) -> None:
         """`fixed_shapes`: the Triton path (bucketed waves); `graph_pool`: capture them (CUDA
-        graphs on), sharing the decode graphs' memory pool."""
-        self.model, self.kv, self.s = model, kv, slots
+        graphs on), sharing the decode graphs' memory pool; `tally` counts the captures."""
+        self.model, self.kv, self.s, self.tally = model, kv, slots, tally
         self.depth, self.shared = model.num_loops, shared
         self.fixed_shapes, self.pool = fixed_shapes, graph_pool
         self.max_rows = MAX_GRAPH_ROWS  # the largest bucket a wave takes (tests: smaller)
@@ -245,15 +246,16 @@ class PrefillRunner:
         """Capture bucket (rows, seqs), then put `wave`'s inputs back. The warm-up runs see
         an empty wave (every row padding): they write only the trash slot."""
         self.upload(WaveLayout.empty(), rows)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels, settle cuBLAS workspaces
-                self._padded(rows, seqs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._padded(rows, seqs)
+        with self.tally.timing():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile the Triton kernels, settle cuBLAS workspaces
+                    self._padded(rows, seqs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._padded(rows, seqs)
         self.graphs[(rows, seqs)] = graph, out
         self.upload(wave, rows)
         return graph, out

@@ -14,8 +14,12 @@ from rlt_engine.outputs import RequestMetrics, RequestOutput
 from rlt_engine.server.metrics import ServerMetrics
 
 
-def _stats(used: int = 10, queried: int = 0, hit: int = 0, preempted: int = 0) -> EngineStats:
-    return EngineStats(2, 1, 0, used, 100, queried, hit, preempted, decode_rows=2)
+def _stats(
+    used: int = 10, queried: int = 0, hit: int = 0, preempted: int = 0, graphs: int = 9
+) -> EngineStats:
+    return EngineStats(
+        2, 1, 0, used, 100, queried, hit, preempted, 2, graphs, graph_capture_s=0.1 * graphs
+    )
 
 
 def _out(
@@ -34,12 +38,14 @@ def test_record_counts_tokens_depths_requests_and_steps() -> None:
     m.record(StepReport(_stats(queried=16, hit=8), [_out("a", [5], [4], 1)], 0.02))
     m.record(
         StepReport(
-            _stats(used=12, queried=32, hit=8, preempted=1),
+            _stats(used=12, queried=32, hit=8, preempted=1, graphs=11),
             [_out("a", [6, 7], [2, 4], 3), _out("b", [9], [3], 1)],
             0.03,
         )
     )
-    m.record(StepReport(_stats(used=4), [_out("a", [], [], 3, "length")], None))  # aborts only
+    m.record(
+        StepReport(_stats(used=4, graphs=11), [_out("a", [], [], 3, "length")], None)
+    )  # aborts only
     assert value("vllm:generation_tokens_total", label) == 4
     assert value("vllm:prompt_tokens_total", label) == 6  # a and b, once each
     depth = {d: value("rlt:output_tokens_by_exit_depth_total", label | {"depth": str(d)})
@@ -48,6 +54,8 @@ def test_record_counts_tokens_depths_requests_and_steps() -> None:
     assert value("vllm:prefix_cache_queries_total", label) == 32  # cumulative, not summed
     assert value("vllm:prefix_cache_hits_total", label) == 8
     assert value("vllm:num_preemptions_total", label) == 1
+    assert value("rlt:cuda_graph_captures_total", label) == 11  # cumulative, not summed
+    assert value("rlt:cuda_graph_capture_seconds_total", label) == pytest.approx(1.1)
     assert value("vllm:time_to_first_token_seconds_count", label) == 2
     assert value("vllm:time_to_first_token_seconds_sum", label) == pytest.approx(1.0)
     reason = label | {"finished_reason": "length"}
