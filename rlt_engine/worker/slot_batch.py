@@ -87,7 +87,7 @@ class SlotBatch:
 
     # -- diffs from the plan -------------------------------------------------------------
     # Inits and clears are row writes kept on the host until `flush`: a scalar `field[slot] =
-    # value` on CUDA is a pageable copy that waits for every window in flight (16 such waits
+    # value` on CUDA is a pageable copy that waits for every window in flight (14 such waits
     # per admitted request, each stalling asynchronous scheduling), while a flush is one
     # pinned upload per field group and one `index_copy_` per field, whatever the count.
     def init(self, op: SlotInit, depth: int) -> None:
