@@ -414,6 +414,8 @@ def engine_summary(engine: LLMEngine, w: Workload) -> dict[str, Any]:
         "attention_impl": info.attention_impl,  # what runs
         "enforce_eager": engine.config.execution.enforce_eager,
         "cuda_graphs": info.cuda_graphs,
+        "graphs_at_start": info.graphs_at_start,
+        "graph_capture_s_at_start": info.graph_capture_s_at_start,
         "decode_window": info.decode_window,
         "kernels": info.kernels,
         "prompt_len": w.prompt_len,
@@ -569,6 +571,9 @@ def _result(
 # -- rendering ----------------------------------------------------------------------------
 def execution_text(report: dict[str, Any]) -> str:
     graphs = "CUDA graphs" if report["cuda_graphs"] else "eager"
+    if report.get("graphs_at_start"):
+        n, seconds = report["graphs_at_start"], report["graph_capture_s_at_start"]
+        graphs += f" ({n} captured at start-up in {seconds:.1f} s)"
     if report["enforce_eager"]:
         graphs += " (--enforce-eager)"
     backend = report["attention_impl"] or report["attention_backend"]

@@ -179,6 +179,8 @@ class LLMEngine:
             default_max_loops=defaults.max_loops,
             default_exit_threshold=defaults.exit_threshold,
             notice=self.notice,
+            graphs_at_start=self.runner.captures.graphs,
+            graph_capture_s_at_start=self.runner.captures.seconds,
         )
 
     def _kernel_switches(self, impl: str) -> dict[str, bool | str]:

@@ -41,6 +41,10 @@ class EngineInfo:
     default_max_loops: int
     default_exit_threshold: float
     notice: str | None  # a one-line note for the user (e.g. "using the bundled demo model")
+    # CUDA graphs captured at start-up and the host seconds they took (the rest are captured
+    # on first use: EngineStats counts all)
+    graphs_at_start: int = 0
+    graph_capture_s_at_start: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

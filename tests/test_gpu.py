@@ -40,6 +40,7 @@ def test_cuda_graph_captures_are_counted(tiny_ouro_dir):
     llm = LLM(str(tiny_ouro_dir), dtype="float32", device="cuda")
     start = llm.engine.stats()
     assert start.graphs_captured > 0 and start.graph_capture_s > 0
+    assert llm.info.graphs_at_start == start.graphs_captured  # nothing ran since start-up
     p = SamplingParams(max_tokens=4, temperature=0.8, top_k=5, seed=1, ignore_eos=True)
     llm.generate([[5, 6, 7]], p)
     after = llm.engine.stats()

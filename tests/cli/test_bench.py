@@ -170,6 +170,7 @@ def test_floor_is_na_on_cpu_without_a_bandwidth(tiny_ouro_dir: Path) -> None:
     assert r["floor_tokens_per_s"] is None and r["floor_share"] is None
     assert r["peak_memory_bytes"] is None
     assert (r["graphs_captured"], r["graph_capture_s"]) == (0, 0.0)  # no CUDA graphs on CPU
+    assert (data["graphs_at_start"], data["graph_capture_s_at_start"]) == (0, 0.0)
 
 
 def test_decode_window_reaches_the_engine(tiny_ouro_dir: Path) -> None:
