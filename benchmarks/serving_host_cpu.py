@@ -1,19 +1,20 @@
 """What `rlt serve` costs the host per streamed token, apart from the model (Linux, CPU or GPU).
 
 Starts `rlt serve` on MODEL in a subprocess, sends `rlt bench --url` closed-loop runs at each
-concurrency (a warm-up run first, not reported), and reads the CPU time of the server's
-threads from /proc before and after each run: the main thread runs the event loop (HTTP
-parsing, the SSE chunks, socket writes); the engine's work (planning, launches, read backs,
-detokenization, torch's threads) is in the engine process, counted apart, and the server's
-other threads read its events (a server from before the seventeenth session ran the engine
-on one of those threads). With a model whose compute is negligible (the 64-wide test
-checkpoint with the bundled model's tokenizer, `--tiny`) the engine side is host work too,
-and microseconds per output token say how many tokens a second one core of this host can
-serve:
+concurrency (each after a warm-up run at that concurrency, not reported), and reads the CPU
+time of the server's threads from /proc before and after each run: the main thread runs the
+event loop (HTTP parsing, the SSE chunks, socket writes); the engine's work (planning,
+launches, read backs, detokenization, torch's threads) is in the engine process, counted apart,
+and the server's other threads read its events (a server from before the seventeenth session
+ran the engine on one of those threads). With a model whose compute is negligible (the 64-wide
+test checkpoint with the bundled model's tokenizer, `--tiny`) the engine side is host work too,
+and microseconds per output token say how many tokens a second one core of this host can serve:
 
     python benchmarks/serving_host_cpu.py --tiny -c 64,256 --num-prompts 1024 --json
 
-On the GPU the same split says whether the host keeps up with the device at a concurrency.
+On the GPU the same split says whether the host keeps up with the device at a concurrency. Each
+run also reports the CUDA graphs the server captured while it ran (from `/metrics`): a capture
+on first use stalls every stream.
 """
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ def main() -> None:
             )
         try:
             wait_healthy(url, proc, log)
-            bench(url, max(concurrency), args.warmup, args)
             rows = []
             for c in concurrency:
+                # a warm-up at this concurrency: the graph variants its waves need are
+                # captured there (each run reports those captured while measuring)
+                bench(url, c, args.warmup, args)
                 main0, other0 = thread_cpu(proc.pid)
                 engine0 = children_cpu(proc.pid)
                 graphs0, capture0 = graph_captures(url)
