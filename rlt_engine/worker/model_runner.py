@@ -265,7 +265,7 @@ class ModelRunner:
                 inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens, self._armed
             )
         n = len(last)
-        padded = next(b for b in (0, *bucket_sizes(self.slots.num_slots + 1)) if b >= n)
+        padded = first_tokens_padded(n, self.slots.num_slots)
         host = torch.tensor([f + f[:1] * (padded - n) for f in firsts], dtype=torch.long)
         buffer = self._rider_firsts[:, :padded]
         buffer.copy_(upload(host, self.device))
@@ -416,3 +416,9 @@ def _as_sample(
     logprob, top_ids, top_logprobs = extra
     ids, values = top_ids[index][:wanted].tolist(), top_logprobs[index][:wanted].tolist()
     return Sample(token, float(logprob[index]), tuple(zip(ids, values, strict=True)))
+
+
+def first_tokens_padded(n: int, num_slots: int) -> int:
+    """A riding wave's `n` first tokens padded to a bucket (repeating the first): its graph's
+    third dimension, after the wave's (rows, sequences) bucket."""
+    return next(b for b in (0, *bucket_sizes(num_slots + 1)) if b >= n)

@@ -92,6 +92,13 @@ class WaveLayout:
         return cls([], [], [], [], [], [], [0])
 
 
+def wave_bucket(wave: WaveLayout, seq_buckets: list[int]) -> tuple[int, int]:
+    """(padded rows, padded sequences) of a wave of at most `MAX_GRAPH_ROWS` rows: its graph's
+    shape. One sequence more than the wave's: the padding one that owns the padded rows."""
+    rows = next(b for b in ROW_BUCKETS if b >= wave.rows)
+    return rows, next(b for b in seq_buckets if b >= len(wave.slots) + 1)
+
+
 @dataclass(frozen=True)
 class WaveInputs:
     """A wave's rows on the device (padded to a bucket on the fixed-shape path)."""
@@ -177,9 +184,7 @@ class PrefillRunner:
         """(padded rows, padded sequences) of a fixed-shape wave, or None for an exact one."""
         if not self.fixed_shapes or wave.rows > self.max_rows:
             return None
-        rows = next(b for b in ROW_BUCKETS if b >= wave.rows)
-        seqs = next(b for b in self.seq_buckets if b >= len(wave.slots) + 1)
-        return rows, seqs
+        return wave_bucket(wave, self.seq_buckets)
 
     def capture_single_sequence(self) -> int:
         """Capture every row bucket for one sequence (the wave of a lone arrival, where a

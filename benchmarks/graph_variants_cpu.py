@@ -1,0 +1,158 @@
+"""Which CUDA graph variants a closed-loop workload meets, and when, without a GPU.
+
+The real scheduler runs the workload on the CPU (the tiny test checkpoint, asynchronous
+scheduling, waves up to `MAX_GRAPH_ROWS` riding, as on CUDA) and every plan is keyed as the
+worker keys its graphs: a decode window by its padded batch; a riding wave by (padded batch,
+rows bucket, sequences bucket, first tokens bucket); a wave on its own, or each of its pieces,
+by (rows bucket, sequences bucket). The engine captures the decode buckets and single-sequence
+waves at start-up; any other variant is captured the first time a plan needs it, and every
+request in flight waits for that capture. `--jitter J` delays each arrival 0..J steps after
+the finish that frees its place (clients over HTTP do not answer in lockstep; with J = 0 the
+cohorts stay in step and almost no riding happens).
+
+    python benchmarks/graph_variants_cpu.py -c 64 --num-prompts 1024 --jitter 3
+
+Sampling flags are the defaults' (greedy), as in `rlt bench`. An estimate of what a GPU run
+meets: arrival timing there follows the GPU's step times, not the CPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlt_engine.config import EngineConfig  # noqa: E402
+from rlt_engine.core.plan import StepPlan  # noqa: E402
+from rlt_engine.engine import LLMEngine  # noqa: E402
+from rlt_engine.sampling_params import SamplingParams  # noqa: E402
+from rlt_engine.worker.graphs import bucket_sizes  # noqa: E402
+from rlt_engine.worker.model_runner import first_tokens_padded  # noqa: E402
+from rlt_engine.worker.prefill import (  # noqa: E402
+    MAX_GRAPH_ROWS,
+    ROW_BUCKETS,
+    WaveLayout,
+    wave_bucket,
+)
+
+TINY = ROOT / "tests" / "fixtures" / "ouro-tiny-official"
+
+Key = tuple[object, ...]
+
+
+def replay(args: argparse.Namespace) -> list[StepPlan]:
+    """The scheduler's plans for `num_prompts` requests, at most `concurrency` in flight."""
+    slots = args.max_num_seqs or args.concurrency
+    config = EngineConfig.from_options(
+        model=str(args.model), device="cpu", dtype="float32", max_num_seqs=slots,
+        num_blocks=slots * 4 * ((args.input_len + args.output_len) // 16 + 2),
+        async_scheduling=True, decode_window=args.decode_window,
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    engine.scheduler.max_ride_rows = MAX_GRAPH_ROWS  # ModelRunner.max_ride_rows on CUDA
+    engine.scheduler.trace = []
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        engine.add_request([rng.randrange(3, 4000) for _ in range(args.input_len)], params)
+        added += 1
+
+    for _ in range(min(args.concurrency, args.num_prompts)):
+        add()
+    due: collections.Counter[int] = collections.Counter()  # step -> arrivals
+    step = 0
+    while engine.has_unfinished_requests() or due:
+        for _ in range(due.pop(step, 0)):
+            add()
+        for out in engine.step():
+            if out.finished and added + sum(due.values()) < args.num_prompts:
+                due[step + 1 + rng.randrange(args.jitter + 1)] += 1
+        step += 1
+    return engine.scheduler.trace
+
+
+def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
+    """The graph variants `plan` replays; `span`: slots [0, span) in use once it is applied."""
+    seq_buckets, batch = bucket_sizes(num_slots + 1), bucket_sizes(num_slots)
+    padded = next((b for b in batch if b >= span), None)
+    if plan.wave_rides:
+        wave = WaveLayout.of(plan.prefill[0])
+        firsts = first_tokens_padded(sum(c.last for c in plan.prefill[0]), num_slots)
+        return [("ride", padded, *wave_bucket(wave, seq_buckets), firsts)]
+    keys: list[Key] = []
+    for chunks in plan.prefill:
+        wave = WaveLayout.of(chunks)
+        pieces = wave.pieces(MAX_GRAPH_ROWS) if wave.rows > MAX_GRAPH_ROWS else [wave]
+        graphed = [p for p in pieces if p.rows <= MAX_GRAPH_ROWS]  # a longer chunk: exact shape
+        keys += [("prefill", *wave_bucket(p, seq_buckets)) for p in graphed]
+    if plan.decode_traversals and padded is not None:
+        keys.append(("decode", padded))
+    return keys
+
+
+def variants(plans: list[StepPlan], num_slots: int) -> dict:
+    """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
+    at_start = {("decode", b) for b in bucket_sizes(num_slots)}
+    single = next(b for b in bucket_sizes(num_slots + 1) if b >= 2)
+    at_start |= {("prefill", rows, single) for rows in ROW_BUCKETS}
+    used: set[int] = set()
+    met: dict[Key, dict] = {}
+    for i, plan in enumerate(plans):
+        used.difference_update(plan.slot_frees)
+        used.update(init.slot for init in plan.slot_inits)
+        for key in plan_keys(plan, max(used, default=-1) + 1, num_slots):
+            entry = met.setdefault(key, {"first_plan": i, "uses": 0, "at_start": key in at_start})
+            entry["uses"] += 1
+    first_use = sorted((v["first_plan"], k) for k, v in met.items() if not v["at_start"])
+    return {
+        "plans": len(plans),
+        "riding_plans": sum(p.wave_rides for p in plans),
+        "variants": [{"key": list(k), **v} for k, v in met.items()],
+        "first_use": [{"plan": i, "key": list(k)} for i, k in first_use],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=TINY)
+    ap.add_argument("-c", "--concurrency", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="slots (default: -c)")
+    ap.add_argument("--decode-window", type=int, default=8)
+    ap.add_argument("--jitter", type=int, default=3, help="arrival delay, 0..J steps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    for name in ("concurrency", "num_prompts", "input_len", "output_len", "decode_window"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.jitter < 0:
+        ap.error("--jitter must be >= 0")
+    num_slots = args.max_num_seqs or args.concurrency
+    report = {"settings": {k: str(v) for k, v in vars(args).items()}}
+    report |= variants(replay(args), num_slots)
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(
+        f"{report['plans']} plans, {report['riding_plans']} with a riding wave, "
+        f"{len(report['variants'])} graph variants met, {len(report['first_use'])} of them "
+        "not captured at start-up (each a stall for the requests in flight):"
+    )
+    for entry in report["first_use"]:
+        print(f"  plan {entry['plan']:>5}: {tuple(entry['key'])}")
+
+
+if __name__ == "__main__":
+    main()

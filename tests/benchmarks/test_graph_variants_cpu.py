@@ -1,0 +1,54 @@
+"""benchmarks/graph_variants_cpu.py: the scheduler replayed on the CPU, each plan keyed as the
+worker keys its CUDA graphs (small runs: this checks the script and its keys, not a GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "graph_variants_cpu.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+def _report(*args: str) -> dict:
+    done = _run(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_lone_request_needs_only_start_up_graphs():
+    # one 64-token prompt: a single-sequence wave of 64 rows, then decode windows of batch 1
+    report = _report("-c", "1", "--num-prompts", "1", "--output-len", "4")
+    keys = {tuple(v["key"]): v for v in report["variants"]}
+    assert set(keys) == {("prefill", 64, 2), ("decode", 1)}
+    assert all(v["at_start"] for v in keys.values()) and report["first_use"] == []
+
+
+def test_staggered_arrivals_ride_and_meet_graphs_on_first_use():
+    report = _report("-c", "8", "--num-prompts", "40", "--output-len", "8", "--jitter", "3")
+    variants = report["variants"]
+    rides = sum(v["uses"] for v in variants if v["key"][0] == "ride")
+    assert rides == report["riding_plans"] > 0
+    for v in variants:
+        kind, *shape = v["key"]
+        assert v["uses"] >= 1 and 0 <= v["first_plan"] < report["plans"]
+        if kind == "ride":  # (batch, rows, sequences, first tokens) buckets
+            batch, rows, seqs, firsts = shape
+            assert batch in (1, 2, 4, 8) and rows in (16, 32, 64, 128, 256, 512)
+            assert seqs in (2, 4, 8, 9) and 0 < firsts <= seqs  # 8 slots + the padding one
+            assert not v["at_start"]  # riding graphs are all captured on first use
+    first = [e["plan"] for e in report["first_use"]]
+    assert first == sorted(first) and len(first) == sum(not v["at_start"] for v in variants)
+
+
+def test_bad_settings_name_the_flag():
+    done = _run("--jitter", "-1")
+    assert done.returncode == 2 and "--jitter must be >= 0" in done.stderr
