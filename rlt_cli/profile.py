@@ -161,6 +161,12 @@ def _render(report: dict[str, Any]) -> None:
             stdout.print(_sync_table(gpu["sync_sites"]))
     else:
         stdout.print("GPU busy: n/a (CPU run); kernels per token step: n/a")
+    if report["graphs_captured"]:
+        stdout.print(
+            f"[yellow]{report['graphs_captured']} CUDA graph(s) captured during the profiled "
+            f"run ({report['graph_capture_s']:.2f} s of host time, in the phases above): "
+            "raise --warmup to profile without them[/]"
+        )
     if report["missing_markers"]:
         stdout.print(
             f"[yellow]not marked (the engine has no such method): "

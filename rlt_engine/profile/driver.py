@@ -148,11 +148,13 @@ def profile_workload(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if on_phase is not None:
         on_phase("profiling")
+    before = engine.stats()
     with instrument(engine) as counters, profile(activities=activities) as prof:
         t = time.perf_counter()
         with record_function(ROOT):
             result = run(w.seed)  # synchronizes the device at the end
         wall_s = time.perf_counter() - t
+    after = engine.stats()  # graphs captured in the profiled run: their host time is in it
     if on_phase is not None:
         on_phase("writing the trace")
     trace_out = Path(trace_out)
@@ -176,5 +178,7 @@ def profile_workload(
         "decode_traversals": counters.decode_traversals,
         "engine_steps": result.steps,
         "missing_markers": counters.missing,
+        "graphs_captured": after.graphs_captured - before.graphs_captured,
+        "graph_capture_s": after.graph_capture_s - before.graph_capture_s,
         **summary,
     }

@@ -48,6 +48,7 @@ def test_json_phases_and_trace(tmp_path: Path) -> None:
     assert data["token_steps"] == 4 and data["decode_traversals"] >= 16
     assert data["engine_steps"] >= 1 and data["steps"] == data["engine_steps"]
     assert data["missing_markers"] == []
+    assert (data["graphs_captured"], data["graph_capture_s"]) == (0, 0.0)  # no graphs on CPU
     assert data["decode_tokens_per_s"] > 0
     gpu = data["gpu"]
     assert gpu["available"] is False
