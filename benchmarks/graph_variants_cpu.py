@@ -36,8 +36,8 @@ from rlt_engine.worker.graphs import bucket_sizes  # noqa: E402
 from rlt_engine.worker.model_runner import first_tokens_padded  # noqa: E402
 from rlt_engine.worker.prefill import (  # noqa: E402
     MAX_GRAPH_ROWS,
-    ROW_BUCKETS,
     WaveLayout,
+    single_sequence_buckets,
     wave_bucket,
 )
 
@@ -102,8 +102,7 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
 def variants(plans: list[StepPlan], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
     at_start = {("decode", b) for b in bucket_sizes(num_slots)}
-    single = next(b for b in bucket_sizes(num_slots + 1) if b >= 2)
-    at_start |= {("prefill", rows, single) for rows in ROW_BUCKETS}
+    at_start |= {("prefill", *b) for b in single_sequence_buckets(bucket_sizes(num_slots + 1))}
     used: set[int] = set()
     met: dict[Key, dict] = {}
     for i, plan in enumerate(plans):

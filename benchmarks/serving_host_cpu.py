@@ -110,15 +110,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 3
 
 def graph_captures(url: str) -> tuple[float, float]:
     """(CUDA graphs captured, host seconds capturing) so far, from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     names = ("rlt:cuda_graph_captures_total", "rlt:cuda_graph_capture_seconds_total")
-    values = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in values:
-            values[name] += float(line.rsplit(" ", 1)[1])
-    return tuple(values.values())  # type: ignore[return-value]
+    return totals.get(names[0], 0.0), totals.get(names[1], 0.0)
 
 
 def bench(url: str, c: int, n: int, args: argparse.Namespace) -> dict:

@@ -99,6 +99,11 @@ def wave_bucket(wave: WaveLayout, seq_buckets: list[int]) -> tuple[int, int]:
     return rows, next(b for b in seq_buckets if b >= len(wave.slots) + 1)
 
 
+def single_sequence_buckets(seq_buckets: list[int]) -> list[tuple[int, int]]:
+    """The buckets of one sequence's wave at every row bucket: captured at start-up."""
+    return [(rows, next(b for b in seq_buckets if b >= 2)) for rows in ROW_BUCKETS]
+
+
 @dataclass(frozen=True)
 class WaveInputs:
     """A wave's rows on the device (padded to a bucket on the fixed-shape path)."""
@@ -193,8 +198,7 @@ class PrefillRunner:
             return 0
         empty = WaveLayout.empty()
         new = 0
-        for rows in ROW_BUCKETS:
-            bucket = (rows, next(b for b in self.seq_buckets if b >= 2))
+        for bucket in single_sequence_buckets(self.seq_buckets):
             if bucket not in self.graphs:
                 self._capture(*bucket, empty)
                 new += 1
