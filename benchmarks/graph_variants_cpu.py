@@ -3,10 +3,10 @@
 The real scheduler runs the workload on the CPU (the tiny test checkpoint, asynchronous
 scheduling, waves up to `MAX_GRAPH_ROWS` riding, as on CUDA) and every plan is keyed as the
 worker keys its graphs: a decode window by its padded batch; a riding wave by (padded batch,
-rows bucket, sequences bucket, first tokens bucket); a wave on its own, or each of its pieces,
-by (rows bucket, sequences bucket). The engine captures the decode buckets and single-sequence
-waves at start-up; any other variant is captured the first time a plan needs it, and every
-request in flight waits for that capture. `--jitter J` delays each arrival 0..J steps after
+rows bucket, first tokens or none); a wave on its own, or each of its pieces, by its rows
+bucket. The engine captures the decode buckets and every wave bucket at start-up; a riding
+variant is captured the first time a plan needs it, and every request in flight waits for that
+capture. `--jitter J` delays each arrival 0..J steps after
 the finish that frees its place (clients over HTTP do not answer in lockstep; with J = 0 the
 cohorts stay in step and almost no riding happens).
 
@@ -36,9 +36,10 @@ from rlt_engine.worker.graphs import bucket_sizes  # noqa: E402
 from rlt_engine.worker.model_runner import first_tokens_padded  # noqa: E402
 from rlt_engine.worker.prefill import (  # noqa: E402
     MAX_GRAPH_ROWS,
+    ROW_BUCKETS,
     WaveLayout,
-    single_sequence_buckets,
     wave_bucket,
+    wave_seqs,
 )
 
 TINY = ROOT / "tests" / "fixtures" / "ouro-tiny-official"
@@ -82,18 +83,22 @@ def replay(args: argparse.Namespace) -> list[StepPlan]:
 
 def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
     """The graph variants `plan` replays; `span`: slots [0, span) in use once it is applied."""
-    seq_buckets, batch = bucket_sizes(num_slots + 1), bucket_sizes(num_slots)
-    padded = next((b for b in batch if b >= span), None)
+    padded = next((b for b in bucket_sizes(num_slots) if b >= span), None)
     if plan.wave_rides:
         wave = WaveLayout.of(plan.prefill[0])
-        firsts = first_tokens_padded(sum(c.last for c in plan.prefill[0]), num_slots)
-        return [("ride", padded, *wave_bucket(wave, seq_buckets), firsts)]
+        rows = wave_bucket(wave, num_slots)
+        if rows is None:  # too many chunks for any bucket: rides eagerly, no graph
+            return []
+        ends = sum(c.last for c in plan.prefill[0])
+        firsts = first_tokens_padded(ends, wave_seqs(rows, num_slots))
+        return [("ride", padded, rows, firsts)]
     keys: list[Key] = []
+    max_chunks = wave_seqs(MAX_GRAPH_ROWS, num_slots) - 1
     for chunks in plan.prefill:
         wave = WaveLayout.of(chunks)
-        pieces = wave.pieces(MAX_GRAPH_ROWS) if wave.rows > MAX_GRAPH_ROWS else [wave]
-        graphed = [p for p in pieces if p.rows <= MAX_GRAPH_ROWS]  # a longer chunk: exact shape
-        keys += [("prefill", *wave_bucket(p, seq_buckets)) for p in graphed]
+        pieces = wave.pieces(MAX_GRAPH_ROWS, max_chunks)
+        buckets = [wave_bucket(p, num_slots) for p in pieces]
+        keys += [("prefill", rows) for rows in buckets if rows is not None]  # else exact
     if plan.decode_traversals and padded is not None:
         keys.append(("decode", padded))
     return keys
@@ -102,7 +107,7 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
 def variants(plans: list[StepPlan], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
     at_start = {("decode", b) for b in bucket_sizes(num_slots)}
-    at_start |= {("prefill", *b) for b in single_sequence_buckets(bucket_sizes(num_slots + 1))}
+    at_start |= {("prefill", rows) for rows in ROW_BUCKETS}
     used: set[int] = set()
     met: dict[Key, dict] = {}
     for i, plan in enumerate(plans):

@@ -24,8 +24,13 @@ each split with keys counts its arrival (acq_rel, per (sequence, kv head)) and t
 merges, a split with none leaves at once; those programs walk their few keys with the loads
 pipelined in registers (MERGE).
 
-CUDA-graph capturable: no host synchronisation, the grids depend only on num_seqs, num_heads,
-max_query_len, num_splits and static shapes.
+Prefill programs are numbered by query block across the sequences (FLAT: sequence s owns
+blocks [start[s] // BLOCK_Q + s, start[s + 1] // BLOCK_Q + s + 1), found by each program from
+query_start), so a launch of T rows and S sequences has T // BLOCK_Q + S programs however its
+chunks are cut; decode launches (one query a sequence) keep one program row per sequence.
+
+CUDA-graph capturable: no host synchronisation, the grids depend only on the row count,
+num_seqs, num_heads, max_query_len, num_splits and static shapes.
 
 triton is imported lazily (this module imports without it). On CPU the kernels run under the
 Triton interpreter, which needs TRITON_INTERPRET=1 *before triton is first imported* in the
@@ -444,7 +449,12 @@ def _launch(
                 **_pdl.launch_options(pdl),
             )
         else:
-            grid = (num_seqs * q_tiles, num_kv_heads, num_splits)
+            # prefill: query blocks numbered across sequences (FLAT), fewer programs than
+            # q_tiles per sequence whenever the chunks differ in length, and a grid fixed by
+            # the row count (a padded wave: its bucket) alone
+            flat = max_query_len > 1
+            blocks = num_tokens // block_q + num_seqs if flat else num_seqs * q_tiles
+            grid = (blocks, num_kv_heads, num_splits)
             if probe is not None:
                 global clocks, clock_after
                 shape = (grid[0] * grid[1] * grid[2], len(PROBE_FIELDS))
@@ -458,6 +468,7 @@ def _launch(
             _kernel(_paged_attention_kernel, interpret)[grid](
                 *args,
                 q_tiles,
+                num_seqs,
                 q if probe is None else probe,
                 q if not merge_in_kernel else split_counters,
                 **shapes,
@@ -471,6 +482,8 @@ def _launch(
                 MERGE=merge_in_kernel,
                 SETTLED=early_keys or (merge_in_kernel and prefetch_kv),
                 EARLY_KEYS=early_keys,
+                FLAT=flat,
+                SEQ_BLOCK=triton.next_power_of_2(num_seqs) if flat else 1,
                 num_warps=num_warps or 4,
                 num_stages=num_stages or (1 if merge_in_kernel else 2),
                 **_pdl.launch_options(pdl),
@@ -725,7 +738,8 @@ def _paged_attention_kernel(
     max_blocks,
     num_heads,
     prefetch_tiles,  # PREFETCH_KV: key tiles of its split a program asks L2 for
-    q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q)
+    q_tiles,  # query tiles per sequence = cdiv(max_query_len, BLOCK_Q) (not FLAT)
+    num_seqs,  # FLAT: sequences (rows of the block tables)
     probe_ptr,  # PROBE: int64 [programs, len(PROBE_FIELDS)]
     count_ptr,  # MERGE: int32 [sequences * kv heads], zero between launches: splits arrived
     HEAD_DIM: tl.constexpr,
@@ -747,14 +761,17 @@ def _paged_attention_kernel(
     SETTLED: tl.constexpr,  # decode whose kernel before writes only the rows' q, K, V:
     # its metadata (and MERGE's first table entries) read before the wait
     EARLY_KEYS: tl.constexpr,  # SETTLED, and its first key tile's older keys too
+    FLAT: tl.constexpr,  # prefill: query blocks numbered across sequences (see below)
+    SEQ_BLOCK: tl.constexpr,  # FLAT: next_pow2(num_seqs)
 ):
     if PROBE:
         ns0, cy0 = clocks()
-    seq = tl.program_id(0) // q_tiles
-    q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
+    if not FLAT:  # one row of programs per sequence, q_tiles each
+        seq = tl.program_id(0) // q_tiles
+        q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
     if PDL and not SETTLED:  # wait for the previous kernel, then release the next
@@ -766,6 +783,18 @@ def _paged_attention_kernel(
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if FLAT:
+        # Sequence s owns query blocks [start[s] // BLOCK_Q + s, start[s + 1] // BLOCK_Q + s
+        # + 1): at least cdiv(q_len, BLOCK_Q) of them, the ranges back to back, so
+        # rows // BLOCK_Q + sequences programs cover every query whatever the chunks' sizes,
+        # and a grid that depends on neither the chunk count nor the longest chunk is one
+        # CUDA graph per row bucket. A block past its sequence's queries leaves below.
+        s = tl.arange(0, SEQ_BLOCK)
+        starts = tl.load(query_start_ptr + s, mask=s < num_seqs, other=1 << 30)
+        first_block = starts // BLOCK_Q + s
+        seq = tl.sum((first_block <= tl.program_id(0)).to(tl.int32)) - 1
+        q0 = (tl.program_id(0) - tl.sum(tl.where(s == seq, first_block, 0))) * BLOCK_Q
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # The sequence's metadata, loaded together (none depends on another), and the key range
     # of this program: [0, kv_end) for the query tile, its split's share of the key tiles.

@@ -142,6 +142,12 @@ def _table_for(device: torch.device) -> dict | None:
     return _TABLES[index]
 
 
+def tuned_for(device: torch.device) -> bool:
+    """Whether the measured table (small_gemm_table.py) applies to `device`: the GPU it was
+    tuned on and the same Triton. Elsewhere every GEMM takes the untuned defaults."""
+    return device.type == "cuda" and _table_for(device) is not None
+
+
 def _triton_version() -> str | None:
     try:
         import triton as triton_module

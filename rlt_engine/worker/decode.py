@@ -103,8 +103,8 @@ class RidingWave:
     prompt_lens: torch.Tensor  # [n] int64: their prompt lengths (position of the first token)
     # [1] bool: whether the last loop may start slots decoding (off while a graph is captured)
     armed: torch.Tensor
-    # the graph variant of a fixed-shape wave: (rows, sequences, first tokens); None: eager only
-    key: tuple[int, int, int] | None = None
+    # the graph variant of a fixed-shape wave: (rows, first tokens); None: eager only
+    key: tuple[int, int] | None = None
 
 
 class DecodeTraversal:

@@ -40,8 +40,14 @@ from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import TritonPagedAttention, attention_backend
 from rlt_engine.worker.batched_sampler import SampleOutput, SamplingTensors, sample
 from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags, RidingWave
-from rlt_engine.worker.graphs import CaptureTally, GraphCache, bucket_sizes
-from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, PrefillRunner, WaveLayout
+from rlt_engine.worker.graphs import CaptureTally, GraphCache
+from rlt_engine.worker.prefill import (
+    MAX_GRAPH_ROWS,
+    ROW_BUCKETS,
+    PrefillRunner,
+    WaveInputs,
+    WaveLayout,
+)
 from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, upload
 
 MAX_LOGPROBS = 20
@@ -193,18 +199,25 @@ class ModelRunner:
         return self.prefill.max_rows if self.graphs is not None else None
 
     def capture_graphs(self, variants: list[Flags]) -> int:
-        """Capture ahead of the first request (~0.2 s each on first use otherwise): the decode
-        traversal at every batch bucket for each of `variants` (the flags of default
-        requests), and single-sequence prefill waves at every row bucket. Returns how many
-        graphs were captured; 0 without CUDA graphs."""
+        """Capture ahead of the first request (a capture on first use stalls every request in
+        flight): for each of `variants` (the flags of default requests) the decode traversal
+        at every batch bucket, and at each of those a riding wave of every row bucket whose
+        chunks end their prompts; prefill waves at every row bucket. What is left for first
+        use: other flags, and a riding wave that samples no first token (every chunk of it
+        mid-prompt). Returns how many graphs were captured; 0 without CUDA graphs."""
         if self.graphs is None:
             return 0
-        count = 0
+        count = self.prefill.capture_buckets()
         for flags in variants:
             for b in self.graphs.buckets:
                 count += not self.graphs.captured(b, flags)
                 self.graphs.ensure(b, flags)
-        return count + self.prefill.capture_single_sequence()
+            for rows in ROW_BUCKETS:
+                rider = self._fixed_rider(self.prefill.empty_inputs(rows), firsts=1)
+                for b in self.graphs.buckets:
+                    count += not self.graphs.captured(b, flags, rider)
+                    self.graphs.ensure(b, flags, rider)
+        return count
 
     def active_slots(self) -> list[int]:
         """Slots with device state (for leak checks)."""
@@ -248,8 +261,9 @@ class ModelRunner:
 
     def _rider(self, wave: tuple[PrefillChunk, ...], layout: WaveLayout) -> RidingWave:
         """A wave to ride the window. A fixed-shape one (a row bucket) keeps everything at
-        fixed addresses, its first tokens padded to a power of two by repeating the first
-        (the same writes twice), so the riding traversal is one graph per shape."""
+        fixed addresses, its first tokens padded to the bucket's sequences by repeating the
+        first (the same writes again), so the riding traversal is one graph per (row bucket,
+        first tokens or none)."""
         inputs = self.prefill.inputs_for(layout)
         last = [i for i, c in enumerate(wave) if c.last]
         firsts = [
@@ -264,14 +278,19 @@ class ModelRunner:
             return RidingWave(
                 inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens, self._armed
             )
-        n = len(last)
-        padded = first_tokens_padded(n, self.slots.num_slots)
+        rider = self._fixed_rider(inputs, len(last))
+        n, padded = len(last), rider.first_rows.numel()
         host = torch.tensor([f + f[:1] * (padded - n) for f in firsts], dtype=torch.long)
-        buffer = self._rider_firsts[:, :padded]
-        buffer.copy_(upload(host, self.device))
-        rows, slots, prompt_lens = buffer
-        key = (inputs.rows, int(inputs.slot.shape[0]), padded)
+        self._rider_firsts[:, :padded].copy_(upload(host, self.device))
+        return rider
+
+    def _fixed_rider(self, inputs: WaveInputs, firsts: int) -> RidingWave:
+        """A riding wave at a row bucket's fixed addresses, room for `firsts` first tokens
+        padded to the bucket's sequences (or none), its graph's key."""
+        padded = first_tokens_padded(firsts, int(inputs.slot.shape[0]))
+        rows, slots, prompt_lens = self._rider_firsts[:, :padded]
         hidden = self._rider_hidden[: inputs.rows]
+        key = (inputs.rows, padded)
         return RidingWave(
             inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens, self._armed, key
         )
@@ -418,7 +437,8 @@ def _as_sample(
     return Sample(token, float(logprob[index]), tuple(zip(ids, values, strict=True)))
 
 
-def first_tokens_padded(n: int, num_slots: int) -> int:
-    """A riding wave's `n` first tokens padded to a bucket (repeating the first): its graph's
-    third dimension, after the wave's (rows, sequences) bucket."""
-    return next(b for b in (0, *bucket_sizes(num_slots + 1)) if b >= n)
+def first_tokens_padded(n: int, seqs: int) -> int:
+    """A riding wave's `n` first tokens padded (repeating the first) to its padded sequence
+    count `seqs`, or none: with the wave's row bucket, its graph's key (two per bucket). A few
+    more rows through the coda (one lm_head read either way) for fewer captures."""
+    return 0 if n == 0 else seqs

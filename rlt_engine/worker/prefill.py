@@ -1,20 +1,23 @@
 """Prefill waves: several requests' prompt chunks through every loop, as one batch per loop.
 
 On the Triton backend a wave of up to `MAX_GRAPH_ROWS` rows runs at a fixed shape: rows padded
-up to a bucket (16, 32, ..., 512) and sequences up to a power of two, its inputs in one device
-buffer filled by one host-to-device copy. The shape depends only on the bucket, so the wave's
-`depth` traversals are one CUDA graph per bucket, replayed with no host work between layers
-(eagerly launched, one 64-token prompt costs ~80 ms of Python launch overhead for ~3 ms of GPU
-work). `--enforce-eager` runs the same padded function without capturing it, so graph = eager
-holds by construction. Padded rows write only the trash slot and belong to no sequence; padded
-sequences own no rows.
+up to a bucket (16, 32, ..., 512) and sequences to that bucket's count (`wave_seqs`), its inputs
+in one device buffer filled by one host-to-device copy. The shape depends only on the row
+bucket (the attention's prefill grid is rows // block + sequences, however the rows are cut
+into chunks), so the wave's `depth` traversals are one CUDA graph per row bucket, all six
+captured at start-up, replayed with no host work between layers (eagerly launched, one
+64-token prompt costs ~80 ms of Python launch overhead for ~3 ms of GPU work).
+`--enforce-eager` runs the same padded function without capturing it, so graph = eager holds
+by construction. Padded rows write only the trash slot and belong to the padding sequence,
+which sees no keys; the sequences after it own no rows.
 
-A larger wave runs as pieces of whole chunks, each at most `MAX_GRAPH_ROWS` rows, through the
-same buckets: a wave holds one chunk per sequence, and chunks of different sequences never
-read each other's keys, so the pieces compute what the whole wave would. Launched eagerly, a
-2,048-row wave (32 prompts of 64 tokens) took 71 ms of host time for 34 ms of GPU work on the
-H200; pieces of 512 rows keep the GEMMs compute-bound. Only a chunk longer than the largest
-bucket (`--prefill-chunk-size` above it), and the torch backend, run at their exact shape.
+A larger wave runs as pieces of whole chunks, each at most `MAX_GRAPH_ROWS` rows and
+`wave_seqs(MAX_GRAPH_ROWS) - 1` chunks, through the same buckets: a wave holds one chunk per
+sequence, and chunks of different sequences never read each other's keys, so the pieces
+compute what the whole wave would. Launched eagerly, a 2,048-row wave (32 prompts of 64
+tokens) took 71 ms of host time for 34 ms of GPU work on the H200; pieces of 512 rows keep the
+GEMMs compute-bound. Only a chunk longer than the largest bucket (`--prefill-chunk-size` above
+it), and the torch backend, run at their exact shape.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from rlt_engine.core.plan import PrefillChunk
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import PagedKVCache, PagedMetadata
-from rlt_engine.worker.graphs import CaptureTally, bucket_sizes
+from rlt_engine.worker.graphs import CaptureTally
 from rlt_engine.worker.slot_batch import SlotBatch, upload
 
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -76,12 +79,16 @@ class WaveLayout:
             firsts=[f - lo for f in self.firsts[first : end + 1]],
         )
 
-    def pieces(self, max_rows: int) -> list[WaveLayout]:
-        """The wave cut between chunks into waves of at most `max_rows` rows, in order (a
-        chunk longer than that is a piece alone)."""
+    def pieces(self, max_rows: int, max_chunks: int) -> list[WaveLayout]:
+        """The wave cut between chunks into waves of at most `max_rows` rows and `max_chunks`
+        chunks, in order (a chunk longer than `max_rows` is a piece alone)."""
         out, first = [], 0
         for end in range(1, len(self.counts) + 1):
-            if end == len(self.counts) or self.firsts[end + 1] - self.firsts[first] > max_rows:
+            if (
+                end == len(self.counts)
+                or self.firsts[end + 1] - self.firsts[first] > max_rows
+                or end + 1 - first > max_chunks
+            ):
                 out.append(self.piece(first, end))
                 first = end
         return out
@@ -92,16 +99,22 @@ class WaveLayout:
         return cls([], [], [], [], [], [], [0])
 
 
-def wave_bucket(wave: WaveLayout, seq_buckets: list[int]) -> tuple[int, int]:
-    """(padded rows, padded sequences) of a wave of at most `MAX_GRAPH_ROWS` rows: its graph's
-    shape. One sequence more than the wave's: the padding one that owns the padded rows."""
-    rows = next(b for b in ROW_BUCKETS if b >= wave.rows)
-    return rows, next(b for b in seq_buckets if b >= len(wave.slots) + 1)
+def wave_seqs(rows: int, num_slots: int) -> int:
+    """Sequences of a padded wave of `rows` rows, the padding one (which owns the padded rows)
+    included: a chunk per 8 rows and the padding one, at most one per slot and the padding
+    one. Fixed by the bucket, so that the graph's key is the bucket alone; each sequence adds
+    one attention program per kv head, so not a chunk per row: a wave of many short chunks
+    takes a larger bucket (or pieces)."""
+    return min(num_slots + 1, rows // 8 + 1)
 
 
-def single_sequence_buckets(seq_buckets: list[int]) -> list[tuple[int, int]]:
-    """The buckets of one sequence's wave at every row bucket: captured at start-up."""
-    return [(rows, next(b for b in seq_buckets if b >= 2)) for rows in ROW_BUCKETS]
+def wave_bucket(wave: WaveLayout, num_slots: int) -> int | None:
+    """The padded rows of a wave: the smallest bucket with room for its rows and its chunks
+    (its graph's key), or None where none has (more than `MAX_GRAPH_ROWS` rows, or chunks)."""
+    chunks = len(wave.slots)
+    return next(
+        (b for b in ROW_BUCKETS if b >= wave.rows and wave_seqs(b, num_slots) > chunks), None
+    )
 
 
 @dataclass(frozen=True)
@@ -141,9 +154,9 @@ class PrefillRunner:
         self.model, self.kv, self.s, self.tally = model, kv, slots, tally
         self.depth, self.shared = model.num_loops, shared
         self.fixed_shapes, self.pool = fixed_shapes, graph_pool
-        self.max_rows = MAX_GRAPH_ROWS  # the largest bucket a wave takes (tests: smaller)
+        self.max_rows = MAX_GRAPH_ROWS  # the rows of the largest piece (tests: smaller)
+        self.num_slots = slots.num_slots
         # one sequence more than the slots: the padding sequence that owns the padded rows
-        self.seq_buckets = bucket_sizes(slots.num_slots + 1)
         n, s = MAX_GRAPH_ROWS, slots.num_slots + 1
         # one int64 buffer: ids, positions, row_seq, valid | slot, seq_len | query_start
         self._sizes = (n, n, n, n, s, s, s + 1)
@@ -153,14 +166,14 @@ class PrefillRunner:
         # the same addresses at every replay, so no view here may be a fresh conversion
         self._valid = torch.zeros(n, dtype=torch.bool, device=slots.device)
         self._lens = torch.zeros(2 * s + 1, dtype=torch.int32, device=slots.device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by rows
 
     def __call__(self, wave: WaveLayout) -> torch.Tensor:
         """The last loop's hidden states, rows [0, wave.rows) in wave order (the tensor may
         have padding rows after them, and may be reused by the next wave)."""
         pieces = [wave]
-        if self.fixed_shapes and wave.rows > self.max_rows:
-            pieces = wave.pieces(self.max_rows)
+        if self.fixed_shapes and (wave.rows > self.max_rows or len(wave.slots) > self.max_chunks):
+            pieces = wave.pieces(self.max_rows, self.max_chunks)
         if len(pieces) == 1:
             return self._one(wave)
         hidden, start = None, 0
@@ -174,35 +187,38 @@ class PrefillRunner:
         assert hidden is not None
         return hidden
 
+    @property
+    def max_chunks(self) -> int:
+        """The chunks of the largest piece: what its bucket has room for."""
+        rows = next((b for b in ROW_BUCKETS if b >= self.max_rows), MAX_GRAPH_ROWS)
+        return wave_seqs(rows, self.num_slots) - 1
+
     def _one(self, wave: WaveLayout) -> torch.Tensor:
-        bucket = self.bucket(wave)
-        if bucket is None:
+        rows = self.bucket(wave)
+        if rows is None:
             return self._traverse(self.exact_inputs(wave))
-        self.upload(wave, bucket[0])
+        self.upload(wave, rows)
         if self.pool is None:
-            return self._traverse(self._padded_inputs(*bucket))
-        graph, out = self.graphs.get(bucket) or self._capture(*bucket, wave)
+            return self._padded(rows)
+        graph, out = self.graphs.get(rows) or self._capture(rows, wave)
         graph.replay()
         return out
 
-    def bucket(self, wave: WaveLayout) -> tuple[int, int] | None:
-        """(padded rows, padded sequences) of a fixed-shape wave, or None for an exact one."""
+    def bucket(self, wave: WaveLayout) -> int | None:
+        """The padded rows of a fixed-shape wave, or None for an exact one."""
         if not self.fixed_shapes or wave.rows > self.max_rows:
             return None
-        return wave_bucket(wave, self.seq_buckets)
+        return wave_bucket(wave, self.num_slots)
 
-    def capture_single_sequence(self) -> int:
-        """Capture every row bucket for one sequence (the wave of a lone arrival, where a
-        first capture would be the request's whole wait); returns how many were new."""
+    def capture_buckets(self) -> int:
+        """Capture every row bucket: every fixed-shape wave's graph, so that no wave waits
+        for a capture once the engine serves; returns how many were new."""
         if self.pool is None:
             return 0
-        empty = WaveLayout.empty()
-        new = 0
-        for bucket in single_sequence_buckets(self.seq_buckets):
-            if bucket not in self.graphs:
-                self._capture(*bucket, empty)
-                new += 1
-        return new
+        new = [rows for rows in ROW_BUCKETS if rows not in self.graphs]
+        for rows in new:
+            self._capture(rows, WaveLayout.empty())
+        return len(new)
 
     # -- the fixed-shape path --------------------------------------------------------------
     def upload(self, wave: WaveLayout, rows: int) -> None:
@@ -228,13 +244,19 @@ class PrefillRunner:
     def inputs_for(self, wave: WaveLayout) -> WaveInputs:
         """The wave's rows on the device, at a bucket's shape where one fits (a wave riding in
         the decode traversals, worker/decode.py)."""
-        bucket = self.bucket(wave)
-        if bucket is None:
+        rows = self.bucket(wave)
+        if rows is None:
             return self.exact_inputs(wave)
-        self.upload(wave, bucket[0])
-        return self._padded_inputs(*bucket)
+        self.upload(wave, rows)
+        return self._padded_inputs(rows)
 
-    def _padded_inputs(self, rows: int, seqs: int) -> WaveInputs:
+    def empty_inputs(self, rows: int) -> WaveInputs:
+        """Bucket `rows` with every row padding (a riding graph's capture runs it)."""
+        self.upload(WaveLayout.empty(), rows)
+        return self._padded_inputs(rows)
+
+    def _padded_inputs(self, rows: int) -> WaveInputs:
+        seqs = wave_seqs(rows, self.num_slots)
         ids, positions, row_seq, _, slot, _, _ = self.inputs.split(self._sizes)
         seq_len, query_start = self._lens.split(self._sizes[5:])
         return WaveInputs(
@@ -248,11 +270,11 @@ class PrefillRunner:
             max_query_len=rows,
         )
 
-    def _padded(self, rows: int, seqs: int) -> torch.Tensor:
-        return self._traverse(self._padded_inputs(rows, seqs))
+    def _padded(self, rows: int) -> torch.Tensor:
+        return self._traverse(self._padded_inputs(rows))
 
-    def _capture(self, rows: int, seqs: int, wave: WaveLayout) -> tuple:
-        """Capture bucket (rows, seqs), then put `wave`'s inputs back. The warm-up runs see
+    def _capture(self, rows: int, wave: WaveLayout) -> tuple:
+        """Capture bucket `rows`, then put `wave`'s inputs back. The warm-up runs see
         an empty wave (every row padding): they write only the trash slot."""
         self.upload(WaveLayout.empty(), rows)
         with self.tally.timing():
@@ -260,12 +282,12 @@ class PrefillRunner:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile the Triton kernels, settle cuBLAS workspaces
-                    self._padded(rows, seqs)
+                    self._padded(rows)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._padded(rows, seqs)
-        self.graphs[(rows, seqs)] = graph, out
+                out = self._padded(rows)
+        self.graphs[rows] = graph, out
         self.upload(wave, rows)
         return graph, out
 

@@ -156,6 +156,26 @@ def test_small_tiles_non_power_of_two_blocks_and_group(block_size, num_splits):
     check(out, case.reference(), FP32_TOL)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_prefill_query_blocks_numbered_across_sequences(seed):
+    """Prefill programs are numbered by query block across the sequences (FLAT): chunks of
+    random lengths (empty ones, ones shorter than a block, ones starting mid-block, padding
+    rows after them), each query computed by exactly one program. A block a sequence does not
+    own, or two programs for one query, would show against the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = []
+    for _ in range(int(torch.randint(1, 10, (1,), generator=gen))):
+        q_len = int(torch.randint(0, 11, (1,), generator=gen))
+        specs.append((q_len, q_len + int(torch.randint(0, 30, (1,), generator=gen))))
+    specs.append((2, 9))  # at least one chunk: max_query_len > 1, the FLAT grid
+    case = Case(specs, 4, 2, head_dim=16, block_size=4, pad_rows=5, seed=seed)
+    sentinel = torch.full_like(case.q, 7.0)
+    out = case.run(out=sentinel.clone(), block_n=16, block_q=4)
+    owned = int(case.query_start[-1])
+    check(out, case.reference(), FP32_TOL, owned)
+    assert torch.equal(out[owned:], sentinel[owned:])
+
+
 @pytest.mark.parametrize("heads", [(8, 1), (2, 2)], ids=["gqa8", "mha"])
 def test_decode_split_k(heads):
     specs = [(1, n) for n in (1, 15, 16, 17, 64, 100, 129, 3)]
@@ -533,7 +553,8 @@ for splits, merge, settled in ((1, False, False), (1, False, True), (4, True, Fa
     const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, GROUP=1, BLOCK_Q=1, BLOCK_M=16,
                  BLOCK_N=64, NUM_SPLITS=splits, PRECISION="tf32", UPCAST=False, PDL=True,
                  PREFETCH_KV=True, ROW_LINES=2, LINE=64, PROBE=True, MERGE=merge,
-                 SETTLED=settled or merge, EARLY_KEYS=settled)
+                 SETTLED=settled or merge, EARLY_KEYS=settled, FLAT=False,
+                 SEQ_BLOCK=1)
     sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
     sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
     sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
@@ -580,7 +601,7 @@ for name, (block_n, warps, splits, stages) in plans.items():
     const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, GROUP=1, BLOCK_Q=1, BLOCK_M=16,
                  BLOCK_N=block_n, NUM_SPLITS=splits, PRECISION="tf32", UPCAST=False, PDL=True,
                  PREFETCH_KV=False, ROW_LINES=2, LINE=64, PROBE=False, MERGE=splits > 1,
-                 SETTLED=True, EARLY_KEYS=True)
+                 SETTLED=True, EARLY_KEYS=True, FLAT=False, SEQ_BLOCK=1)
     sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
     sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
     sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
@@ -600,6 +621,36 @@ def test_decode_launch_plans_do_not_spill_on_sm90():
 
     for name, (registers, spilled) in run_compile_script(TRITON_PTX + _COMPILE_PLANS).items():
         assert spilled == 0 and registers <= 255, (name, registers, spilled)
+
+
+# a padded prefill wave's launch as _launch configures it (bf16, d = 128, MHA: 64-row blocks,
+# FLAT), compiled for sm_90a (see _COMPILE_PROBE)
+_COMPILE_PREFILL = """
+from rlt_engine.kernels import paged_attention as pa
+
+pa._import_triton()
+pa.attend_tile, pa.kv_tile = pa._kernel(pa._attend_tile, False), pa._kernel(pa._kv_tile, False)
+pa.merge_partials = pa._kernel(pa._merge_partials, False)
+fn = pa._kernel(pa._paged_attention_kernel, False)
+const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, GROUP=1, BLOCK_Q=64, BLOCK_M=64,
+             BLOCK_N=64, NUM_SPLITS=1, PRECISION="tf32", UPCAST=False, PDL=True,
+             PREFETCH_KV=False, ROW_LINES=2, LINE=64, PROBE=False, MERGE=False, SETTLED=False,
+             EARLY_KEYS=False, FLAT=True, SEQ_BLOCK=128)
+sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
+sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "count_ptr")}
+sig["probe_ptr"] = "*i64"
+print(json.dumps({"prefill": ptxas_usage(triton_ptx(fn, const, sig, num_warps=4, num_stages=2))}))
+"""
+
+
+def test_prefill_launch_compiles_for_sm90_without_spills():
+    """The FLAT prefill build (each program finds its sequence among 128 query starts)
+    compiles for sm_90a without spilling registers."""
+    from sm90_compile import TRITON_PTX, run_compile_script
+
+    ((registers, spilled),) = run_compile_script(TRITON_PTX + _COMPILE_PREFILL).values()
+    assert spilled == 0 and registers <= 255, (registers, spilled)
 
 
 def test_no_tokens():

@@ -6,7 +6,7 @@ import torch
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.plan import PrefillChunk
-from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, ROW_BUCKETS, WaveLayout
+from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, ROW_BUCKETS, WaveLayout, wave_seqs
 
 
 def _chunk(slot: int, start: int, n: int, last: bool = True) -> PrefillChunk:
@@ -24,16 +24,22 @@ def test_wave_layout_lists_rows_in_chunk_order():
 
 def test_pieces_cut_between_chunks_within_the_row_limit():
     wave = WaveLayout.of(tuple(_chunk(slot, 2 * slot, n) for slot, n in enumerate((7, 9, 5, 20))))
-    pieces = wave.pieces(16)
+    pieces = wave.pieces(16, 8)
     assert [p.counts for p in pieces] == [[7, 9], [5], [20]]  # 20 > 16: a piece alone
     assert [p.slots for p in pieces] == [[0, 1], [2], [3]]
     second = pieces[1]
     assert (second.ids, second.positions) == (wave.ids[16:21], wave.positions[16:21])
     assert (second.row_seq, second.ends, second.firsts) == ([0] * 5, [9], [0, 5])
     assert pieces[0].row_seq == [0] * 7 + [1] * 9 and pieces[0].firsts == [0, 7, 16]
-    assert [p.counts for p in wave.pieces(100)] == [[7, 9, 5, 20]]
+    assert [p.counts for p in wave.pieces(100, 8)] == [[7, 9, 5, 20]]
     # a piece is the layout those chunks make on their own
     assert pieces[2] == WaveLayout.of((_chunk(3, 6, 20),))
+
+
+def test_pieces_cut_within_the_chunk_limit():
+    wave = WaveLayout.of(tuple(_chunk(slot, 0, 1) for slot in range(7)))
+    assert [p.slots for p in wave.pieces(512, 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [p.firsts for p in wave.pieces(2, 3)][:2] == [[0, 1, 2], [0, 1, 2]]  # rows: 2
 
 
 def _runner(tiny_ouro_dir, backend: str):
@@ -46,9 +52,16 @@ def _runner(tiny_ouro_dir, backend: str):
 def test_buckets_pad_rows_and_keep_a_padding_sequence(tiny_ouro_dir):
     _, runner = _runner(tiny_ouro_dir, "triton")
     prefill = runner.prefill
-    assert prefill.bucket(WaveLayout.of((_chunk(0, 0, 5),))) == (16, 2)
-    three = WaveLayout.of((_chunk(0, 0, 16), _chunk(1, 0, 1), _chunk(2, 0, 1)))
-    assert prefill.bucket(three) == (32, 4)  # 3 sequences + the padding one
+    slots = prefill.num_slots
+    # a bucket's sequences: a chunk per 8 rows and the padding one, at most a slot each
+    assert [wave_seqs(rows, 256) for rows in ROW_BUCKETS] == [3, 5, 9, 17, 33, 65]
+    assert wave_seqs(512, 8) == 9
+    assert prefill.bucket(WaveLayout.of((_chunk(0, 0, 5),))) == 16
+    three = WaveLayout.of((_chunk(0, 0, 12), _chunk(1, 0, 1), _chunk(2, 0, 1)))
+    assert prefill.bucket(three) == 32  # 14 rows, but 3 chunks + the padding one: 32's room
+    assert prefill.max_chunks == wave_seqs(MAX_GRAPH_ROWS, slots) - 1
+    many = WaveLayout.of(tuple(_chunk(s, 0, 1) for s in range(prefill.max_chunks + 1)))
+    assert prefill.bucket(many) is None  # more chunks than any bucket has room for
     too_big = WaveLayout.of((_chunk(0, 0, MAX_GRAPH_ROWS + 1),))
     assert prefill.bucket(too_big) is None  # a chunk past the largest bucket: exact shape
     assert ROW_BUCKETS[-1] == MAX_GRAPH_ROWS
@@ -69,8 +82,9 @@ def test_padded_inputs_live_at_fixed_addresses(tiny_ouro_dir):
     assert [getattr(second, name).data_ptr() for name in names] == views
     assert second.valid.dtype == torch.bool and second.seq_len.dtype == torch.int32
     assert second.valid.tolist() == [True] * 9 + [False] * 7
-    assert second.seq_len.tolist() == [7, 6, 0, 0]  # the padding sequence sees no keys
-    assert second.query_start.tolist() == [0, 3, 9, 16, 16]
+    # the padding sequence (the third) sees no keys; the others own no rows
+    assert second.seq_len.tolist() == [7, 6, 0]
+    assert second.query_start.tolist() == [0, 3, 9, 16]
     assert second.slot[:2].tolist() == [2, 0]
 
 
@@ -145,15 +159,25 @@ def test_cuda_prefill_graphs_equal_eager_and_cpu(tiny_ouro_dir, chunk):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_common_graphs_are_captured_at_start(tiny_ouro_dir):
-    """A lone greedy request right after start-up finds every graph it needs."""
-    llm = LLM(str(tiny_ouro_dir), dtype="float32", device="cuda", max_num_seqs=8)
+    """Default requests after start-up find every graph they need: a lone request, and waves
+    of several prompts riding beside decode rows (sampled or greedy)."""
+    llm = LLM(
+        str(tiny_ouro_dir), dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=False
+    )
     runner = llm.engine.runner
     decode, prefill = len(runner.graphs.graphs), len(runner.prefill.graphs)
     assert prefill == len(ROW_BUCKETS)
     assert llm.engine.scheduler.max_ride_rows == MAX_GRAPH_ROWS  # larger waves: in pieces
-    assert decode == 2 * len(runner.graphs.buckets)  # greedy and sampled, every batch bucket
+    # greedy and sampled: every batch bucket, alone and with a wave of each row bucket riding
+    assert decode == 2 * len(runner.graphs.buckets) * (1 + len(ROW_BUCKETS))
     llm.generate([[5, 6, 7] * 7], SamplingParams(max_tokens=8, ignore_eos=True))
     llm.generate([list(range(3, 103))], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    llm.engine.scheduler.trace = []
+    prompts = [[3 + (7 * i + j) % 300 for j in range(5 + 9 * i)] for i in range(14)]
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=temperature)
+        llm.generate(prompts, params)
+    assert sum(p.wave_rides for p in llm.engine.scheduler.trace) >= 2
     assert (len(runner.graphs.graphs), len(runner.prefill.graphs)) == (decode, prefill)
 
 

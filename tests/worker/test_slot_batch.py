@@ -114,6 +114,9 @@ def test_slot_writes_never_wait_for_the_stream() -> None:
     writes and an eager prefill's start of decoding must not be (they run while a window is in
     flight)."""
     s = batch("cuda", num_slots=8)
+    # the test's own tensors first: `torch.tensor(..., device="cuda")` is a pageable copy
+    slots = torch.tensor([1, 3], device="cuda")
+    tokens = torch.tensor([7, 11], device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -125,8 +128,7 @@ def test_slot_writes_never_wait_for_the_stream() -> None:
         s.init(slot_init(0, stop=()), DEPTH)
         s.append(0, ((8,), (9,)))
         s.flush()
-        slots = torch.tensor([1, 3], device="cuda")
-        s.start_decode(slots, torch.tensor([7, 11], device="cuda"), slots + 4, refill=False)
+        s.start_decode(slots, tokens, slots + 4, refill=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert s.max_tokens.tolist() == [5] * 8
