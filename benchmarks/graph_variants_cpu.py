@@ -4,9 +4,10 @@ The real scheduler runs the workload on the CPU (the tiny test checkpoint, async
 scheduling, waves up to `MAX_GRAPH_ROWS` riding, as on CUDA) and every plan is keyed as the
 worker keys its graphs: a decode window by its padded batch; a riding wave by (padded batch,
 rows bucket, first tokens or none); a wave on its own, or each of its pieces, by its rows
-bucket. The engine captures the decode buckets and every wave bucket at start-up; a riding
-variant is captured the first time a plan needs it, and every request in flight waits for that
-capture. `--jitter J` delays each arrival 0..J steps after
+bucket. The engine captures at start-up the decode buckets, every wave bucket, and at every
+decode bucket a riding wave of every row bucket whose chunks end their prompts; any other
+variant (a riding wave of mid-prompt chunks only) is captured the first time a plan needs it,
+and every request in flight waits for that capture. `--jitter J` delays each arrival 0..J steps after
 the finish that frees its place (clients over HTTP do not answer in lockstep; with J = 0 the
 cohorts stay in step and almost no riding happens).
 
@@ -108,6 +109,12 @@ def variants(plans: list[StepPlan], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
     at_start = {("decode", b) for b in bucket_sizes(num_slots)}
     at_start |= {("prefill", rows) for rows in ROW_BUCKETS}
+    # riding waves whose chunks end their prompts, at every batch bucket
+    at_start |= {
+        ("ride", b, rows, wave_seqs(rows, num_slots))
+        for b in bucket_sizes(num_slots)
+        for rows in ROW_BUCKETS
+    }
     used: set[int] = set()
     met: dict[Key, dict] = {}
     for i, plan in enumerate(plans):
