@@ -3,11 +3,10 @@
 The real scheduler runs the workload on the CPU (the tiny test checkpoint, asynchronous
 scheduling, waves up to `MAX_GRAPH_ROWS` riding, as on CUDA) and every plan is keyed as the
 worker keys its graphs: a decode window by its padded batch; a riding wave by (padded batch,
-rows bucket, first tokens or none); a wave on its own, or each of its pieces, by its rows
-bucket. The engine captures at start-up the decode buckets, every wave bucket, and at every
-decode bucket a riding wave of every row bucket whose chunks end their prompts; any other
-variant (a riding wave of mid-prompt chunks only) is captured the first time a plan needs it,
-and every request in flight waits for that capture. `--jitter J` delays each arrival 0..J steps after
+rows bucket); a wave on its own, or each of its pieces, by its rows bucket. The engine captures
+all of them at start-up for the flags of default requests; a variant not captured then (other
+sampling flags) would be captured the first time a plan needs it, and every request in flight
+would wait for that capture. `--jitter J` delays each arrival 0..J steps after
 the finish that frees its place (clients over HTTP do not answer in lockstep; with J = 0 the
 cohorts stay in step and almost no riding happens).
 
@@ -34,7 +33,6 @@ from rlt_engine.core.plan import StepPlan  # noqa: E402
 from rlt_engine.engine import LLMEngine  # noqa: E402
 from rlt_engine.sampling_params import SamplingParams  # noqa: E402
 from rlt_engine.worker.graphs import bucket_sizes  # noqa: E402
-from rlt_engine.worker.model_runner import first_tokens_padded  # noqa: E402
 from rlt_engine.worker.prefill import (  # noqa: E402
     MAX_GRAPH_ROWS,
     ROW_BUCKETS,
@@ -90,9 +88,7 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
         rows = wave_bucket(wave, num_slots)
         if rows is None:  # too many chunks for any bucket: rides eagerly, no graph
             return []
-        ends = sum(c.last for c in plan.prefill[0])
-        firsts = first_tokens_padded(ends, wave_seqs(rows, num_slots))
-        return [("ride", padded, rows, firsts)]
+        return [("ride", padded, rows)]
     keys: list[Key] = []
     max_chunks = wave_seqs(MAX_GRAPH_ROWS, num_slots) - 1
     for chunks in plan.prefill:
@@ -109,12 +105,7 @@ def variants(plans: list[StepPlan], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
     at_start = {("decode", b) for b in bucket_sizes(num_slots)}
     at_start |= {("prefill", rows) for rows in ROW_BUCKETS}
-    # riding waves whose chunks end their prompts, at every batch bucket
-    at_start |= {
-        ("ride", b, rows, wave_seqs(rows, num_slots))
-        for b in bucket_sizes(num_slots)
-        for rows in ROW_BUCKETS
-    }
+    at_start |= {("ride", b, rows) for b in bucket_sizes(num_slots) for rows in ROW_BUCKETS}
     used: set[int] = set()
     met: dict[Key, dict] = {}
     for i, plan in enumerate(plans):

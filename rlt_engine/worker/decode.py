@@ -101,10 +101,11 @@ class RidingWave:
     first_rows: torch.Tensor  # [n] int64: last rows of the chunks that end their prompt
     first_slots: torch.Tensor  # [n] int64: their slots
     prompt_lens: torch.Tensor  # [n] int64: their prompt lengths (position of the first token)
-    # [1] bool: whether the last loop may start slots decoding (off while a graph is captured)
+    # [1] bool: whether the last loop may start slots decoding (off while a graph is captured,
+    # and for a wave whose chunks are all mid-prompt)
     armed: torch.Tensor
-    # the graph variant of a fixed-shape wave: (rows, first tokens); None: eager only
-    key: tuple[int, int] | None = None
+    # the graph variant of a fixed-shape wave: its row bucket; None: eager only
+    key: int | None = None
 
 
 class DecodeTraversal:

@@ -89,6 +89,7 @@ class GraphCache:
     def _capture(self, b: int, flags: Flags, wave: RidingWave | None) -> torch.cuda.CUDAGraph:
         s, ev = self.traversal.s, self.traversal.ev
         saved = s.active.clone(), s.parked.clone(), ev.step.clone(), ev.token.clone()
+        armed = None if wave is None else wave.armed.clone()
         s.active.zero_()  # every slot idle: the warm-up writes only the trash slot
         if wave is not None:
             wave.armed.zero_()  # and starts no slot decoding
@@ -106,5 +107,5 @@ class GraphCache:
         for tensor, value in zip((s.active, s.parked, ev.step, ev.token), saved, strict=True):
             tensor.copy_(value)
         if wave is not None:
-            wave.armed.fill_(True)
+            wave.armed.copy_(armed)
         return graph

@@ -201,10 +201,9 @@ class ModelRunner:
     def capture_graphs(self, variants: list[Flags]) -> int:
         """Capture ahead of the first request (a capture on first use stalls every request in
         flight): for each of `variants` (the flags of default requests) the decode traversal
-        at every batch bucket, and at each of those a riding wave of every row bucket whose
-        chunks end their prompts; prefill waves at every row bucket. What is left for first
-        use: other flags, and a riding wave that samples no first token (every chunk of it
-        mid-prompt). Returns how many graphs were captured; 0 without CUDA graphs."""
+        at every batch bucket, and at each of those a riding wave of every row bucket; prefill
+        waves at every row bucket. Left for first use: other flags. Returns how many graphs
+        were captured; 0 without CUDA graphs."""
         if self.graphs is None:
             return 0
         count = self.prefill.capture_buckets()
@@ -213,7 +212,7 @@ class ModelRunner:
                 count += not self.graphs.captured(b, flags)
                 self.graphs.ensure(b, flags)
             for rows in ROW_BUCKETS:
-                rider = self._fixed_rider(self.prefill.empty_inputs(rows), firsts=1)
+                rider = self._fixed_rider(self.prefill.empty_inputs(rows))
                 for b in self.graphs.buckets:
                     count += not self.graphs.captured(b, flags, rider)
                     self.graphs.ensure(b, flags, rider)
@@ -262,10 +261,12 @@ class ModelRunner:
     def _rider(self, wave: tuple[PrefillChunk, ...], layout: WaveLayout) -> RidingWave:
         """A wave to ride the window. A fixed-shape one (a row bucket) keeps everything at
         fixed addresses, its first tokens padded to the bucket's sequences by repeating the
-        first (the same writes again), so the riding traversal is one graph per (row bucket,
-        first tokens or none)."""
+        first (the same writes again), so the riding traversal is one graph per row bucket. A
+        wave of mid-prompt chunks only runs the same graph disarmed: its gated coda skips the
+        lm_head, and nothing starts decoding."""
         inputs = self.prefill.inputs_for(layout)
         last = [i for i, c in enumerate(wave) if c.last]
+        self._armed.fill_(bool(last))  # a kernel, not a copy: no wait for the stream
         firsts = [
             [layout.firsts[i + 1] - 1 for i in last],
             [wave[i].slot for i in last],
@@ -278,19 +279,20 @@ class ModelRunner:
             return RidingWave(
                 inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens, self._armed
             )
-        rider = self._fixed_rider(inputs, len(last))
+        rider = self._fixed_rider(inputs)
         n, padded = len(last), rider.first_rows.numel()
-        host = torch.tensor([f + f[:1] * (padded - n) for f in firsts], dtype=torch.long)
+        # none: rows, slots and lengths 0, in range of any bucket (the gated coda still reads)
+        host = torch.tensor([f + f[:1] * (padded - n) if n else [0] * padded for f in firsts])
         self._rider_firsts[:, :padded].copy_(upload(host, self.device))
         return rider
 
-    def _fixed_rider(self, inputs: WaveInputs, firsts: int) -> RidingWave:
-        """A riding wave at a row bucket's fixed addresses, room for `firsts` first tokens
-        padded to the bucket's sequences (or none), its graph's key."""
-        padded = first_tokens_padded(firsts, int(inputs.slot.shape[0]))
+    def _fixed_rider(self, inputs: WaveInputs) -> RidingWave:
+        """A riding wave at a row bucket's fixed addresses, room for a first token per
+        sequence of the bucket; its graph's key is the bucket."""
+        padded = int(inputs.slot.shape[0])
         rows, slots, prompt_lens = self._rider_firsts[:, :padded]
         hidden = self._rider_hidden[: inputs.rows]
-        key = (inputs.rows, padded)
+        key = inputs.rows
         return RidingWave(
             inputs, self.prefill.metadata, hidden, rows, slots, prompt_lens, self._armed, key
         )
@@ -435,10 +437,3 @@ def _as_sample(
     logprob, top_ids, top_logprobs = extra
     ids, values = top_ids[index][:wanted].tolist(), top_logprobs[index][:wanted].tolist()
     return Sample(token, float(logprob[index]), tuple(zip(ids, values, strict=True)))
-
-
-def first_tokens_padded(n: int, seqs: int) -> int:
-    """A riding wave's `n` first tokens padded (repeating the first) to its padded sequence
-    count `seqs`, or none: with the wave's row bucket, its graph's key (two per bucket). A few
-    more rows through the coda (one lm_head read either way) for fewer captures."""
-    return 0 if n == 0 else seqs

@@ -66,7 +66,7 @@ def test_riding_waves_give_the_same_outputs(tiny_ouro_dir, backend, asynchronous
         device="cpu",
         block_size=4,
         # refills: waves arrive while others decode; on Triton the first wave has three
-        # prompts, so its first tokens pad to four (a fixed-shape wave repeats the first)
+        # prompts, whose first tokens pad to the bucket's sequences (repeating the first)
         max_num_seqs=4 if backend == "torch" else 3,
         attention_backend=backend,
         async_scheduling=asynchronous,
@@ -78,6 +78,32 @@ def test_riding_waves_give_the_same_outputs(tiny_ouro_dir, backend, asynchronous
     assert len(rode) >= 2, "the workload should make waves ride"
     assert any(c.last for p in rode for c in p.prefill[0])
     # logprobs to 1e-5 (the riding rows go through GEMMs of another height), the rest exactly
+    assert [exact for exact, _ in riding] == [exact for exact, _ in plain]
+    for (_, got), (_, want) in zip(riding, plain, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_mid_prompt_waves_ride_disarmed_in_the_same_graph_shape(tiny_ouro_dir):
+    """Prompts in chunks of 4 (Triton's fixed-shape path, under the interpreter): a riding wave
+    of mid-prompt chunks only runs the bucket's riding traversal disarmed (its gated coda,
+    nothing started), and the next wave that ends prompts is armed again: the outputs of
+    waves that do not ride (on the torch backend, which the interpreter is slow to repeat)."""
+    prompts = [[5, 6, 7], [8 + i for i in range(9)]]  # the second: chunks of 4, 4, 1
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=1, exit_threshold=0.6)
+        for n, t in ((10, 0.0), (3, 0.8))
+    ]
+    opts = dict(
+        dtype="float32", device="cpu", block_size=4, max_num_seqs=2, prefill_chunk_size=4,
+        decode_window=4, async_scheduling=False,
+    )  # fmt: skip
+    llm = LLM(str(tiny_ouro_dir), attention_backend="triton", **opts)
+    riding, plans = _run(llm, True, prompts, params)
+    plain, _ = _run(
+        LLM(str(tiny_ouro_dir), attention_backend="torch", **opts), False, prompts, params
+    )
+    ends = [any(c.last for c in p.prefill[0]) for p in plans if p.wave_rides]
+    assert False in ends and True in ends[ends.index(False) :], ends
     assert [exact for exact, _ in riding] == [exact for exact, _ in plain]
     for (_, got), (_, want) in zip(riding, plain, strict=True):
         assert got == pytest.approx(want, abs=1e-5)
