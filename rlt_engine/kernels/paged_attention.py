@@ -483,7 +483,7 @@ def _launch(
                 SETTLED=early_keys or (merge_in_kernel and prefetch_kv),
                 EARLY_KEYS=early_keys,
                 FLAT=flat,
-                SEQ_BLOCK=triton.next_power_of_2(num_seqs) if flat else 1,
+                SEQ_BLOCK=triton.next_power_of_2(num_seqs + 1) if flat else 1,
                 num_warps=num_warps or 4,
                 num_stages=num_stages or (1 if merge_in_kernel else 2),
                 **_pdl.launch_options(pdl),
@@ -762,14 +762,31 @@ def _paged_attention_kernel(
     # its metadata (and MERGE's first table entries) read before the wait
     EARLY_KEYS: tl.constexpr,  # SETTLED, and its first key tile's older keys too
     FLAT: tl.constexpr,  # prefill: query blocks numbered across sequences (see below)
-    SEQ_BLOCK: tl.constexpr,  # FLAT: next_pow2(num_seqs)
+    SEQ_BLOCK: tl.constexpr,  # FLAT: next_pow2(num_seqs + 1)
 ):
     if PROBE:
         ns0, cy0 = clocks()
-    if not FLAT:  # one row of programs per sequence, q_tiles each
+    if FLAT:
+        # Sequence s owns query blocks [start[s] // BLOCK_Q + s, start[s + 1] // BLOCK_Q + s
+        # + 1): at least cdiv(q_len, BLOCK_Q) of them, the ranges back to back, so
+        # rows // BLOCK_Q + sequences programs cover every query whatever the chunks' sizes,
+        # and a grid that depends on neither the chunk count nor the longest chunk is one
+        # CUDA graph per row bucket. query_start is read before the PDL wait (no caller's
+        # kernel before writes it: it comes with the wave's upload), so a block past its
+        # sequence's queries leaves without waiting.
+        s = tl.arange(0, SEQ_BLOCK)
+        starts = tl.load(query_start_ptr + s, mask=s <= num_seqs, other=0)
+        first_block = tl.where(s < num_seqs, starts // BLOCK_Q + s, 1 << 30)
+        seq = tl.sum((first_block <= tl.program_id(0)).to(tl.int32)) - 1
+        q0 = (tl.program_id(0) - tl.sum(tl.where(s == seq, first_block, 0))) * BLOCK_Q
+        q_begin = tl.sum(tl.where(s == seq, starts, 0))
+        q_len = tl.sum(tl.where(s == seq + 1, starts, 0)) - q_begin
+        if q0 >= q_len:
+            return
+    else:  # one row of programs per sequence, q_tiles each
         seq = tl.program_id(0) // q_tiles
         q0 = (tl.program_id(0) % q_tiles) * BLOCK_Q
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
@@ -783,23 +800,12 @@ def _paged_attention_kernel(
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if FLAT:
-        # Sequence s owns query blocks [start[s] // BLOCK_Q + s, start[s + 1] // BLOCK_Q + s
-        # + 1): at least cdiv(q_len, BLOCK_Q) of them, the ranges back to back, so
-        # rows // BLOCK_Q + sequences programs cover every query whatever the chunks' sizes,
-        # and a grid that depends on neither the chunk count nor the longest chunk is one
-        # CUDA graph per row bucket. A block past its sequence's queries leaves below.
-        s = tl.arange(0, SEQ_BLOCK)
-        starts = tl.load(query_start_ptr + s, mask=s < num_seqs, other=1 << 30)
-        first_block = starts // BLOCK_Q + s
-        seq = tl.sum((first_block <= tl.program_id(0)).to(tl.int32)) - 1
-        q0 = (tl.program_id(0) - tl.sum(tl.where(s == seq, first_block, 0))) * BLOCK_Q
-        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # The sequence's metadata, loaded together (none depends on another), and the key range
     # of this program: [0, kv_end) for the query tile, its split's share of the key tiles.
-    q_begin = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    if not FLAT:
+        q_begin = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len  # position of the sequence's first query
     kv_end = first_pos + tl.minimum(q_len, q0 + BLOCK_Q)

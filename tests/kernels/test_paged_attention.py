@@ -640,17 +640,21 @@ sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "f
 sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
 sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "count_ptr")}
 sig["probe_ptr"] = "*i64"
-print(json.dumps({"prefill": ptxas_usage(triton_ptx(fn, const, sig, num_warps=4, num_stages=2))}))
+ptx = triton_ptx(fn, const, sig, num_warps=4, num_stages=2)
+early = "ld.global" in ptx.split("griddepcontrol.wait")[0]
+print(json.dumps({"prefill": ptxas_usage(ptx) + [early]}))
 """
 
 
 def test_prefill_launch_compiles_for_sm90_without_spills():
-    """The FLAT prefill build (each program finds its sequence among 128 query starts)
-    compiles for sm_90a without spilling registers."""
+    """The FLAT prefill build (each program finds its sequence among 128 query starts, and
+    a program with no queries leaves before its PDL wait) compiles for sm_90a without spilling
+    registers."""
     from sm90_compile import TRITON_PTX, run_compile_script
 
-    ((registers, spilled),) = run_compile_script(TRITON_PTX + _COMPILE_PREFILL).values()
+    ((registers, spilled, early),) = run_compile_script(TRITON_PTX + _COMPILE_PREFILL).values()
     assert spilled == 0 and registers <= 255, (registers, spilled)
+    assert early  # query_start is read before the wait
 
 
 def test_no_tokens():
