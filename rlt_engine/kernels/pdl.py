@@ -17,8 +17,11 @@ The protocol every kernel launched with PDL keeps, which is what keeps it exact:
   before that one has completed once this one's programs run, by the next rule); the L2
   prefetches themselves are hints, coherent whatever they touch. Model parameters, which no
   kernel writes, may be read before the wait (the GEMMs' weight tiles, the add + norm's
-  weights);
-- every program executes `gdc_wait`, even one that returns early (a gated GEMM): a kernel then
+  weights), and so may what only the host writes (prefill attention's query_start, uploaded
+  before the wave's first kernel);
+- every program executes `gdc_wait`, even one that returns early (a gated GEMM), unless some
+  other program of every launch does (a prefill attention block past its sequence's queries
+  leaves before the wait; some sequence of a wave always has queries): a kernel then
   completes only after its predecessor has, so completion stays transitive down the chain;
 - successors are released (`gdc_launch_dependents`) only after the wait: at most one kernel
   runs ahead, so prefetches do not pile up in L2. A kernel may release later than right after
