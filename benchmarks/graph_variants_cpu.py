@@ -33,13 +33,7 @@ from rlt_engine.core.plan import StepPlan  # noqa: E402
 from rlt_engine.engine import LLMEngine  # noqa: E402
 from rlt_engine.sampling_params import SamplingParams  # noqa: E402
 from rlt_engine.worker.graphs import bucket_sizes  # noqa: E402
-from rlt_engine.worker.prefill import (  # noqa: E402
-    MAX_GRAPH_ROWS,
-    ROW_BUCKETS,
-    WaveLayout,
-    wave_bucket,
-    wave_seqs,
-)
+from rlt_engine.worker.prefill import CUDA_BUCKETS, MAX_GRAPH_ROWS, WaveLayout  # noqa: E402
 
 TINY = ROOT / "tests" / "fixtures" / "ouro-tiny-official"
 
@@ -85,16 +79,16 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
     padded = next((b for b in bucket_sizes(num_slots) if b >= span), None)
     if plan.wave_rides:
         wave = WaveLayout.of(plan.prefill[0])
-        rows = wave_bucket(wave, num_slots)
+        rows = CUDA_BUCKETS.of(wave, num_slots)
         if rows is None:  # too many chunks for any bucket: rides eagerly, no graph
             return []
         return [("ride", padded, rows)]
     keys: list[Key] = []
-    max_chunks = wave_seqs(MAX_GRAPH_ROWS, num_slots) - 1
+    max_chunks = CUDA_BUCKETS.seqs(MAX_GRAPH_ROWS, num_slots) - 1
     for chunks in plan.prefill:
         wave = WaveLayout.of(chunks)
         pieces = wave.pieces(MAX_GRAPH_ROWS, max_chunks)
-        buckets = [wave_bucket(p, num_slots) for p in pieces]
+        buckets = [CUDA_BUCKETS.of(p, num_slots) for p in pieces]
         keys += [("prefill", rows) for rows in buckets if rows is not None]  # else exact
     if plan.decode_traversals and padded is not None:
         keys.append(("decode", padded))
@@ -104,8 +98,9 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
 def variants(plans: list[StepPlan], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
     at_start = {("decode", b) for b in bucket_sizes(num_slots)}
-    at_start |= {("prefill", rows) for rows in ROW_BUCKETS}
-    at_start |= {("ride", b, rows) for b in bucket_sizes(num_slots) for rows in ROW_BUCKETS}
+    rows_buckets = CUDA_BUCKETS.rows
+    at_start |= {("prefill", rows) for rows in rows_buckets}
+    at_start |= {("ride", b, rows) for b in bucket_sizes(num_slots) for rows in rows_buckets}
     used: set[int] = set()
     met: dict[Key, dict] = {}
     for i, plan in enumerate(plans):

@@ -43,7 +43,6 @@ from rlt_engine.worker.decode import DecodeTraversal, EventBuffers, Flags, Ridin
 from rlt_engine.worker.graphs import CaptureTally, GraphCache
 from rlt_engine.worker.prefill import (
     MAX_GRAPH_ROWS,
-    ROW_BUCKETS,
     PrefillRunner,
     WaveInputs,
     WaveLayout,
@@ -211,7 +210,7 @@ class ModelRunner:
             for b in self.graphs.buckets:
                 count += not self.graphs.captured(b, flags)
                 self.graphs.ensure(b, flags)
-            for rows in ROW_BUCKETS:
+            for rows in self.prefill.buckets.rows:
                 rider = self._fixed_rider(self.prefill.empty_inputs(rows))
                 for b in self.graphs.buckets:
                     count += not self.graphs.captured(b, flags, rider)

@@ -1,19 +1,20 @@
 """Prefill waves: several requests' prompt chunks through every loop, as one batch per loop.
 
 On the Triton backend a wave of up to `MAX_GRAPH_ROWS` rows runs at a fixed shape: rows padded
-up to a bucket (16, 32, ..., 512) and sequences to that bucket's count (`wave_seqs`), its inputs
-in one device buffer filled by one host-to-device copy. The shape depends only on the row
-bucket (the attention's prefill grid is rows // block + sequences, however the rows are cut
-into chunks), so the wave's `depth` traversals are one CUDA graph per row bucket, all six
-captured at start-up, replayed with no host work between layers (eagerly launched, one
+up to a bucket (CUDA: 16, 32, ..., 512) and sequences to that bucket's count (`WaveBuckets`),
+its inputs in one device buffer filled by one host-to-device copy. The shape depends only on
+the row bucket (the attention's prefill grid is rows // block + sequences, however the rows
+are cut into chunks), so the wave's `depth` traversals are one CUDA graph per row bucket, all
+six captured at start-up, replayed with no host work between layers (eagerly launched, one
 64-token prompt costs ~80 ms of Python launch overhead for ~3 ms of GPU work).
 `--enforce-eager` runs the same padded function without capturing it, so graph = eager holds
 by construction. Padded rows write only the trash slot and belong to the padding sequence,
-which sees no keys; the sequences after it own no rows.
+which sees no keys; the sequences after it own no rows. On the CPU the same path runs at
+smaller buckets (`CPU_BUCKETS`: no graphs there, and the interpreter pays for every row).
 
-A larger wave runs as pieces of whole chunks, each at most `MAX_GRAPH_ROWS` rows and
-`wave_seqs(MAX_GRAPH_ROWS) - 1` chunks, through the same buckets: a wave holds one chunk per
-sequence, and chunks of different sequences never read each other's keys, so the pieces
+A larger wave runs as pieces of whole chunks, each at most `MAX_GRAPH_ROWS` rows and as many
+chunks as the largest bucket has room for, through the same buckets: a wave holds one chunk
+per sequence, and chunks of different sequences never read each other's keys, so the pieces
 compute what the whole wave would. Launched eagerly, a 2,048-row wave (32 prompts of 64
 tokens) took 71 ms of host time for 34 ms of GPU work on the H200; pieces of 512 rows keep the
 GEMMs compute-bound. Only a chunk longer than the largest bucket (`--prefill-chunk-size` above
@@ -33,8 +34,39 @@ from rlt_engine.worker.attention import PagedKVCache, PagedMetadata
 from rlt_engine.worker.graphs import CaptureTally
 from rlt_engine.worker.slot_batch import SlotBatch, upload
 
-ROW_BUCKETS = (16, 32, 64, 128, 256, 512)
-MAX_GRAPH_ROWS = ROW_BUCKETS[-1]
+MAX_GRAPH_ROWS = 512  # the largest bucket: a larger wave runs in pieces
+
+
+@dataclass(frozen=True)
+class WaveBuckets:
+    """The fixed shapes of padded waves: their row counts, and a sequence per `rows_per_seq`
+    rows (the padding one included), fixed by the row count so that a wave's shape (a CUDA
+    graph's key) is its row bucket alone."""
+
+    rows: tuple[int, ...]
+    rows_per_seq: int
+
+    def seqs(self, rows: int, num_slots: int) -> int:
+        """Sequences of a padded wave of `rows` rows, the padding one (which owns the padded
+        rows) included: at most one per slot and the padding one."""
+        return min(num_slots + 1, rows // self.rows_per_seq + 1)
+
+    def of(self, wave: WaveLayout, num_slots: int) -> int | None:
+        """The padded rows of a wave: the smallest bucket with room for its rows and its
+        chunks, or None where none has (more than `MAX_GRAPH_ROWS` rows, or chunks)."""
+        chunks = len(wave.slots)
+        return next(
+            (b for b in self.rows if b >= wave.rows and self.seqs(b, num_slots) > chunks), None
+        )
+
+
+# CUDA: every bucket a captured graph. A chunk per 8 rows: each sequence adds one attention
+# program per kv head to every replay, so not a chunk per row (a wave of many short chunks
+# takes a larger bucket, or pieces).
+CUDA_BUCKETS = WaveBuckets((16, 32, 64, 128, 256, 512), rows_per_seq=8)
+# The CPU: no graphs, and the Triton backend runs under the interpreter (the tests), where a
+# padded row costs what a real one does: the same padded path at small shapes.
+CPU_BUCKETS = WaveBuckets((4, 8, 16, 32, 64, 128, 256, 512), rows_per_seq=2)
 
 
 @dataclass(frozen=True)
@@ -99,24 +131,6 @@ class WaveLayout:
         return cls([], [], [], [], [], [], [0])
 
 
-def wave_seqs(rows: int, num_slots: int) -> int:
-    """Sequences of a padded wave of `rows` rows, the padding one (which owns the padded rows)
-    included: a chunk per 8 rows and the padding one, at most one per slot and the padding
-    one. Fixed by the bucket, so that the graph's key is the bucket alone; each sequence adds
-    one attention program per kv head, so not a chunk per row: a wave of many short chunks
-    takes a larger bucket (or pieces)."""
-    return min(num_slots + 1, rows // 8 + 1)
-
-
-def wave_bucket(wave: WaveLayout, num_slots: int) -> int | None:
-    """The padded rows of a wave: the smallest bucket with room for its rows and its chunks
-    (its graph's key), or None where none has (more than `MAX_GRAPH_ROWS` rows, or chunks)."""
-    chunks = len(wave.slots)
-    return next(
-        (b for b in ROW_BUCKETS if b >= wave.rows and wave_seqs(b, num_slots) > chunks), None
-    )
-
-
 @dataclass(frozen=True)
 class WaveInputs:
     """A wave's rows on the device (padded to a bucket on the fixed-shape path)."""
@@ -156,6 +170,7 @@ class PrefillRunner:
         self.fixed_shapes, self.pool = fixed_shapes, graph_pool
         self.max_rows = MAX_GRAPH_ROWS  # the rows of the largest piece (tests: smaller)
         self.num_slots = slots.num_slots
+        self.buckets = CUDA_BUCKETS if slots.device.type == "cuda" else CPU_BUCKETS
         # one sequence more than the slots: the padding sequence that owns the padded rows
         n, s = MAX_GRAPH_ROWS, slots.num_slots + 1
         # one int64 buffer: ids, positions, row_seq, valid | slot, seq_len | query_start
@@ -190,8 +205,8 @@ class PrefillRunner:
     @property
     def max_chunks(self) -> int:
         """The chunks of the largest piece: what its bucket has room for."""
-        rows = next((b for b in ROW_BUCKETS if b >= self.max_rows), MAX_GRAPH_ROWS)
-        return wave_seqs(rows, self.num_slots) - 1
+        rows = next((b for b in self.buckets.rows if b >= self.max_rows), MAX_GRAPH_ROWS)
+        return self.buckets.seqs(rows, self.num_slots) - 1
 
     def _one(self, wave: WaveLayout) -> torch.Tensor:
         rows = self.bucket(wave)
@@ -208,14 +223,14 @@ class PrefillRunner:
         """The padded rows of a fixed-shape wave, or None for an exact one."""
         if not self.fixed_shapes or wave.rows > self.max_rows:
             return None
-        return wave_bucket(wave, self.num_slots)
+        return self.buckets.of(wave, self.num_slots)
 
     def capture_buckets(self) -> int:
         """Capture every row bucket: every fixed-shape wave's graph, so that no wave waits
         for a capture once the engine serves; returns how many were new."""
         if self.pool is None:
             return 0
-        new = [rows for rows in ROW_BUCKETS if rows not in self.graphs]
+        new = [rows for rows in self.buckets.rows if rows not in self.graphs]
         for rows in new:
             self._capture(rows, WaveLayout.empty())
         return len(new)
@@ -256,7 +271,7 @@ class PrefillRunner:
         return self._padded_inputs(rows)
 
     def _padded_inputs(self, rows: int) -> WaveInputs:
-        seqs = wave_seqs(rows, self.num_slots)
+        seqs = self.buckets.seqs(rows, self.num_slots)
         ids, positions, row_seq, _, slot, _, _ = self.inputs.split(self._sizes)
         seq_len, query_start = self._lens.split(self._sizes[5:])
         return WaveInputs(

@@ -6,7 +6,7 @@ import torch
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.plan import PrefillChunk
-from rlt_engine.worker.prefill import MAX_GRAPH_ROWS, ROW_BUCKETS, WaveLayout, wave_seqs
+from rlt_engine.worker.prefill import CPU_BUCKETS, CUDA_BUCKETS, MAX_GRAPH_ROWS, WaveLayout
 
 
 def _chunk(slot: int, start: int, n: int, last: bool = True) -> PrefillChunk:
@@ -50,21 +50,27 @@ def _runner(tiny_ouro_dir, backend: str):
 
 
 def test_buckets_pad_rows_and_keep_a_padding_sequence(tiny_ouro_dir):
+    # a CUDA bucket's sequences: a chunk per 8 rows and the padding one, at most a slot each
+    assert [CUDA_BUCKETS.seqs(rows, 256) for rows in CUDA_BUCKETS.rows] == [3, 5, 9, 17, 33, 65]
+    assert CUDA_BUCKETS.seqs(512, 8) == 9
+    five = WaveLayout.of((_chunk(0, 0, 5),))
+    three = WaveLayout.of((_chunk(0, 0, 12), _chunk(1, 0, 1), _chunk(2, 0, 1)))
+    assert CUDA_BUCKETS.of(five, 256) == 16
+    assert CUDA_BUCKETS.of(three, 256) == 32  # 14 rows, but 3 chunks + the padding one
+    assert CUDA_BUCKETS.rows[-1] == CPU_BUCKETS.rows[-1] == MAX_GRAPH_ROWS
+    # the CPU's (this runner's): the same path at smaller shapes, a chunk per 2 rows
     _, runner = _runner(tiny_ouro_dir, "triton")
     prefill = runner.prefill
-    slots = prefill.num_slots
-    # a bucket's sequences: a chunk per 8 rows and the padding one, at most a slot each
-    assert [wave_seqs(rows, 256) for rows in ROW_BUCKETS] == [3, 5, 9, 17, 33, 65]
-    assert wave_seqs(512, 8) == 9
-    assert prefill.bucket(WaveLayout.of((_chunk(0, 0, 5),))) == 16
-    three = WaveLayout.of((_chunk(0, 0, 12), _chunk(1, 0, 1), _chunk(2, 0, 1)))
-    assert prefill.bucket(three) == 32  # 14 rows, but 3 chunks + the padding one: 32's room
-    assert prefill.max_chunks == wave_seqs(MAX_GRAPH_ROWS, slots) - 1
+    assert prefill.buckets is CPU_BUCKETS
+    assert (prefill.bucket(five), prefill.bucket(three)) == (8, 16)
+    two = WaveLayout.of((_chunk(0, 0, 2), _chunk(1, 0, 2)))
+    assert CPU_BUCKETS.of(two, 256) == 4  # 3 sequences: 2 chunks and the padding one
+    assert CPU_BUCKETS.of(two, 1) is None  # one slot: no room for two chunks
+    assert prefill.max_chunks == CPU_BUCKETS.seqs(MAX_GRAPH_ROWS, prefill.num_slots) - 1
     many = WaveLayout.of(tuple(_chunk(s, 0, 1) for s in range(prefill.max_chunks + 1)))
     assert prefill.bucket(many) is None  # more chunks than any bucket has room for
     too_big = WaveLayout.of((_chunk(0, 0, MAX_GRAPH_ROWS + 1),))
     assert prefill.bucket(too_big) is None  # a chunk past the largest bucket: exact shape
-    assert ROW_BUCKETS[-1] == MAX_GRAPH_ROWS
     _, torch_runner = _runner(tiny_ouro_dir, "torch")
     assert torch_runner.prefill.bucket(three) is None  # the torch backend: exact shapes only
 
@@ -75,7 +81,7 @@ def test_padded_inputs_live_at_fixed_addresses(tiny_ouro_dir):
     per wave made a riding wave's graph replay read the first wave's lengths)."""
     _, runner = _runner(tiny_ouro_dir, "triton")
     prefill = runner.prefill
-    first = prefill.inputs_for(WaveLayout.of((_chunk(0, 0, 5), _chunk(1, 0, 2))))
+    first = prefill.inputs_for(WaveLayout.of((_chunk(0, 0, 5), _chunk(1, 0, 5))))
     names = ("ids", "positions", "row_seq", "valid", "slot", "seq_len", "query_start")
     views = [getattr(first, name).data_ptr() for name in names]
     second = prefill.inputs_for(WaveLayout.of((_chunk(2, 4, 3), _chunk(0, 0, 6))))
@@ -83,8 +89,9 @@ def test_padded_inputs_live_at_fixed_addresses(tiny_ouro_dir):
     assert second.valid.dtype == torch.bool and second.seq_len.dtype == torch.int32
     assert second.valid.tolist() == [True] * 9 + [False] * 7
     # the padding sequence (the third) sees no keys; the others own no rows
-    assert second.seq_len.tolist() == [7, 6, 0]
-    assert second.query_start.tolist() == [0, 3, 9, 16]
+    seqs = prefill.buckets.seqs(16, prefill.num_slots)
+    assert second.seq_len.tolist() == [7, 6] + [0] * (seqs - 2)
+    assert second.query_start.tolist() == [0, 3, 9] + [16] * (seqs - 2)
     assert second.slot[:2].tolist() == [2, 0]
 
 
@@ -166,10 +173,10 @@ def test_cuda_common_graphs_are_captured_at_start(tiny_ouro_dir):
     )
     runner = llm.engine.runner
     decode, prefill = len(runner.graphs.graphs), len(runner.prefill.graphs)
-    assert prefill == len(ROW_BUCKETS)
+    assert prefill == len(CUDA_BUCKETS.rows)
     assert llm.engine.scheduler.max_ride_rows == MAX_GRAPH_ROWS  # larger waves: in pieces
     # greedy and sampled: every batch bucket, alone and with a wave of each row bucket riding
-    assert decode == 2 * len(runner.graphs.buckets) * (1 + len(ROW_BUCKETS))
+    assert decode == 2 * len(runner.graphs.buckets) * (1 + len(CUDA_BUCKETS.rows))
     llm.generate([[5, 6, 7] * 7], SamplingParams(max_tokens=8, ignore_eos=True))
     llm.generate([list(range(3, 103))], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
     llm.engine.scheduler.trace = []
