@@ -71,6 +71,8 @@ ENGINE_CONFIGS = [
     # adaptive exits at every depth
     dict(refill=True, block_size=4, attention_backend="triton", decode_window=3),
 ]
+# the interpreter is slow: on Triton five of the prompts, which still exit at every depth
+INTERPRETED_PROMPTS = [0, 2, 3, 7, 8]
 
 
 @pytest.mark.parametrize(
@@ -80,9 +82,12 @@ ENGINE_CONFIGS = [
 )
 def test_batched_equals_serial(ckpt, options):
     llm = make_llm(ckpt, **options)
-    params = [params_for(i) for i in range(len(PROMPTS))]
-    outs = llm.generate(PROMPTS, params)
-    check_against_serial(llm, outs, PROMPTS, params)
+    chosen = range(len(PROMPTS))
+    if options.get("attention_backend") == "triton":
+        chosen = INTERPRETED_PROMPTS
+    prompts, params = [PROMPTS[i] for i in chosen], [params_for(i) for i in chosen]
+    outs = llm.generate(prompts, params)
+    check_against_serial(llm, outs, prompts, params)
     depths = {d for o in outs for d in o.exit_depths[1:]}
     assert depths == {1, 2, 3, 4}, "the workload must really mix exit depths"
 
