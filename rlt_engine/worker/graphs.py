@@ -12,13 +12,43 @@ warm-up run happens with every slot marked idle, so capturing never changes a re
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from rlt_engine.worker.decode import DecodeTraversal, Flags, RidingWave
+
+# Eager runs before a capture, on a side stream: the first call of each kernel shape compiles
+# its Triton kernel and loads the module, which CUDA does not allow while a stream captures.
+# One run does that.
+WARMUP_RUNS = 1
+
+
+def capture(
+    run: Callable[[], object], pool: tuple, warm: Callable[[], object] | None = None
+) -> tuple:
+    """(graph, run's output in the graph's memory): `warm` (by default `run`) eagerly
+    WARMUP_RUNS times, then `run` captured into `pool` (a `torch.cuda.graph_pool_handle()`).
+
+    Not `torch.cuda.graph(...)`: on entry it synchronises the device and empties the caching
+    allocator and the pinned host cache, so every capture of a start-up that takes a hundred
+    waited for the GPU and then allocated its warm-up's memory again with cudaMalloc. The
+    caller empties the cache once when it is done (`ModelRunner.capture_graphs`)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_RUNS):
+            (warm or run)()
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=pool)
+        try:
+            out = run()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
 
 
 def bucket_sizes(num_slots: int) -> list[int]:
@@ -31,7 +61,7 @@ def bucket_sizes(num_slots: int) -> list[int]:
 
 @dataclass
 class CaptureTally:
-    """CUDA graphs captured so far and the host seconds they took (their two warm-up runs
+    """CUDA graphs captured so far and the host seconds they took (their warm-up runs
     included). A capture after start-up is a stall that every request in flight waits
     through, so the engine reports both (`EngineStats`, `/metrics`, `rlt bench`)."""
 
@@ -78,7 +108,7 @@ class GraphCache:
     def ensure(self, b: int, flags: Flags, wave: RidingWave | None = None) -> torch.cuda.CUDAGraph:
         """The graph of bucket `b` (a bucket size) with `flags` (and `wave` riding), captured
         if new. A riding wave's inputs must be an empty (all padding) wave while it is
-        captured: the warm-up runs execute it."""
+        captured: the warm-up run executes it."""
         key = (b, flags, None if wave is None else wave.key)
         graph = self.graphs.get(key)
         if graph is None:
@@ -93,17 +123,13 @@ class GraphCache:
         s.active.zero_()  # every slot idle: the warm-up writes only the trash slot
         if wave is not None:
             wave.armed.zero_()  # and starts no slot decoding
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile Triton kernels, settle cuBLAS workspaces
-                if wave is not None:
-                    ev.step.zero_()  # the wave's loop: a plane that exists
-                self.traversal(b, flags, wave)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+
+        def warm() -> None:
+            if wave is not None:
+                ev.step.zero_()  # the wave's loop: a plane that exists
             self.traversal(b, flags, wave)
+
+        graph, _ = capture(lambda: self.traversal(b, flags, wave), self.pool, warm)
         for tensor, value in zip((s.active, s.parked, ev.step, ev.token), saved, strict=True):
             tensor.copy_(value)
         if wave is not None:

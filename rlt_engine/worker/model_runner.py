@@ -215,6 +215,7 @@ class ModelRunner:
                 for b in self.graphs.buckets:
                     count += not self.graphs.captured(b, flags, rider)
                     self.graphs.ensure(b, flags, rider)
+        torch.cuda.empty_cache()  # the warm-up runs' memory (graphs.capture keeps it cached)
         return count
 
     def active_slots(self) -> list[int]:

@@ -31,7 +31,7 @@ import torch
 from rlt_engine.core.plan import PrefillChunk
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.worker.attention import PagedKVCache, PagedMetadata
-from rlt_engine.worker.graphs import CaptureTally
+from rlt_engine.worker.graphs import CaptureTally, capture
 from rlt_engine.worker.slot_batch import SlotBatch, upload
 
 MAX_GRAPH_ROWS = 512  # the largest bucket: a larger wave runs in pieces
@@ -289,19 +289,11 @@ class PrefillRunner:
         return self._traverse(self._padded_inputs(rows))
 
     def _capture(self, rows: int, wave: WaveLayout) -> tuple:
-        """Capture bucket `rows`, then put `wave`'s inputs back. The warm-up runs see
-        an empty wave (every row padding): they write only the trash slot."""
+        """Capture bucket `rows`, then put `wave`'s inputs back. The warm-up run sees
+        an empty wave (every row padding): it writes only the trash slot."""
         self.upload(WaveLayout.empty(), rows)
         with self.tally.timing():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the Triton kernels, settle cuBLAS workspaces
-                    self._padded(rows)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._padded(rows)
+            graph, out = capture(lambda: self._padded(rows), self.pool)
         self.graphs[rows] = graph, out
         self.upload(wave, rows)
         return graph, out
