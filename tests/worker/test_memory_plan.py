@@ -304,25 +304,26 @@ def test_profile_refuses_a_cpu_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_profile_on_a_real_gpu(ouro: LoopedLMConfig):
     device = torch.device("cuda")
-    # other GPU tests of the same session may still hold memory (engines kept by fixtures):
-    # the budget is measured against what is in use before this test's own allocations,
-    # including what PyTorch's cache keeps through empty_cache (profile_kv_budget counts
-    # that stranded memory as used)
+    # other GPU tests of the same session may still hold memory (engines kept by fixtures),
+    # and the CUDA context grows with every kernel module they loaded: the budget is measured
+    # against what is in use before this test's own allocations, in PyTorch's cache (stranded
+    # memory included: profile_kv_budget counts it as used) and outside it
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - before
     weights = torch.empty(GiB, dtype=torch.uint8, device=device)
 
     def step() -> None:
         scratch = torch.empty(2 * GiB, dtype=torch.uint8, device=device)
         scratch.fill_(1)
 
-    _, total = torch.cuda.mem_get_info(device)
     budget = profile_kv_budget(
         device, gpu_memory_utilization=0.5, run_max_step=step, reserve_bytes=GiB // 4
     )
-    assert budget <= total // 2 - before - 3 * GiB - GiB // 4
-    # context and others: < 2 GiB
-    assert budget > total // 2 - before - 3 * GiB - GiB // 4 - 2 * GiB
+    expected = total // 2 - before - outside - 3 * GiB - GiB // 4
+    # what the step itself adds outside PyTorch (a kernel module, a workspace): < 256 MiB
+    assert expected - 256 * MiB < budget <= expected + MiB
     plan = plan_from_budget(
         ouro,
         block_size=16,
