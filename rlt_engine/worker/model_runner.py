@@ -20,6 +20,7 @@ copy is done.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -197,16 +198,24 @@ class ModelRunner:
         larger one would ride eagerly, launch by launch); None without CUDA graphs."""
         return self.prefill.max_rows if self.graphs is not None else None
 
+    def startup_flags(self, variants: list[Flags]) -> list[Flags]:
+        """The decode-graph flags start-up captures for `variants` (the sampling flags of
+        default requests): each with every attention launch plan a window of them may need.
+        On Triton that is two (tables below LONG_CONTEXT keys or not, `_long_context`), so a
+        request whose context grows past it captures nothing while serving."""
+        plans = (False, True) if isinstance(self.kv, TritonPagedAttention) else (False,)
+        return [dataclasses.replace(f, long_context=p) for f in variants for p in plans]
+
     def capture_graphs(self, variants: list[Flags]) -> int:
         """Capture ahead of the first request (a capture on first use stalls every request in
-        flight): for each of `variants` (the flags of default requests) the decode traversal
-        at every batch bucket, and at each of those a riding wave of every row bucket; prefill
-        waves at every row bucket. Left for first use: other flags. Returns how many graphs
-        were captured; 0 without CUDA graphs."""
+        flight): for each of `startup_flags(variants)` the decode traversal at every batch
+        bucket, and at each of those a riding wave of every row bucket; prefill waves at every
+        row bucket. Left for first use: other sampling flags. Returns how many graphs were
+        captured; 0 without CUDA graphs."""
         if self.graphs is None:
             return 0
         count = self.prefill.capture_buckets()
-        for flags in variants:
+        for flags in self.startup_flags(variants):
             for b in self.graphs.buckets:
                 count += not self.graphs.captured(b, flags)
                 self.graphs.ensure(b, flags)

@@ -1,11 +1,15 @@
 """Prefill waves (worker/prefill.py): the fixed-shape path (padded buckets, CUDA graphs on the
 GPU) computes what the exact-shape path computes."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.plan import PrefillChunk
+from rlt_engine.kernels.paged_attention import LONG_CONTEXT
+from rlt_engine.worker.decode import Flags
 from rlt_engine.worker.prefill import CPU_BUCKETS, CUDA_BUCKETS, MAX_GRAPH_ROWS, WaveLayout
 
 
@@ -166,8 +170,9 @@ def test_cuda_prefill_graphs_equal_eager_and_cpu(tiny_ouro_dir, chunk):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_common_graphs_are_captured_at_start(tiny_ouro_dir):
-    """Default requests after start-up find every graph they need: a lone request, and waves
-    of several prompts riding beside decode rows (sampled or greedy)."""
+    """Default requests after start-up find every graph they need: a lone request, waves of
+    several prompts riding beside decode rows (sampled or greedy), and decode rows whose
+    context reaches LONG_CONTEXT keys (the attention's other launch plan)."""
     llm = LLM(
         str(tiny_ouro_dir), dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=False
     )
@@ -175,10 +180,15 @@ def test_cuda_common_graphs_are_captured_at_start(tiny_ouro_dir):
     decode, prefill = len(runner.graphs.graphs), len(runner.prefill.graphs)
     assert prefill == len(CUDA_BUCKETS.rows)
     assert llm.engine.scheduler.max_ride_rows == MAX_GRAPH_ROWS  # larger waves: in pieces
-    # greedy and sampled: every batch bucket, alone and with a wave of each row bucket riding
-    assert decode == 2 * len(runner.graphs.buckets) * (1 + len(CUDA_BUCKETS.rows))
+    # greedy and sampled, each with both attention launch plans: every batch bucket, alone
+    # and with a wave of each row bucket riding
+    assert decode == 2 * 2 * len(runner.graphs.buckets) * (1 + len(CUDA_BUCKETS.rows))
     llm.generate([[5, 6, 7] * 7], SamplingParams(max_tokens=8, ignore_eos=True))
     llm.generate([list(range(3, 103))], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    long = [[3 + i % 250 for i in range(LONG_CONTEXT + 10)], [9, 8, 7]]  # past it from the start
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=temperature)
+        llm.generate(long, params)
     llm.engine.scheduler.trace = []
     prompts = [[3 + (7 * i + j) % 300 for j in range(5 + 9 * i)] for i in range(14)]
     for temperature in (0.0, 0.8):
@@ -193,6 +203,23 @@ def test_no_graphs_captured_on_the_cpu(tiny_ouro_dir):
     assert runner.graphs is None and runner.prefill.graphs == {}
     assert runner.max_ride_rows is None  # no captured wave shapes: any wave may ride
     assert runner.capture_graphs([]) == 0
+
+
+def test_start_up_flags_cover_every_attention_launch_plan(tiny_ouro_dir):
+    """Triton's decode attention has a launch plan for tables below LONG_CONTEXT keys and one
+    for longer ones (a static graph variant): start-up takes both for every default flag, so
+    a request whose context grows past LONG_CONTEXT captures nothing while serving. The torch
+    backend has one plan."""
+    greedy, sampled = Flags(False, False, None, False), Flags(True, False, None, False)
+    _, triton = _runner(tiny_ouro_dir, "triton")
+    assert triton.startup_flags([greedy, sampled]) == [
+        greedy,
+        dataclasses.replace(greedy, long_context=True),
+        sampled,
+        dataclasses.replace(sampled, long_context=True),
+    ]
+    _, torch_runner = _runner(tiny_ouro_dir, "torch")
+    assert torch_runner.startup_flags([greedy, sampled]) == [greedy, sampled]
 
 
 def _tokens(model_dir, backend: str, prompts, params, max_rows: int | None = None, **opts):
