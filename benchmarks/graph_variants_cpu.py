@@ -2,13 +2,16 @@
 
 The real scheduler runs the workload on the CPU (the tiny test checkpoint, asynchronous
 scheduling, waves up to `MAX_GRAPH_ROWS` riding, as on CUDA) and every plan is keyed as the
-worker keys its graphs: a decode window by its padded batch; a riding wave by (padded batch,
-rows bucket); a wave on its own, or each of its pieces, by its rows bucket. The engine captures
+worker keys its graphs: a decode window by its padded batch and attention launch plan (its
+tables below LONG_CONTEXT keys or not, as on Triton); a riding wave by (padded batch, rows
+bucket, plan); a wave on its own, or each of its pieces, by its rows bucket. The engine captures
 all of them at start-up for the flags of default requests; a variant not captured then (other
 sampling flags) would be captured the first time a plan needs it, and every request in flight
-would wait for that capture. `--jitter J` delays each arrival 0..J steps after
-the finish that frees its place (clients over HTTP do not answer in lockstep; with J = 0 the
-cohorts stay in step and almost no riding happens).
+would wait for that capture. Before 7444e6c start-up took the short-context plan only: the
+report counts the long-context variants a workload meets (`long_context_variants`).
+`--jitter J` delays each arrival 0..J steps after the finish that frees its place (clients
+over HTTP do not answer in lockstep; with J = 0 the cohorts stay in step and almost no riding
+happens).
 
     python benchmarks/graph_variants_cpu.py -c 64 --num-prompts 1024 --jitter 3
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from rlt_engine.config import EngineConfig  # noqa: E402
 from rlt_engine.core.plan import StepPlan  # noqa: E402
 from rlt_engine.engine import LLMEngine  # noqa: E402
+from rlt_engine.kernels.paged_attention import LONG_CONTEXT  # noqa: E402
 from rlt_engine.sampling_params import SamplingParams  # noqa: E402
 from rlt_engine.worker.graphs import bucket_sizes  # noqa: E402
 from rlt_engine.worker.prefill import CUDA_BUCKETS, MAX_GRAPH_ROWS, WaveLayout  # noqa: E402
@@ -40,8 +44,10 @@ TINY = ROOT / "tests" / "fixtures" / "ouro-tiny-official"
 Key = tuple[object, ...]
 
 
-def replay(args: argparse.Namespace) -> list[StepPlan]:
-    """The scheduler's plans for `num_prompts` requests, at most `concurrency` in flight."""
+def replay(args: argparse.Namespace) -> tuple[list[StepPlan], dict[int, bool]]:
+    """The scheduler's plans for `num_prompts` requests, at most `concurrency` in flight, and
+    for each plan with a decode window (by id) whether its tables reach LONG_CONTEXT keys when
+    the worker runs it (`ModelRunner._long_context`'s test, which the torch backend skips)."""
     slots = args.max_num_seqs or args.concurrency
     config = EngineConfig.from_options(
         model=str(args.model), device="cpu", dtype="float32", max_num_seqs=slots,
@@ -51,6 +57,18 @@ def replay(args: argparse.Namespace) -> list[StepPlan]:
     engine = LLMEngine(config)
     engine.scheduler.max_ride_rows = MAX_GRAPH_ROWS  # ModelRunner.max_ride_rows on CUDA
     engine.scheduler.trace = []
+    runner, launching, long_of = engine.runner, [], {}
+    launch, decode = runner.launch, runner._decode
+
+    def noting_launch(plan: StepPlan):  # the plan whose window `_decode` runs next
+        launching[:] = [plan]
+        return launch(plan)
+
+    def noting_decode(*args, **kwargs):
+        long_of[id(launching[0])] = runner.slots.max_context(runner.block_size) >= LONG_CONTEXT
+        return decode(*args, **kwargs)
+
+    runner.launch, runner._decode = noting_launch, noting_decode
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     added = 0
@@ -71,18 +89,19 @@ def replay(args: argparse.Namespace) -> list[StepPlan]:
             if out.finished and added + sum(due.values()) < args.num_prompts:
                 due[step + 1 + rng.randrange(args.jitter + 1)] += 1
         step += 1
-    return engine.scheduler.trace
+    return engine.scheduler.trace, long_of
 
 
-def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
-    """The graph variants `plan` replays; `span`: slots [0, span) in use once it is applied."""
+def plan_keys(plan: StepPlan, span: int, num_slots: int, long: bool) -> list[Key]:
+    """The graph variants `plan` replays; `span`: slots [0, span) in use once it is applied;
+    `long`: its window's tables reach LONG_CONTEXT keys."""
     padded = next((b for b in bucket_sizes(num_slots) if b >= span), None)
     if plan.wave_rides:
         wave = WaveLayout.of(plan.prefill[0])
         rows = CUDA_BUCKETS.of(wave, num_slots)
         if rows is None:  # too many chunks for any bucket: rides eagerly, no graph
             return []
-        return [("ride", padded, rows)]
+        return [("ride", padded, rows, long)]
     keys: list[Key] = []
     max_chunks = CUDA_BUCKETS.seqs(MAX_GRAPH_ROWS, num_slots) - 1
     for chunks in plan.prefill:
@@ -91,22 +110,23 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int) -> list[Key]:
         buckets = [CUDA_BUCKETS.of(p, num_slots) for p in pieces]
         keys += [("prefill", rows) for rows in buckets if rows is not None]  # else exact
     if plan.decode_traversals and padded is not None:
-        keys.append(("decode", padded))
+        keys.append(("decode", padded, long))
     return keys
 
 
-def variants(plans: list[StepPlan], num_slots: int) -> dict:
+def variants(plans: list[StepPlan], long_of: dict[int, bool], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
-    at_start = {("decode", b) for b in bucket_sizes(num_slots)}
-    rows_buckets = CUDA_BUCKETS.rows
+    batches, rows_buckets, plans_ = bucket_sizes(num_slots), CUDA_BUCKETS.rows, (False, True)
+    at_start: set[Key] = {("decode", b, long) for b in batches for long in plans_}
     at_start |= {("prefill", rows) for rows in rows_buckets}
-    at_start |= {("ride", b, rows) for b in bucket_sizes(num_slots) for rows in rows_buckets}
+    at_start |= {("ride", b, r, long) for b in batches for r in rows_buckets for long in plans_}
     used: set[int] = set()
     met: dict[Key, dict] = {}
     for i, plan in enumerate(plans):
         used.difference_update(plan.slot_frees)
         used.update(init.slot for init in plan.slot_inits)
-        for key in plan_keys(plan, max(used, default=-1) + 1, num_slots):
+        span, long = max(used, default=-1) + 1, long_of.get(id(plan), False)
+        for key in plan_keys(plan, span, num_slots, long):
             entry = met.setdefault(key, {"first_plan": i, "uses": 0, "at_start": key in at_start})
             entry["uses"] += 1
     first_use = sorted((v["first_plan"], k) for k, v in met.items() if not v["at_start"])
@@ -114,6 +134,7 @@ def variants(plans: list[StepPlan], num_slots: int) -> dict:
         "plans": len(plans),
         "riding_plans": sum(p.wave_rides for p in plans),
         "variants": [{"key": list(k), **v} for k, v in met.items()],
+        "long_context_variants": sum(k[0] != "prefill" and k[-1] for k in met),
         "first_use": [{"plan": i, "key": list(k)} for i, k in first_use],
     }
 
@@ -138,14 +159,16 @@ def main() -> None:
         ap.error("--jitter must be >= 0")
     num_slots = args.max_num_seqs or args.concurrency
     report = {"settings": {k: str(v) for k, v in vars(args).items()}}
-    report |= variants(replay(args), num_slots)
+    report |= variants(*replay(args), num_slots)
     if args.json:
         print(json.dumps(report))
         return
     print(
         f"{report['plans']} plans, {report['riding_plans']} with a riding wave, "
         f"{len(report['variants'])} graph variants met, {len(report['first_use'])} of them "
-        "not captured at start-up (each a stall for the requests in flight):"
+        "not captured at start-up (each a stall for the requests in flight); "
+        f"{report['long_context_variants']} with tables past {LONG_CONTEXT} keys "
+        "(captured on first use before 7444e6c):"
     )
     for entry in report["first_use"]:
         print(f"  plan {entry['plan']:>5}: {tuple(entry['key'])}")

@@ -28,8 +28,18 @@ def test_a_lone_request_needs_only_start_up_graphs():
     # one 64-token prompt: a single-sequence wave of 64 rows, then decode windows of batch 1
     report = _report("-c", "1", "--num-prompts", "1", "--output-len", "4")
     keys = {tuple(v["key"]): v for v in report["variants"]}
-    assert set(keys) == {("prefill", 64), ("decode", 1)}
+    assert set(keys) == {("prefill", 64), ("decode", 1, False)}
     assert all(v["at_start"] for v in keys.values()) and report["first_use"] == []
+    assert report["long_context_variants"] == 0
+
+
+def test_tables_past_long_context_take_the_other_plan_captured_at_start_up():
+    # the plan follows the tables' capacity: admission reserves the whole request, so 150
+    # prompt tokens and 64 to go hold 14 blocks of 16 = 224 keys from the first window on
+    report = _report("-c", "2", "--num-prompts", "2", "--input-len", "150", "--output-len", "64")
+    keys = {tuple(v["key"]) for v in report["variants"]}
+    assert keys == {("prefill", 512), ("decode", 2, True)}
+    assert report["long_context_variants"] == 1 and report["first_use"] == []
 
 
 def test_staggered_arrivals_ride_in_graphs_captured_at_start_up():
@@ -40,9 +50,9 @@ def test_staggered_arrivals_ride_in_graphs_captured_at_start_up():
     for v in variants:
         kind, *shape = v["key"]
         assert v["uses"] >= 1 and 0 <= v["first_plan"] < report["plans"]
-        if kind == "ride":  # (batch, rows) buckets
-            batch, rows = shape
-            assert batch in (1, 2, 4, 8) and rows in (16, 32, 64, 128, 256, 512)
+        if kind == "ride":  # (batch, rows) buckets and the attention plan
+            batch, rows, long = shape
+            assert batch in (1, 2, 4, 8) and rows in (16, 32, 64, 128, 256, 512) and not long
         assert v["at_start"]  # every default variant is captured at start-up
     first = [e["plan"] for e in report["first_use"]]
     assert first == sorted(first) and len(first) == sum(not v["at_start"] for v in variants)
