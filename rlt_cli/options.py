@@ -84,9 +84,17 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def engine_parameters() -> list[inspect.Parameter]:
+def engine_parameters(on_by_default: dict[str, str] | None = None) -> list[inspect.Parameter]:
+    """The engine's flags. `on_by_default`: engine switches (off in the engine) that this
+    command turns on unless told `--no-...`, with the help's reason; the command applies them
+    (`to_field_values` leaves them out when not given)."""
+    on = on_by_default or {}
     return [
         _parameter(f, get_type_hints(cls)[f.name], "Engine")
+        if f.name not in on
+        else _parameter(
+            f, bool, "Engine", f"{HELP[f.name]} On by default here: {on[f.name]}", default=None
+        )
         for cls in ENGINE_CLASSES
         for f in fields(cls)
     ]
@@ -120,11 +128,13 @@ def dataclass_parameters(cls: type, panel: str, help: dict[str, str]) -> list[in
 
 
 def _parameter(
-    field: Field[Any], hint: Any, panel: str, help: str | None = None
+    field: Field[Any], hint: Any, panel: str, help: str | None = None, **override: Any
 ) -> inspect.Parameter:
-    """One keyword-only parameter `name: Annotated[type, typer.Option(...)] = default`."""
+    """One keyword-only parameter `name: Annotated[type, typer.Option(...)] = default` (the
+    field's default unless `default=` is given)."""
     base, optional = _unwrap_optional(hint)
     default = field.default if field.default is not MISSING else None
+    default = override.get("default", default)
     if get_origin(base) is tuple:  # tuple[X, ...] -> a repeatable flag
         item = get_args(base)[0]
         annotation: Any = list[item] | None  # type: ignore[valid-type]
