@@ -46,5 +46,11 @@ class EngineInfo:
     graphs_at_start: int = 0
     graph_capture_s_at_start: float = 0.0
 
+    @property
+    def max_request_positions(self) -> int:
+        """Positions one request can ever hold: the model's context, or less where the KV
+        pool holds less (every plane of every position, as admission counts it)."""
+        return min(self.max_model_len, self.num_blocks // self.num_planes * self.block_size)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -124,9 +124,9 @@ class Serving:
             body.check()
             ids = self._render_chat(body)
             limit = body.token_limit
-            if limit is None:  # as vLLM: whatever context the prompt leaves
+            if limit is None:  # as vLLM: whatever context the prompt leaves, in the pool too
                 assert self.engine.info is not None
-                limit = max(1, self.engine.info.max_model_len - len(ids))
+                limit = max(1, self.engine.info.max_request_positions - len(ids))
             work = [
                 (ids, body.sampling_params(limit, body.logprobs_count, choice))
                 for choice in range(body.n)

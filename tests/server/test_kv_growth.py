@@ -11,6 +11,8 @@ import sys
 import time
 
 import openai
+import pytest
+from server_process import DEMO_ARGS, ServerProcess
 
 QUESTIONS = [
     "Tom has 3 apples and buys 5 more. How many apples does he have?",
@@ -49,6 +51,50 @@ def test_chat_without_max_tokens_runs_side_by_side(server) -> None:  # type: ign
     # its whole context, the second could only start once the first had ended
     assert max(first for first, _, _ in done) < min(end for _, end, _ in done)
     assert server.metric("rlt:kv_blocks_used") == 0  # every page given back
+
+
+async def _answers(url: str, questions: list[str], max_tokens: int | None) -> list[tuple]:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as c:
+        got = await asyncio.gather(
+            *(
+                c.chat.completions.create(
+                    model="demo",
+                    messages=[{"role": "user", "content": q}],
+                    temperature=0,
+                    max_tokens=max_tokens,
+                )
+                for q in questions
+            )
+        )
+    return [(r.choices[0].message.content, r.choices[0].finish_reason) for r in got]
+
+
+@pytest.fixture(scope="module")
+def tight():  # type: ignore[no-untyped-def]
+    """A server whose pool holds 64 blocks: 256 positions of the demo's 4 planes, far less
+    than its 2,048-position context."""
+    proc = ServerProcess(*DEMO_ARGS, "--num-blocks", "64").wait_healthy()
+    yield proc
+    proc.stop()
+
+
+def test_chat_without_max_tokens_fits_the_pool(tight) -> None:  # type: ignore[no-untyped-def]
+    # the rest of the context would need 512 blocks: the default is what the pool can hold
+    [(text, finish)] = asyncio.run(_answers(tight.url, QUESTIONS[:1], None))
+    assert finish == "stop" and text
+
+
+def test_preempted_requests_answer_as_unpressed_ones(server, tight) -> None:  # type: ignore[no-untyped-def]
+    """Eight chats that each fit the tight pool alone (60 of 64 blocks at max_tokens 200) but
+    not together: requests are preempted to CPU memory and resumed, and every answer equals
+    the roomy server's."""
+    questions = [f"Tom has {n} apples and buys 5 more. How many apples does he have?" for n in
+                 range(3, 11)]  # fmt: skip
+    before = tight.metric("vllm:num_preemptions_total")
+    pressed = asyncio.run(_answers(tight.url, questions, 200))
+    assert tight.metric("vllm:num_preemptions_total") > before
+    assert pressed == asyncio.run(_answers(server.url, questions, 200))
+    assert tight.metric("rlt:kv_blocks_used") == 0
 
 
 def test_serve_lets_the_defaults_be_turned_off() -> None:
