@@ -47,7 +47,8 @@ Key = tuple[object, ...]
 def replay(args: argparse.Namespace) -> tuple[list[StepPlan], dict[int, bool]]:
     """The scheduler's plans for `num_prompts` requests, at most `concurrency` in flight, and
     for each plan with a decode window (by id) whether its tables reach LONG_CONTEXT keys when
-    the worker runs it (`ModelRunner._long_context`'s test, which the torch backend skips)."""
+    the worker runs it (`ModelRunner.tables_reach_long_context`; the torch backend, which
+    runs here, has one plan and does not ask)."""
     slots = args.max_num_seqs or args.concurrency
     config = EngineConfig.from_options(
         model=str(args.model), device="cpu", dtype="float32", max_num_seqs=slots,
@@ -65,7 +66,7 @@ def replay(args: argparse.Namespace) -> tuple[list[StepPlan], dict[int, bool]]:
         return launch(plan)
 
     def noting_decode(*args, **kwargs):
-        long_of[id(launching[0])] = runner.slots.max_context(runner.block_size) >= LONG_CONTEXT
+        long_of[id(launching[0])] = runner.tables_reach_long_context()
         return decode(*args, **kwargs)
 
     runner.launch, runner._decode = noting_launch, noting_decode
@@ -116,10 +117,11 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int, long: bool) -> list[Key
 
 def variants(plans: list[StepPlan], long_of: dict[int, bool], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
-    batches, rows_buckets, plans_ = bucket_sizes(num_slots), CUDA_BUCKETS.rows, (False, True)
-    at_start: set[Key] = {("decode", b, long) for b in batches for long in plans_}
+    # as ModelRunner.capture_graphs on Triton (startup_flags: both attention launch plans)
+    batches, rows_buckets, longs = bucket_sizes(num_slots), CUDA_BUCKETS.rows, (False, True)
+    at_start: set[Key] = {("decode", b, long) for b in batches for long in longs}
     at_start |= {("prefill", rows) for rows in rows_buckets}
-    at_start |= {("ride", b, r, long) for b in batches for r in rows_buckets for long in plans_}
+    at_start |= {("ride", b, r, long) for b in batches for r in rows_buckets for long in longs}
     used: set[int] = set()
     met: dict[Key, dict] = {}
     for i, plan in enumerate(plans):

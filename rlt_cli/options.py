@@ -92,9 +92,7 @@ def engine_parameters(on_by_default: dict[str, str] | None = None) -> list[inspe
     return [
         _parameter(f, get_type_hints(cls)[f.name], "Engine")
         if f.name not in on
-        else _parameter(
-            f, bool, "Engine", f"{HELP[f.name]} On by default here: {on[f.name]}", default=None
-        )
+        else _parameter(f, bool, "Engine", f"{HELP[f.name]} On by default here: {on[f.name]}", None)
         for cls in ENGINE_CLASSES
         for f in fields(cls)
     ]
@@ -128,13 +126,13 @@ def dataclass_parameters(cls: type, panel: str, help: dict[str, str]) -> list[in
 
 
 def _parameter(
-    field: Field[Any], hint: Any, panel: str, help: str | None = None, **override: Any
+    field: Field[Any], hint: Any, panel: str, help: str | None = None, default: Any = MISSING
 ) -> inspect.Parameter:
     """One keyword-only parameter `name: Annotated[type, typer.Option(...)] = default` (the
-    field's default unless `default=` is given)."""
+    field's default unless `default` is given)."""
     base, optional = _unwrap_optional(hint)
-    default = field.default if field.default is not MISSING else None
-    default = override.get("default", default)
+    if default is MISSING:
+        default = field.default if field.default is not MISSING else None
     if get_origin(base) is tuple:  # tuple[X, ...] -> a repeatable flag
         item = get_args(base)[0]
         annotation: Any = list[item] | None  # type: ignore[valid-type]

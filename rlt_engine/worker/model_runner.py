@@ -203,7 +203,7 @@ class ModelRunner:
         default requests): each with every attention launch plan a window of them may need.
         On Triton that is two (tables below LONG_CONTEXT keys or not, `_long_context`), so a
         request whose context grows past it captures nothing while serving."""
-        plans = (False, True) if isinstance(self.kv, TritonPagedAttention) else (False,)
+        plans = (False, True) if self._has_long_context_plan() else (False,)
         return [dataclasses.replace(f, long_context=p) for f in variants for p in plans]
 
     def capture_graphs(self, variants: list[Flags]) -> int:
@@ -344,11 +344,17 @@ class ModelRunner:
         return _Window(traversals, b, flags, base)
 
     def _long_context(self) -> bool:
-        """Whether this window's tables reach LONG_CONTEXT keys: the Triton attention picks
-        its kernel and split-K by it (a static variant: the kernel cannot read seq_lens on the
-        host)."""
-        if not isinstance(self.kv, TritonPagedAttention):
-            return False
+        """Whether this window takes the attention's long-context launch plan: the Triton
+        attention picks its kernel and split-K by it (a static variant: the kernel cannot read
+        seq_lens on the host)."""
+        return self._has_long_context_plan() and self.tables_reach_long_context()
+
+    def _has_long_context_plan(self) -> bool:
+        return isinstance(self.kv, TritonPagedAttention)
+
+    def tables_reach_long_context(self) -> bool:
+        """Whether the slots' tables hold LONG_CONTEXT keys (their capacity, not the
+        positions reached)."""
         return self.slots.max_context(self.block_size) >= LONG_CONTEXT
 
     # -- the one read back ---------------------------------------------------------------
