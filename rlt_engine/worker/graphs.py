@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -36,7 +37,7 @@ def capture(
     allocator and the pinned host cache, so every capture of a start-up that takes a hundred
     waited for the GPU and then allocated its warm-up's memory again with cudaMalloc. The
     caller empties the cache once when it is done (`ModelRunner.capture_graphs`)."""
-    stream = torch.cuda.Stream()
+    stream = _capture_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(WARMUP_RUNS):
@@ -49,6 +50,15 @@ def capture(
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
+
+
+@cache
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    """One side stream for every capture on a device. The caching allocator hands a freed
+    block only to its own stream, so a stream per capture stranded each warm-up's memory (the
+    sampler's [slots, vocab] words at 256 slots: hundreds of MB) until the caller emptied the
+    cache: 258 start-up graphs ran an H100 out of memory after the KV pool was sized."""
+    return torch.cuda.Stream(device)
 
 
 def bucket_sizes(num_slots: int) -> list[int]:

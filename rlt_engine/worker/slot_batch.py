@@ -84,12 +84,15 @@ class SlotBatch:
         self.block_tables = zeros(n, num_planes, max_blocks, dt=torch.int32)
         self.host: dict[int, SlotHost] = {}
         self._rows: dict[str, dict[int, object]] = {}  # field -> slot -> value, until flush
+        self._tables: dict[int, int] = {}  # flat index into block_tables -> block, until flush
 
     # -- diffs from the plan -------------------------------------------------------------
     # Inits and clears are row writes kept on the host until `flush`: a scalar `field[slot] =
     # value` on CUDA is a pageable copy that waits for every window in flight (14 such waits
     # per admitted request, each stalling asynchronous scheduling), while a flush is one
     # pinned upload per field group and one `index_copy_` per field, whatever the count.
+    # Table appends wait too: with incremental KV a plan at 256 slots appends ~30 blocks, one
+    # upload and one copy kernel each before; at the flush they are one of each.
     def init(self, op: SlotInit, depth: int) -> None:
         s, p, c = op.slot, op.params, op.controls
         if len(op.stop_token_ids) > MAX_STOP_IDS:
@@ -117,9 +120,12 @@ class SlotBatch:
         n = len(blocks[0])
         if host.blocks + n > self.max_blocks:
             raise RuntimeError(f"slot {slot}: block table longer than {self.max_blocks} blocks")
-        if n:
-            new = upload(torch.tensor(blocks, dtype=torch.int32), self.device)
-            self.block_tables[slot, :, host.blocks : host.blocks + n] = new
+        planes = self.block_tables.shape[1]
+        if len(blocks) != planes:
+            raise ValueError(f"slot {slot}: {len(blocks)} block tables for {planes} KV planes")
+        for plane, table in enumerate(blocks):
+            start = (slot * planes + plane) * self.max_blocks + host.blocks
+            self._tables.update(zip(range(start, start + n), table))  # a later write wins
         host.blocks += n
 
     def clear(self, slot: int) -> None:
@@ -141,7 +147,8 @@ class SlotBatch:
             self._rows.setdefault(name, {})[slot] = value  # a later write to a row wins
 
     def flush(self) -> None:
-        """Put the row writes of inits and clears on the device (before anything reads them)."""
+        """Put the row writes of inits and clears and the table appends on the device (before
+        anything reads them)."""
         groups: dict[tuple[torch.dtype, torch.Size, tuple[int, ...]], list[str]] = {}
         for name, rows in self._rows.items():
             field = getattr(self, name)
@@ -153,6 +160,11 @@ class SlotBatch:
             for name, column in zip(names, columns, strict=True):
                 getattr(self, name).index_copy_(0, index, column)
         self._rows.clear()
+        if self._tables:
+            entries = torch.tensor([list(self._tables), list(self._tables.values())])
+            index, blocks = upload(entries, self.device)
+            self.block_tables.view(-1).index_copy_(0, index, blocks.to(torch.int32))
+            self._tables.clear()
 
     def start_decode(
         self,

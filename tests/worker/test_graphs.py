@@ -50,3 +50,22 @@ def test_cuda_capture_that_fails_leaves_no_capture_open():
     assert not torch.cuda.is_current_stream_capturing()
     y = torch.ones(4, device="cuda") + 1  # the device still takes work
     assert y.sum().item() == 8.0
+
+
+@pytest.mark.gpu
+def test_cuda_captures_reuse_their_warm_up_memory():
+    """Each warm-up frees what it allocated; the next capture's warm-up must get it back, not
+    allocate again (a side stream per capture kept every warm-up's blocks to itself)."""
+    size = 64 << 20
+    pool = torch.cuda.graph_pool_handle()
+
+    def run() -> torch.Tensor:
+        return torch.ones(size, dtype=torch.uint8, device="cuda").sum()
+
+    kept = [capture(run, pool) for _ in range(2)]  # the shared stream's and pool's first blocks
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    kept += [capture(run, pool) for _ in range(8)]
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() - before < 2 * size
+    assert len(kept) == 10

@@ -93,6 +93,31 @@ def test_restore_is_not_overwritten_by_a_pending_clear() -> None:
     assert (r["active"], r["generated"], r["loop"], r["stop_ids"][:2]) == (True, 4, 2, [7, 9])
 
 
+def test_table_appends_land_at_flush_after_the_tables_before() -> None:
+    """Appends wait on the host with the row writes and land after the blocks already there; a
+    slot freed and given to a new request in the same plan holds the new request's tables."""
+    s = batch()
+    s.init(slot_init(0), DEPTH)
+    s.init(slot_init(1), DEPTH)
+    s.flush()
+    s.append(0, ((8, 10), (9, 11)))
+    s.append(1, ((12,), (13,)))
+    assert s.block_tables[0, :, 2].tolist() == [0, 0], "nothing is written before the flush"
+    s.append(0, ((14,), (15,)))
+    s.clear(1)
+    s.init(SlotInit(**{**slot_init(1).__dict__, "block_tables": ((20,), (21,))}), DEPTH)
+    s.append(1, ((22,), (23,)))
+    s.flush()
+    assert s.block_tables[0, :, :5].tolist() == [[1, 2, 8, 10, 14], [3, 4, 9, 11, 15]]
+    assert s.block_tables[1, :, :2].tolist() == [[20, 22], [21, 23]]
+    assert (s.host[0].blocks, s.host[1].blocks) == (5, 2)
+    assert s.max_context(block_size=16) == 80
+    with pytest.raises(ValueError, match="3 block tables for 2 KV planes"):
+        s.append(0, ((1,), (2,), (3,)))
+    with pytest.raises(RuntimeError, match="longer than 8 blocks"):
+        s.append(0, ((1, 2, 3, 4), (5, 6, 7, 8)))
+
+
 def test_snapshot_sees_pending_writes() -> None:
     s = batch()
     s.init(slot_init(3), DEPTH)
