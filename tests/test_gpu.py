@@ -25,6 +25,35 @@ def test_cuda_engine_matches_cpu_engine_fp32(tiny_ouro_dir, threshold):
     assert _run(tiny_ouro_dir, "cuda", threshold) == _run(tiny_ouro_dir, "cpu", threshold)
 
 
+@pytest.mark.parametrize("threshold", [1.0, 0.6])
+def test_cuda_preemption_in_a_tight_pool_matches_cpu(tiny_ouro_dir, threshold):
+    """Incremental KV and preemption (`rlt serve`'s defaults) in a pool that holds about two of
+    the six requests: snapshots go to host memory and come back while windows are in flight
+    (asynchronous, graphs); the tokens and exit depths are the CPU's, nothing is left behind."""
+
+    def run(device: str) -> tuple[list, int]:
+        llm = LLM(
+            str(tiny_ouro_dir),
+            dtype="float32",
+            device=device,
+            block_size=4,
+            num_blocks=48,
+            incremental_kv=True,
+            enable_preemption=True,
+            watermark=0.0,
+        )
+        prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+        params = SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=threshold)
+        outs = llm.generate(prompts, params)
+        engine = llm.engine
+        assert engine.blocks.num_used == 0 and engine.runner.snapshots == {}
+        return [(o.token_ids, o.exit_depths) for o in outs], engine.cache_stats()["preemptions"]
+
+    cuda, preemptions = run("cuda")
+    assert preemptions > 0
+    assert cuda == run("cpu")[0] == _run(tiny_ouro_dir, "cpu", threshold)
+
+
 def test_cuda_seeded_sampling_is_batch_invariant(tiny_ouro_dir):
     llm = LLM(str(tiny_ouro_dir), dtype="float32", device="cuda")
     p = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)

@@ -48,7 +48,7 @@ from rlt_engine.worker.prefill import (
     WaveInputs,
     WaveLayout,
 )
-from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, upload
+from rlt_engine.worker.slot_batch import SlotBatch, SlotHost, to_host, upload
 
 MAX_LOGPROBS = 20
 
@@ -428,8 +428,8 @@ class ModelRunner:
     def _swap_out(self, op: SwapOut) -> None:
         slots = self._block_slots(op.blocks)
         self.snapshots[op.snapshot] = _Snapshot(
-            k=self.kv.k[:, slots].to("cpu"),
-            v=self.kv.v[:, slots].to("cpu"),
+            k=to_host(self.kv.k[:, slots]),
+            v=to_host(self.kv.v[:, slots]),
             slot=self.slots.snapshot(op.slot),
         )
         self.slots.clear(op.slot)
@@ -437,8 +437,8 @@ class ModelRunner:
     def _swap_in(self, op: SwapIn) -> None:
         snap = self.snapshots.pop(op.snapshot)
         slots = self._block_slots(op.blocks)
-        self.kv.k[:, slots] = snap.k.to(self.device)
-        self.kv.v[:, slots] = snap.v.to(self.device)
+        self.kv.k[:, slots] = upload(snap.k, self.device)
+        self.kv.v[:, slots] = upload(snap.v, self.device)
         self.slots.restore(op.slot, snap.slot, op.block_tables)
 
 

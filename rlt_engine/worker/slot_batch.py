@@ -125,7 +125,7 @@ class SlotBatch:
             raise ValueError(f"slot {slot}: {len(blocks)} block tables for {planes} KV planes")
         for plane, table in enumerate(blocks):
             start = (slot * planes + plane) * self.max_blocks + host.blocks
-            self._tables.update(zip(range(start, start + n), table))  # a later write wins
+            self._tables.update(zip(range(start, start + n), table, strict=True))  # later wins
         host.blocks += n
 
     def clear(self, slot: int) -> None:
@@ -206,7 +206,7 @@ class SlotBatch:
     # -- preemption ----------------------------------------------------------------------
     def snapshot(self, slot: int) -> tuple[dict[str, torch.Tensor], SlotHost]:
         self.flush()
-        state = {name: getattr(self, name)[slot].to("cpu", copy=True) for name in self.FIELDS}
+        state = {name: to_host(getattr(self, name)[slot]) for name in self.FIELDS}
         return state, self.host[slot]
 
     def restore(
@@ -244,6 +244,18 @@ class SlotBatch:
     def max_context(self, block_size: int) -> int:
         """Keys any slot can see in this window: its tables' capacity."""
         return max((h.blocks for h in self.host.values()), default=0) * block_size
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in host memory without waiting for the stream: on CUDA into pinned
+    memory, non-blocking, so a preemption's snapshot does not wait for the windows in flight.
+    The host must not read it before the stream has run the copy; the engine never does (a
+    snapshot only goes back to the device, through `upload`, behind the copy on the same
+    stream)."""
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu", copy=True)
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return out.copy_(tensor, non_blocking=True)
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -162,3 +162,25 @@ def test_slot_writes_never_wait_for_the_stream() -> None:
     # slot 1's first token is a stop id: it ends there; slot 3 decodes from position 7, parked
     assert s.active[[1, 3]].tolist() == [False, True] and s.parked[[1, 3]].tolist() == [True] * 2
     assert s.position[[1, 3]].tolist() == [5, 7] and s.generated[[1, 3]].tolist() == [1, 1]
+
+
+@pytest.mark.gpu
+def test_snapshot_and_restore_never_wait_for_the_stream() -> None:
+    """A preemption while windows are in flight: the slot's state goes to host memory and back
+    into another slot without a synchronising copy, and arrives whole."""
+    s = batch("cuda", num_slots=4)
+    s.init(slot_init(1, temperature=0.5), DEPTH)
+    s.flush()
+    s.generated[1], s.position[1] = 3, 9
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        saved = s.snapshot(1)
+        s.clear(1)
+        s.restore(2, saved, ((5,), (6,)))
+        s.flush()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert row(s, 2)["generated"] == 3 and row(s, 2)["position"] == 9
+    assert row(s, 2)["max_tokens"] == 5 and row(s, 1)["max_tokens"] == 5  # a clear keeps it
+    assert s.block_tables[2, :, 0].tolist() == [5, 6] and not s.active[1].item()
