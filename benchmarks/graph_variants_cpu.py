@@ -3,12 +3,13 @@
 The real scheduler runs the workload on the CPU (the tiny test checkpoint, asynchronous
 scheduling, waves up to `MAX_GRAPH_ROWS` riding, as on CUDA) and every plan is keyed as the
 worker keys its graphs: a decode window by its padded batch and attention launch plan (its
-tables below LONG_CONTEXT keys or not, as on Triton); a riding wave by (padded batch, rows
-bucket, plan); a wave on its own, or each of its pieces, by its rows bucket. The engine captures
-all of them at start-up for the flags of default requests; a variant not captured then (other
-sampling flags) would be captured the first time a plan needs it, and every request in flight
-would wait for that capture. Before 7444e6c start-up took the short-context plan only: the
-report counts the long-context variants a workload meets (`long_context_variants`).
+rows attending to fewer than LONG_CONTEXT keys or not, `StepPlan.decode_keys`, as on Triton);
+a riding wave by (padded batch, rows bucket, plan); a wave on its own, or each of its pieces,
+by its rows bucket. The engine captures all of them at start-up for the flags of default
+requests; a variant not captured then (other sampling flags) would be captured the first time a
+plan needs it, and every request in flight would wait for that capture. Before 7444e6c start-up
+took the short-context plan only: the report counts the long-context variants a workload meets
+(`long_context_variants`).
 `--jitter J` delays each arrival 0..J steps after the finish that frees its place (clients
 over HTTP do not answer in lockstep; with J = 0 the cohorts stay in step and almost no riding
 happens).
@@ -44,11 +45,8 @@ TINY = ROOT / "tests" / "fixtures" / "ouro-tiny-official"
 Key = tuple[object, ...]
 
 
-def replay(args: argparse.Namespace) -> tuple[list[StepPlan], dict[int, bool]]:
-    """The scheduler's plans for `num_prompts` requests, at most `concurrency` in flight, and
-    for each plan with a decode window (by id) whether its tables reach LONG_CONTEXT keys when
-    the worker runs it (`ModelRunner.tables_reach_long_context`; the torch backend, which
-    runs here, has one plan and does not ask)."""
+def replay(args: argparse.Namespace) -> list[StepPlan]:
+    """The scheduler's plans for `num_prompts` requests, at most `concurrency` in flight."""
     slots = args.max_num_seqs or args.concurrency
     config = EngineConfig.from_options(
         model=str(args.model), device="cpu", dtype="float32", max_num_seqs=slots,
@@ -58,18 +56,6 @@ def replay(args: argparse.Namespace) -> tuple[list[StepPlan], dict[int, bool]]:
     engine = LLMEngine(config)
     engine.scheduler.max_ride_rows = MAX_GRAPH_ROWS  # ModelRunner.max_ride_rows on CUDA
     engine.scheduler.trace = []
-    runner, launching, long_of = engine.runner, [], {}
-    launch, decode = runner.launch, runner._decode
-
-    def noting_launch(plan: StepPlan):  # the plan whose window `_decode` runs next
-        launching[:] = [plan]
-        return launch(plan)
-
-    def noting_decode(*args, **kwargs):
-        long_of[id(launching[0])] = runner.tables_reach_long_context()
-        return decode(*args, **kwargs)
-
-    runner.launch, runner._decode = noting_launch, noting_decode
     rng = random.Random(args.seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     added = 0
@@ -90,12 +76,12 @@ def replay(args: argparse.Namespace) -> tuple[list[StepPlan], dict[int, bool]]:
             if out.finished and added + sum(due.values()) < args.num_prompts:
                 due[step + 1 + rng.randrange(args.jitter + 1)] += 1
         step += 1
-    return engine.scheduler.trace, long_of
+    return engine.scheduler.trace
 
 
 def plan_keys(plan: StepPlan, span: int, num_slots: int, long: bool) -> list[Key]:
     """The graph variants `plan` replays; `span`: slots [0, span) in use once it is applied;
-    `long`: its window's tables reach LONG_CONTEXT keys."""
+    `long`: its window's rows may attend to LONG_CONTEXT keys."""
     padded = next((b for b in bucket_sizes(num_slots) if b >= span), None)
     if plan.wave_rides:
         wave = WaveLayout.of(plan.prefill[0])
@@ -115,7 +101,7 @@ def plan_keys(plan: StepPlan, span: int, num_slots: int, long: bool) -> list[Key
     return keys
 
 
-def variants(plans: list[StepPlan], long_of: dict[int, bool], num_slots: int) -> dict:
+def variants(plans: list[StepPlan], num_slots: int) -> dict:
     """Each variant met: how often, the first plan that needs it, captured at start-up or not."""
     # as ModelRunner.capture_graphs on Triton (startup_flags: both attention launch plans)
     batches, rows_buckets, longs = bucket_sizes(num_slots), CUDA_BUCKETS.rows, (False, True)
@@ -127,7 +113,7 @@ def variants(plans: list[StepPlan], long_of: dict[int, bool], num_slots: int) ->
     for i, plan in enumerate(plans):
         used.difference_update(plan.slot_frees)
         used.update(init.slot for init in plan.slot_inits)
-        span, long = max(used, default=-1) + 1, long_of.get(id(plan), False)
+        span, long = max(used, default=-1) + 1, plan.decode_keys >= LONG_CONTEXT
         for key in plan_keys(plan, span, num_slots, long):
             entry = met.setdefault(key, {"first_plan": i, "uses": 0, "at_start": key in at_start})
             entry["uses"] += 1
@@ -161,7 +147,7 @@ def main() -> None:
         ap.error("--jitter must be >= 0")
     num_slots = args.max_num_seqs or args.concurrency
     report = {"settings": {k: str(v) for k, v in vars(args).items()}}
-    report |= variants(*replay(args), num_slots)
+    report |= variants(replay(args), num_slots)
     if args.json:
         print(json.dumps(report))
         return
@@ -169,7 +155,7 @@ def main() -> None:
         f"{report['plans']} plans, {report['riding_plans']} with a riding wave, "
         f"{len(report['variants'])} graph variants met, {len(report['first_use'])} of them "
         "not captured at start-up (each a stall for the requests in flight); "
-        f"{report['long_context_variants']} with tables past {LONG_CONTEXT} keys "
+        f"{report['long_context_variants']} with contexts past {LONG_CONTEXT} keys "
         "(captured on first use before 7444e6c):"
     )
     for entry in report["first_use"]:

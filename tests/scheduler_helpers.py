@@ -27,8 +27,9 @@ read (prefill and decode) finds the right token at the version its layout promis
 write or read goes past the end of a table (the scheduler must reserve every block a window
 needs before it runs: tables cover min(position + window, max_positions)), that the mirror of
 the tables equals the scheduler's after every plan, that a window never exceeds the configured
-decode window, and that only slots of unfinished requests run. Sampled tokens are
-`token_for(request id, position)`.
+decode window, that no decode row attends to more keys than its plan's `decode_keys` bound (the
+worker's attention launch plan follows it), and that only slots of unfinished requests run.
+Sampled tokens are `token_for(request id, position)`.
 """
 
 from __future__ import annotations
@@ -315,6 +316,7 @@ class FakeWorker:
             # window, planned before these results are seen)
             assert not any(s.active for s in self.slots.values()), "decode stalled"
         start = len(self.traversals)
+        self._keys = plan.decode_keys
         for _ in range(plan.decode_traversals):
             events += self._traversal()
         self.windows.append((start, len(self.traversals)))
@@ -445,6 +447,9 @@ class FakeWorker:
             plane = 0 if self.shared else loop
             self._write(s, plane, pos, loop)
             self._check_reads(s, plane, pos, loop)
+            assert pos + 1 <= self._keys, (
+                f"{rid} attends to {pos + 1} keys, the plan said {self._keys}"
+            )
             rows.append(Row(rid, loop, pos))
             assert s.tracker is not None
             if not s.tracker.step(self.hazard(rid, loop, pos)):

@@ -103,6 +103,10 @@ class StepPlan:
     prefill: tuple[tuple[PrefillChunk, ...], ...] = ()
     decode_traversals: int = 0
     wave_rides: bool = False
+    # The most keys a decode row of the window may attend to (an upper bound). The worker picks
+    # attention's launch plan by it: the tables' capacity would take the long-context plan
+    # from the first token of every request whose prompt + max_tokens is reserved past it.
+    decode_keys: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -250,6 +250,23 @@ class Scheduler(Admission):
     def plans_in_flight(self) -> int:
         return len(self._in_flight)
 
+    def _decode_keys(self, decoding: list[Request]) -> int:
+        """The most keys a row of this plan's window may attend to: its newest token's
+        position as known here (a first token in flight or sampled now: the prompt length)
+        plus every traversal that may run before the plan after this one is built (the
+        windows in flight and this one, `_window_end`'s reach), each moving a row at most one
+        position on; never past the request's last position."""
+        reach = self.decode_window * self.lookahead
+        return max(
+            (
+                self._window_end(
+                    r, reach, r.decode_position if r.stage is Stage.DECODE else r.prompt_len
+                )
+                for r in decoding
+            ),
+            default=0,
+        )
+
     @staticmethod
     def _window_end(req: Request, window: int, position: int | None = None) -> int:
         """KV positions a request may need by the end of a window of `window` traversals
@@ -332,6 +349,7 @@ class Scheduler(Admission):
             prefill=waves,
             decode_traversals=traversals,
             wave_rides=rides,
+            decode_keys=self._decode_keys(decoding),
         )
         chunks, self._chunks = self._chunks, []
         if register:

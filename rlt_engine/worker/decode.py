@@ -43,7 +43,7 @@ class Flags:
     any_filter: bool
     num_logprobs: int | None
     early_exits: bool
-    long_context: bool = False  # tables reach LONG_CONTEXT keys: attention's launch plan
+    long_context: bool = False  # rows may attend to LONG_CONTEXT keys: attention's launch plan
 
 
 class EventBuffers:

@@ -188,7 +188,9 @@ class ModelRunner:
             rider, waves = self._rider(waves[0], layout), ()
         firsts = [self._prefill(wave) for wave in waves]
         window = (
-            self._decode(plan.decode_traversals, rider, layout) if plan.decode_traversals else None
+            self._decode(plan.decode_traversals, plan.decode_keys, rider, layout)
+            if plan.decode_traversals
+            else None
         )
         return self._start_read_back([f for f in firsts if f is not None], window)
 
@@ -201,7 +203,7 @@ class ModelRunner:
     def startup_flags(self, variants: list[Flags]) -> list[Flags]:
         """The decode-graph flags start-up captures for `variants` (the sampling flags of
         default requests): each with every attention launch plan a window of them may need.
-        On Triton that is two (tables below LONG_CONTEXT keys or not, `_long_context`), so a
+        On Triton that is two (contexts below LONG_CONTEXT keys or not, `long_context`), so a
         request whose context grows past it captures nothing while serving."""
         plans = (False, True) if self._has_long_context_plan() else (False,)
         return [dataclasses.replace(f, long_context=p) for f in variants for p in plans]
@@ -310,13 +312,15 @@ class ModelRunner:
     def _decode(
         self,
         traversals: int,
+        keys: int,
         rider: RidingWave | None = None,
         layout: WaveLayout | None = None,
     ) -> _Window | None:
+        """`keys`: the most keys a row may attend to in this window (`StepPlan.decode_keys`)."""
         b = self.slots.span()
         if b == 0:
             return None
-        flags = Flags(*self.slots.flags(), long_context=self._long_context())
+        flags = Flags(*self.slots.flags(), long_context=self.long_context(keys))
         ev = self.events
         if traversals > ev.window:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")
@@ -343,19 +347,14 @@ class ModelRunner:
             self.traversal(b, flags, rider if t < self.depth else None)
         return _Window(traversals, b, flags, base)
 
-    def _long_context(self) -> bool:
-        """Whether this window takes the attention's long-context launch plan: the Triton
-        attention picks its kernel and split-K by it (a static variant: the kernel cannot read
-        seq_lens on the host)."""
-        return self._has_long_context_plan() and self.tables_reach_long_context()
+    def long_context(self, keys: int) -> bool:
+        """Whether a window whose rows attend to at most `keys` keys takes the attention's
+        long-context launch plan: the Triton attention picks its kernel and split-K by it (a
+        static variant: the kernel cannot read seq_lens on the host). Both plans are exact."""
+        return self._has_long_context_plan() and keys >= LONG_CONTEXT
 
     def _has_long_context_plan(self) -> bool:
         return isinstance(self.kv, TritonPagedAttention)
-
-    def tables_reach_long_context(self) -> bool:
-        """Whether the slots' tables hold LONG_CONTEXT keys (their capacity, not the
-        positions reached)."""
-        return self.slots.max_context(self.block_size) >= LONG_CONTEXT
 
     # -- the one read back ---------------------------------------------------------------
     def _start_read_back(self, firsts: list[_FirstTokens], window: _Window | None) -> Launched:

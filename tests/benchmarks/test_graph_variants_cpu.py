@@ -33,12 +33,14 @@ def test_a_lone_request_needs_only_start_up_graphs():
     assert report["long_context_variants"] == 0
 
 
-def test_tables_past_long_context_take_the_other_plan_captured_at_start_up():
-    # the plan follows the tables' capacity: admission reserves the whole request, so 150
-    # prompt tokens and 64 to go hold 14 blocks of 16 = 224 keys from the first window on
+def test_contexts_past_long_context_take_the_other_plan_captured_at_start_up():
+    # the plan follows the context, not the tables: admission reserves the whole request (150
+    # prompt tokens and 64 to go: 14 blocks of 16 = 224 keys from the first window on), yet
+    # the first windows attend to fewer than 200 keys and take the short plan
     report = _report("-c", "2", "--num-prompts", "2", "--input-len", "150", "--output-len", "64")
-    keys = {tuple(v["key"]) for v in report["variants"]}
-    assert keys == {("prefill", 512), ("decode", 2, True)}
+    keys = {tuple(v["key"]): v for v in report["variants"]}
+    assert set(keys) == {("prefill", 512), ("decode", 2, False), ("decode", 2, True)}
+    assert keys[("decode", 2, False)]["first_plan"] < keys[("decode", 2, True)]["first_plan"]
     assert report["long_context_variants"] == 1 and report["first_use"] == []
 
 
