@@ -212,6 +212,8 @@ class FakeWorker:
         (planning a window ahead, lookahead 2, the newest plan stays in flight while the one
         before it is applied); with nothing left, flush the bookkeeping."""
         plan = self.sched.schedule()
+        seqs = [r.arrival_seq for r in self.sched.waiting]
+        assert seqs == sorted(seqs), "the waiting queue left arrival order"
         if plan is not None:
             self.launched.append((plan, self.execute(plan)))
         keep = 1 if self.sched.lookahead == 2 and plan is not None else 0

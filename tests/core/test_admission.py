@@ -519,3 +519,21 @@ def test_random_workloads_under_every_policy_match_serial_semantics(seed):
     worker.flush()  # pending bookkeeping of the last aborts
     assert_clean(worker)
     check_outputs(worker, [r for _, _, r in specs if r.request_id not in aborted])
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_requeued_before_it_started_keeps_its_place(policy):
+    """Preempted while its slot init is still pending, a request goes back to the queue in
+    arrival order, ahead of later arrivals, and is the next one admitted (FCFS reads the best
+    candidate off the head of the queue)."""
+    s = make_scheduler(
+        max_num_seqs=2, incremental_kv=True, enable_preemption=True, scheduling_policy=policy
+    )
+    reqs = [s.add(make_request(f"r{i}", 3, 4)) or s.waiting[-1] for i in range(4)]
+    s.admit()
+    assert [r.request_id for r in s.running] == ["r0", "r1"]
+    s.preempt(reqs[1])  # admitted in this plan, never ran: nothing to snapshot
+    assert [r.request_id for r in s.waiting] == ["r1", "r2", "r3"]
+    assert s._best_queued() is reqs[1]
+    s.admit()
+    assert [r.request_id for r in s.running] == ["r0", "r1"]
