@@ -29,21 +29,24 @@ def test_cuda_engine_matches_cpu_engine_fp32(tiny_ouro_dir, threshold):
 def test_cuda_preemption_in_a_tight_pool_matches_cpu(tiny_ouro_dir, threshold):
     """Incremental KV and preemption (`rlt serve`'s defaults) in a pool that holds about two of
     the six requests: snapshots go to host memory and come back while windows are in flight
-    (asynchronous, graphs); the tokens and exit depths are the CPU's, nothing is left behind."""
+    (asynchronous, graphs); the tokens and exit depths are the CPU's, nothing is left behind.
+    The pool and lengths are chosen so that the asynchronous schedule preempts too (8 times on
+    the CPU): its reservation reaches two windows ahead, so 48 blocks and 12 tokens, which
+    preempt synchronously, did not preempt at all on CUDA."""
 
-    def run(device: str) -> tuple[list, int]:
+    def run(device: str, num_blocks: int | None = 56) -> tuple[list, int]:
         llm = LLM(
             str(tiny_ouro_dir),
             dtype="float32",
             device=device,
             block_size=4,
-            num_blocks=48,
+            num_blocks=num_blocks,
             incremental_kv=True,
             enable_preemption=True,
             watermark=0.0,
         )
         prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(6)]
-        params = SamplingParams(max_tokens=12, ignore_eos=True, exit_threshold=threshold)
+        params = SamplingParams(max_tokens=24, ignore_eos=True, exit_threshold=threshold)
         outs = llm.generate(prompts, params)
         engine = llm.engine
         assert engine.blocks.num_used == 0 and engine.runner.snapshots == {}
@@ -51,7 +54,7 @@ def test_cuda_preemption_in_a_tight_pool_matches_cpu(tiny_ouro_dir, threshold):
 
     cuda, preemptions = run("cuda")
     assert preemptions > 0
-    assert cuda == run("cpu")[0] == _run(tiny_ouro_dir, "cpu", threshold)
+    assert cuda == run("cpu")[0] == run("cpu", num_blocks=None)[0]  # tight = roomy
 
 
 def test_cuda_seeded_sampling_is_batch_invariant(tiny_ouro_dir):
