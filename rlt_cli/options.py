@@ -34,7 +34,8 @@ HELP: dict[str, str] = {
     "kv_layout": "last_exited (exact, one KV plane per loop) or shared (one plane, "
     "approximate, 1/D the memory).",
     "enable_prefix_caching": "Reuse the KV of shared prompt prefixes (last_exited only).",
-    "incremental_kv": "Grow KV pages as requests advance instead of reserving at admission.",
+    "incremental_kv": "Grow KV pages as requests advance (--no-incremental-kv: reserve each "
+    "request's whole length at admission).",
     "watermark": "With --incremental-kv: share of blocks kept free when admitting.",
     "kv_cache_memory": "KV-cache size in bytes (overrides automatic sizing).",
     "gpu_memory_utilization": "CUDA: share of GPU memory the engine may use (model, "
@@ -84,15 +85,9 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def engine_parameters(on_by_default: dict[str, str] | None = None) -> list[inspect.Parameter]:
-    """The engine's flags. `on_by_default`: engine switches (off in the engine) that this
-    command turns on unless told `--no-...`, with the help's reason; the command applies them
-    (`to_field_values` leaves them out when not given)."""
-    on = on_by_default or {}
+def engine_parameters() -> list[inspect.Parameter]:
     return [
         _parameter(f, get_type_hints(cls)[f.name], "Engine")
-        if f.name not in on
-        else _parameter(f, bool, "Engine", f"{HELP[f.name]} On by default here: {on[f.name]}", None)
         for cls in ENGINE_CLASSES
         for f in fields(cls)
     ]

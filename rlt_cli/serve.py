@@ -38,16 +38,6 @@ SERVER_HELP = {
     "api_server_count": "API server processes (one event loop each) on one socket, all served "
     "by one engine process; more than 1 when one event loop cannot keep up.",
 }
-# Served requests often leave max_tokens out, and a chat completion then may run to the end
-# of the context (as in vLLM and OpenAI): reserving each request's whole lifetime at admission
-# would let one such request hold the KV pool of Ouro's 65,536 positions. So the server grows
-# pages as requests advance, and one that cannot grow is snapshotted to CPU memory and resumed
-# exactly. Offline runs keep the engine's default (reservation: no growth, no preemption).
-SERVING_DEFAULTS = {
-    "incremental_kv": "a chat request without max_tokens may run to the end of the context, "
-    "so reserving it whole at admission would hold the pool.",
-    "enable_preemption": "growing pages need it when the pool runs out.",
-}
 _MODEL_ARGUMENT = keyword(
     "model_argument",
     Annotated[
@@ -62,8 +52,6 @@ _MODEL_ARGUMENT = keyword(
 
 def _run(values: dict[str, Any]) -> None:
     engine_options = to_field_values(values, [f.name for f in engine_fields()])
-    for name in SERVING_DEFAULTS:
-        engine_options.setdefault(name, True)
     positional = values["model_argument"]
     if positional is not None:
         if engine_options.get("model") not in (None, positional):
@@ -106,5 +94,5 @@ def run_until_stopped(uvicorn_server: Any) -> None:
 
 def serve_command() -> Any:
     server = dataclass_parameters(ServerConfig, "Server", SERVER_HELP)
-    parameters = [_MODEL_ARGUMENT, *engine_parameters(SERVING_DEFAULTS), *server]
+    parameters = [_MODEL_ARGUMENT, *engine_parameters(), *server]
     return callback(_run, parameters, HELP)

@@ -60,7 +60,14 @@ class CacheConfig:
     block_size: int = 16
     kv_layout: KVLayout = KVLayout.LAST_EXITED
     enable_prefix_caching: bool = False
-    incremental_kv: bool = False  # grow pages as requests advance instead of reserving
+    # Grow pages as requests advance instead of reserving each one's whole length at
+    # admission: a request without max_tokens may run to the end of the context (65,536
+    # positions for Ouro), and most end early, so a reservation would hold the pool. With
+    # enable_preemption, one that cannot grow is snapshotted to host memory and resumed
+    # exactly. Against the reservation at 64/32 (fixed lengths, a roomy pool: its best case):
+    # equal on an H100 at c = 1..256, 0.7-0.9% slower at c >= 64 on an H200
+    # (benchmarks/results/2026-12-06-growth-default-and-adaptive-h200.md).
+    incremental_kv: bool = True
     watermark: float = 0.01  # share of blocks kept free when admitting with incremental_kv
     # Pool size: num_blocks wins, then kv_cache_memory (bytes), then automatic sizing
     # (CUDA: profile a maximal step under gpu_memory_utilization; CPU: a small default).
@@ -98,7 +105,7 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512
     refill: bool = True  # False = a decode cohort runs until all its tokens exit
     scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` value first)
-    enable_preemption: bool = False  # snapshot to CPU on memory pressure or priority
+    enable_preemption: bool = True  # snapshot to CPU on memory pressure or priority
     max_bypass: int = 32  # priority: a waiting request is overtaken at most this often
 
     def __post_init__(self) -> None:

@@ -127,10 +127,12 @@ def test_abort_at_every_stage_frees_everything(ckpt, stage):
     else:
         assert out is not None and out.finished and out.finish_reason == "abort"
         assert _find(llm, "v") is None
-    # the victim's blocks are back at once: only the neighbours' reservations remain
+    # the victim's blocks are back at once: only the neighbours' tables remain
     blocks = engine.blocks
     running = engine.scheduler.running
-    assert blocks.num_used == sum(blocks.blocks_needed(r.max_positions) for r in running)
+    assert blocks.owned_blocks("v") == []
+    held = [t for r in running for t in blocks.owned_blocks(r.request_id)]
+    assert blocks.num_used == sum(len(t) for t in held)
     assert engine.abort_request("v") is None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -355,7 +355,7 @@ PRIORITIES = [3, 1, 2, 0, 3, 1]
 LIFETIME = max(len(q) + p.max_tokens - 1 for q, p in WORKLOAD + REUSED)  # 9 positions
 
 TIGHT = [
-    pytest.param(dict(incremental_kv=True), 1, id="incremental"),
+    pytest.param(dict(incremental_kv=True, enable_preemption=False), 1, id="incremental"),
     pytest.param(dict(incremental_kv=True, enable_preemption=True), 1, id="incr-preempt"),
     pytest.param(
         dict(incremental_kv=True, enable_preemption=True, scheduling_policy="priority"),
@@ -363,7 +363,9 @@ TIGHT = [
         id="incr-preempt-priority",
     ),
     pytest.param(
-        dict(enable_preemption=True, scheduling_policy="priority"), 3, id="priority-preempt"
+        dict(incremental_kv=False, enable_preemption=True, scheduling_policy="priority"),
+        3,
+        id="priority-preempt",
     ),
     pytest.param(
         dict(kv_layout="shared", incremental_kv=True, enable_preemption=True),

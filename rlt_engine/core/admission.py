@@ -4,13 +4,15 @@
   first, arrival breaks ties) and never lets a later candidate overtake one that does not fit.
   Under priority, a waiting request overtaken `max_bypass` times is promoted to the front, so
   long or low-priority requests cannot starve forever.
-- Reservation: by default a request reserves KV for its whole lifetime at admission. With
-  `incremental_kv` tables grow as it advances; without preemption, admission then accounts for
-  the growth every admitted request may still need, so growth never fails.
-- Preemption (opt-in) snapshots a request's pages of every plane and its device state to host
-  memory and frees them; resuming restores them exactly into new pages (no recompute). It runs
-  on memory pressure during growth (the worst-ranked request goes) and, under priority, when
-  a candidate outranks running requests of strictly lower priority.
+- Growth (`incremental_kv`, the default): admission allocates a request's prompt and its
+  tables grow as it advances. Without preemption, admission accounts for the growth every
+  admitted request may still need, so growth never fails. Reservation (`incremental_kv` off):
+  a request reserves KV for its whole lifetime at admission.
+- Preemption (`enable_preemption`, the default) snapshots a request's pages of every plane and
+  its device state to host memory and frees them; resuming restores them exactly into new
+  pages (no recompute). It runs on memory pressure during growth (the worst-ranked request
+  goes) and, under priority, when a candidate outranks running requests of strictly lower
+  priority.
 """
 
 from __future__ import annotations
