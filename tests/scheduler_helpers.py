@@ -82,6 +82,7 @@ def make_scheduler(
     decode_window: int = 1,
     lookahead: int = 1,
     max_ride_rows: int | None = None,
+    scheduler_class: type[Scheduler] = Scheduler,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -102,7 +103,7 @@ def make_scheduler(
     )
     planes = 1 if kv_layout == "shared" else depth
     blocks = BlockManager(num_blocks, block_size, planes, enable_prefix_caching)
-    return Scheduler(
+    return scheduler_class(
         config, blocks, depth, cache, decode_window, lookahead, max_ride_rows=max_ride_rows
     )
 

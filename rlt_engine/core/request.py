@@ -22,6 +22,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0  # arrival order, set by the scheduler
     bypassed: int = 0  # times a later arrival was admitted first (bounded under priority)
+    # priority, while queued: later arrivals admitted when it joined the queue
+    # (`Admission._bypassed` adds those admitted since to `bypassed`)
+    bypass_mark: int | None = None
     snapshot: int | None = None  # id of its host snapshot while preempted
     snapshot_tokens: int = 0  # KV positions its tables covered when it was preempted
     num_preemptions: int = 0
