@@ -34,6 +34,8 @@ from property_workloads import (
 
 from rlt_engine import LLM
 
+# every example and the check of their tally on one xdist worker (pyproject's --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("engine-property")
 AXES = Axes(block_sizes=(1, 2, 3, 4, 16), max_requests=6, max_num_seqs=5)
 TALLY = Tally()
 

@@ -39,6 +39,8 @@ from property_workloads import (
 
 from rlt_engine import LLM, SamplingParams
 
+# every example and the check of their tally on one xdist worker (pyproject's --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("memory-policies-property")
 AXES = Axes(block_sizes=(1, 2, 3, 4), sampled=True, memory_knobs=True)
 TALLY = Tally()
 
