@@ -101,8 +101,7 @@ class Admission:
     def finish(self, req: Request, reason: str) -> None:
         if req.finished:
             return
-        self._requeued.pop(id(req), None)
-        req.bypassed, req.bypass_mark = self._bypassed(req), None
+        self._dequeued(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.swapped:
@@ -147,8 +146,15 @@ class Admission:
             return
         req.bypass_mark = self._overtakes.later(req.arrival_seq)
         if req.snapshot is None:
-            entry = (req.params.priority, req.arrival_seq, next(self._pushes), req)
-            heapq.heappush(self._by_priority, entry)
+            heapq.heappush(self._by_priority, self._heap_entry(req))
+
+    def _dequeued(self, req: Request) -> None:
+        """`req` left the queue (admitted, resumed or finished): its count freezes."""
+        req.bypassed, req.bypass_mark = self._bypassed(req), None
+        self._requeued.pop(id(req), None)
+
+    def _heap_entry(self, req: Request) -> tuple[int, int, int, Request]:
+        return (req.params.priority, req.arrival_seq, next(self._pushes), req)
 
     # -- admission -----------------------------------------------------------------------
     def admit(self) -> None:
@@ -241,9 +247,7 @@ class Admission:
         finished since they were pushed) are dropped on the way."""
         heap = self._by_priority
         if len(heap) > 2 * len(self.waiting) + 64:  # mostly stale: rebuild from the queue
-            heap[:] = [
-                (r.params.priority, r.arrival_seq, next(self._pushes), r) for r in self.waiting
-            ]
+            heap[:] = [self._heap_entry(r) for r in self.waiting]
             heapq.heapify(heap)
         while heap and heap[0][3].stage is not Stage.WAITING:
             heapq.heappop(heap)
@@ -255,8 +259,7 @@ class Admission:
         admission takes the earliest arrival."""
         if not self.priority:
             return
-        admitted.bypassed, admitted.bypass_mark = self._bypassed(admitted), None
-        self._requeued.pop(id(admitted), None)
+        self._dequeued(admitted)
         self._overtakes.admitted(admitted.arrival_seq)
         if self._overtakes.span > REBASE_SPAN:
             # forget arrivals older than every request that is or may again be queued, so the
@@ -269,7 +272,7 @@ class Admission:
     # -- preemption ----------------------------------------------------------------------
     def _preempt_for(self, cand: Request) -> bool:
         """Priority: make room for `cand` by preempting strictly lower-priority requests."""
-        if not (self.config.enable_preemption and self.config.scheduling_policy == "priority"):
+        if not (self.config.enable_preemption and self.priority):
             return False
         # Only strictly lower *declared* priority. A request promoted by the bypass bound goes
         # first in the queue but preempts no peers, and is itself never preempted for priority
