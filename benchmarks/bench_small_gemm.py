@@ -282,6 +282,8 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
         f"FIELDS = {FIELDS!r}",
         "TABLE: dict = {",
         f'    "device": {json.dumps(meta["device"])},',
+        f'    "capability": {json.dumps(meta["capability"])},',
+        f'    "sms": {meta["sms"]},',
         f'    "triton": {json.dumps(meta["triton"])},',
         f'    "torch": {json.dumps(meta["torch"])},',
         '    "entries": {',
@@ -423,6 +425,8 @@ def main() -> None:
     copy_bps = copy_bandwidth()
     meta = {
         "device": torch.cuda.get_device_name(DEVICE),
+        "capability": "{}.{}".format(*torch.cuda.get_device_capability(DEVICE)),
+        "sms": torch.cuda.get_device_properties(DEVICE).multi_processor_count,
         "triton": triton.__version__,
         "torch": torch.__version__,
         "copy_tb_s": copy_bps / 1e12,

@@ -85,9 +85,9 @@ _PREFER_TRITON = _MODE == "triton"
 
 def dispatch_mode(device: torch.device) -> str:
     """What `linear` dispatches by on `device`: "cublas" (RLT_SMALL_GEMM=0, or no table for
-    this device: not CUDA, another GPU model or Triton version), else "table" (or "triton"
-    with RLT_SMALL_GEMM=triton), with "+ws" where the table has rows for the warp-specialised
-    kernel and it runs here."""
+    this device: not CUDA, another GPU layout or Triton version; see `table_applies`), else
+    "table" (or "triton" with RLT_SMALL_GEMM=triton), with "+ws" where the table has rows for
+    the warp-specialised kernel and it runs here."""
     entries = None if _DISABLED or device.type != "cuda" else _table_for(device)
     if entries is None:
         return "cublas"
@@ -133,18 +133,30 @@ def _table_for(device: torch.device) -> dict | None:
     if index not in _TABLES:
         from rlt_engine.kernels.small_gemm_table import TABLE
 
-        ok = (
-            supported(device)[0]
-            and TABLE.get("device") == torch.cuda.get_device_name(index)
-            and TABLE.get("triton") == _triton_version()
-        )
+        props = torch.cuda.get_device_properties(index) if supported(device)[0] else None
+        ok = props is not None and table_applies(
+            TABLE, props.name, f"{props.major}.{props.minor}", props.multi_processor_count,
+            _triton_version(),
+        )  # fmt: skip
         _TABLES[index] = TABLE.get("entries", {}) if ok else None
     return _TABLES[index]
 
 
+def table_applies(
+    table: dict, name: str, capability: str, sms: int, triton_version: str | None
+) -> bool:
+    """Whether `table` (small_gemm_table.TABLE) serves a GPU: the same Triton, and the GPU it
+    was tuned on or one of the same architecture and SM count (an H100 SXM takes the H200's:
+    the same kernels fill the same 132 SMs; only the bytes come at another rate)."""
+    if table.get("triton") != triton_version:
+        return False
+    same_layout = (table.get("capability"), table.get("sms")) == (capability, sms)
+    return table.get("device") == name or same_layout
+
+
 def tuned_for(device: torch.device) -> bool:
-    """Whether the measured table (small_gemm_table.py) applies to `device`: the GPU it was
-    tuned on and the same Triton. Elsewhere every GEMM takes the untuned defaults."""
+    """Whether the measured table (small_gemm_table.py) applies to `device` (`table_applies`).
+    Elsewhere every GEMM takes cuBLAS."""
     return device.type == "cuda" and _table_for(device) is not None
 
 

@@ -10,6 +10,8 @@ benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them
 FIELDS = ("backend", "block_n", "block_k", "split_k", "num_warps", "num_stages", "us", "cublas_us")
 TABLE: dict = {
     "device": "NVIDIA H200",
+    "capability": "9.0",
+    "sms": 132,
     "triton": "3.6.0",
     "torch": "2.11.0+cu130",
     "entries": {

@@ -84,7 +84,7 @@ def test_the_gate_up_is_tuned_as_the_model_runs_it():
 
 def test_the_table_names_the_shapes_checked_in_decode(tmp_path):
     bench = _module()
-    meta = {"device": "GPU", "triton": "3.6.0", "torch": "2.11"}
+    meta = {"device": "GPU", "capability": "9.0", "sms": 132, "triton": "3.6.0", "torch": "2.11"}
     bench.write_table(tmp_path / "plain.py", meta, NEW)
     assert "checked in decode" not in (tmp_path / "plain.py").read_text()
     report = {"m": {"new": {}, "64x32": {"kept": "new"}, "96x32": {"kept": "old"}, "final": {}}}

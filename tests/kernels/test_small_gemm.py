@@ -170,6 +170,20 @@ def test_gated_dispatch_takes_the_kernel_where_the_table_prefers_cublas():
     assert torch.equal(linear(x, w, gate=torch.tensor(False)), F.linear(x, w))  # CPU: runs
 
 
+def test_the_table_serves_its_gpu_and_those_of_the_same_layout_on_its_triton():
+    table = {"device": "NVIDIA H200", "capability": "9.0", "sms": 132, "triton": "3.6.0"}
+    assert small_gemm.table_applies(table, "NVIDIA H200", "9.0", 132, "3.6.0")
+    assert small_gemm.table_applies(table, "NVIDIA H100 80GB HBM3", "9.0", 132, "3.6.0")
+    assert not small_gemm.table_applies(table, "NVIDIA H200", "9.0", 132, "3.5.1")
+    assert not small_gemm.table_applies(table, "NVIDIA H100 PCIe", "9.0", 114, "3.6.0")
+    assert not small_gemm.table_applies(table, "NVIDIA A100-SXM4-80GB", "8.0", 108, "3.6.0")
+    assert not small_gemm.table_applies(table, "NVIDIA H200", "9.0", 132, None)  # no triton
+    legacy = {"device": "NVIDIA H200", "triton": "3.6.0"}  # a table without the layout
+    assert small_gemm.table_applies(legacy, "NVIDIA H200", "9.0", 132, "3.6.0")
+    assert not small_gemm.table_applies(legacy, "NVIDIA H100 80GB HBM3", "9.0", 132, "3.6.0")
+    assert {"capability", "sms"} <= set(TABLE)  # the committed table names its layout
+
+
 def test_dispatch_mode_says_what_runs(monkeypatch):
     """cuBLAS off CUDA and where no table was tuned for the GPU; "+ws" only where the table
     has warp-specialised rows and that kernel runs on the device."""
