@@ -15,7 +15,9 @@ outputs, fixed depth 4) at each `--concurrency` (5 repeats) and at each `--long 
 repeats); then the sha256 of the greedy token ids of 8 prompts (equal hashes: the variants' bf16
 outputs agree). One JSON line on stdout, appended to OUT/ab.jsonl. `--set` applies before the
 engine is built, so its CUDA graphs capture the change; so does `--row KEY=ROW`, which replaces
-one row of the small-GEMM table (kernels/small_gemm_table: a GEMM config tried in place). H200
+one row of the small-GEMM table (kernels/small_gemm_table: a GEMM config tried in place);
+`--engine NAME=VALUE` passes an engine argument (`--engine incremental_kv=False --engine
+enable_preemption=False`: the KV reservation instead of growth). H200
 machines differ by a few percent: alternate the variants within one device call (base, new,
 new, base) and compare only rows of one call.
 """
@@ -46,6 +48,18 @@ def parse_set(text: str) -> tuple[str, str, object]:
     except (ValueError, SyntaxError):
         raise ValueError(f"--set {target}: {value!r} is not a Python literal") from None
     return module, attr, literal
+
+
+def parse_engine(text: str) -> tuple[str, object]:
+    """'incremental_kv=False' -> ('incremental_kv', False): an `LLM(...)` keyword argument."""
+    name, sep, value = text.partition("=")
+    try:
+        literal = ast.literal_eval(value) if sep and name.isidentifier() else None
+    except (ValueError, SyntaxError):
+        literal = None
+    if literal is None:
+        raise ValueError(f"--engine expects NAME=VALUE (a Python literal), got {text!r}")
+    return name, literal
 
 
 def parse_long(text: str) -> tuple[int, int]:
@@ -122,6 +136,7 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, default=ROOT, help="a directory holding rlt_engine")
     ap.add_argument("--set", dest="sets", action="append", default=[], type=parse_set)
     ap.add_argument("--row", dest="rows", action="append", default=[], type=parse_row)
+    ap.add_argument("--engine", dest="engine", action="append", default=[], type=parse_engine)
     ap.add_argument("--concurrency", default="1,8", help="comma-separated, 64-token prompts")
     ap.add_argument("--long", action="append", default=[], type=parse_long)
     ap.add_argument(
@@ -140,10 +155,12 @@ def main() -> None:
     t0 = time.time()
     concurrencies = [int(x) for x in args.concurrency.split(",") if x]
     model = {"ouro": hd.OURO, "nanbeige": hd.NANBEIGE}[args.model]
-    llm = hd._engine(model, max_num_seqs=slots_for(concurrencies, args.long))
+    slots = slots_for(concurrencies, args.long)
+    llm = hd._engine(model, max_num_seqs=slots, **dict(args.engine))
     row: dict = {"label": args.label, "model": args.model, "rlt_engine": str(package)}
     row["set"] = [f"{m}.{a}={v!r}" for m, a, v in args.sets]
     row["set"] += [f"table[{k}]={v!r}" for k, v in args.rows]
+    row["engine"] = {name: value for name, value in args.engine}
     for c in concurrencies:
         r = hd._median_rate(llm, c, repeats=5)
         row[f"c{c}"], row[f"c{c}_runs"] = r["decode_tok_s_median"], r["decode_tok_s_runs"]

@@ -5,9 +5,13 @@ sequence of a cell has the same context; blocks are shuffled over the pool. Time
 ms: `triton` with triton.testing.do_bench (eager, includes the Python launch), `graph` with
 do_bench_cudagraph (GPU time, as inside the engine's CUDA graphs), per num_splits; `torch` is
 the torch backend's math (gather K/V by slot, fp32 masked softmax). GB/s = K/V bytes read / best
-graph time; err = max |triton - torch| over the splits. --kernel / --block-n / --num-warps /
---num-stages try other kernels and launch options (through the private `_launch`; by default
-the choices `paged_attention` makes).
+graph time; err = max |triton - torch| over the splits. --layout places the blocks in a pool of
+--pool-blocks (default: just the blocks used): shuffled (a random permutation), contiguous (each
+sequence one run), interleaved (block j of sequence i at j * seqs + i: a batch that grew one
+block per sequence at a time), or grown (the first --prompt-blocks of each sequence one run, the
+rest interleaved after them: the engine's growing KV without spare blocks). --kernel /
+--block-n / --num-warps / --num-stages try other kernels and launch options (through the
+private `_launch`; by default the choices `paged_attention` makes).
 
     python benchmarks/bench_paged_attention.py                      # table + JSON to $OUT if set
     python benchmarks/bench_paged_attention.py --concurrency 8 --contexts 4096 --splits 1 4 16
@@ -36,12 +40,11 @@ def make_inputs(num_seqs, q_len, ctx, args, dtype, gen):
     `q_len` positions (of `ctx`) are queries."""
     bs = args.block_size
     per_seq = math.ceil(ctx / bs)
-    num_blocks = num_seqs * per_seq
+    num_blocks = max(num_seqs * per_seq, args.pool_blocks or 0)
     shape = (num_blocks * bs, args.kv_heads, args.head_dim)
     k = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
     v = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
-    tables = perm.view(num_seqs, per_seq).contiguous()
+    tables = block_tables(args.layout, num_seqs, per_seq, args.prompt_blocks, num_blocks, gen)
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
     query_start = torch.arange(0, num_seqs + 1, dtype=torch.int32, device="cuda") * q_len
     q = torch.randn(
@@ -50,6 +53,28 @@ def make_inputs(num_seqs, q_len, ctx, args, dtype, gen):
     pos = torch.arange(ctx, device="cuda")
     slots = tables[:, pos // bs].long() * bs + pos % bs  # what the torch backend is handed
     return q, k, v, tables, seq_lens, query_start, slots
+
+
+def block_tables(layout, num_seqs, per_seq, prompt_blocks, num_blocks, gen) -> torch.Tensor:
+    """[num_seqs, per_seq] int32 physical blocks of a pool of `num_blocks` (see the module doc);
+    the used blocks start at a random offset in the pool, as a FIFO free list leaves them."""
+    used = num_seqs * per_seq
+    if layout == "shuffled":
+        order = torch.randperm(num_blocks, device="cuda", generator=gen)[:used]
+        return order.to(torch.int32).view(num_seqs, per_seq).contiguous()
+    seq = torch.arange(num_seqs, device="cuda")[:, None]
+    j = torch.arange(per_seq, device="cuda")[None, :]
+    if layout == "contiguous":
+        local = seq * per_seq + j
+    elif layout == "interleaved":
+        local = j * num_seqs + seq
+    else:  # grown
+        first = min(prompt_blocks, per_seq)
+        local = torch.where(
+            j < first, seq * first + j, num_seqs * first + (j - first) * num_seqs + seq
+        )
+    start = int(torch.randint(0, num_blocks - used + 1, (1,), device="cuda", generator=gen))
+    return (local + start).to(torch.int32).contiguous()
 
 
 def torch_reference(q, k, v, slots, q_len, scale):
@@ -146,6 +171,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument(
+        "--layout", choices=("shuffled", "contiguous", "interleaved", "grown"), default="shuffled"
+    )
+    parser.add_argument("--pool-blocks", type=int, default=0, help="blocks in the pool")
+    parser.add_argument("--prompt-blocks", type=int, default=4, help="--layout grown: first run")
     parser.add_argument("--num-warps", type=int, default=None, help="kernel launch option")
     parser.add_argument("--num-stages", type=int, default=None, help="kernel launch option")
     parser.add_argument("--block-n", type=int, default=None, help="keys per inner tile")

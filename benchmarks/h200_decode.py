@@ -247,34 +247,44 @@ def adaptive_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
     (<= 128 after its first token: 128 // d tokens), so all slots decode from the first token
     to the end together; no refills, no prefill, no stragglers. Against the same cohort at fixed
     depth 4 (32 tokens each), the ideal gain is the ratio of tokens per traversal; what is
-    measured includes what early exits cost (exit copies, the lm_head in more traversals)."""
+    measured includes what early exits cost (exit copies, the lm_head in more traversals).
+
+    Two adaptive cohorts (`_lockstep`): `adaptive` with the fixed cohort's 64-token prompts,
+    whose shallow requests then attend over longer contexts than the fixed ones (a depth-2
+    request commits 64 tokens against 32: more attention per token, which early exit does not
+    cause: with refills a request's length is its own), and `adaptive_equal_context`, whose
+    prompts are shortened so that every request's mean context over its decode equals the
+    fixed cohort's (64 + 32 / 2 = 80 positions)."""
     report = {}
     for slots in slot_counts:
         llm = _engine(OURO, max_num_seqs=slots)
-        prompts, fixed, adapt, depths, tokens = _lockstep(slots)
+        cohorts = _lockstep(slots)
+        depths, tokens = cohorts["depths"], cohorts["tokens"]
         rates = {}
-        for label, params in (("fixed", fixed), ("adaptive", adapt)):
+        for label in ("fixed", "adaptive", "adaptive_equal_context"):
+            prompts, params = cohorts[label]
             decode_rate(llm, prompts, params)  # warm-up: its graph variants captured
             runs = [decode_rate(llm, prompts, params)["decode_tok_s"] for _ in range(3)]
             rates[label] = {"median": statistics.median(runs), "runs": runs}
         traversals = max(n * d for n, d in zip(tokens, depths, strict=True))
         theory = (sum(tokens) / traversals) / (32 * slots / 128)
-        gain = rates["adaptive"]["median"] / rates["fixed"]["median"]
-        report[f"slots{slots}"] = {
-            **rates,
-            "depths": dict(sorted(Counter(depths).items())),
-            "theoretical_gain": theory,
-            "measured_gain": gain,
-            "share_of_loop_savings": (gain - 1) / (theory - 1),
-        }
-        print(json.dumps({f"slots{slots}": report[f"slots{slots}"]}), flush=True)
+        row = {**rates, "depths": dict(sorted(Counter(depths).items())), "theoretical_gain": theory}
+        for label, key in (("adaptive", ""), ("adaptive_equal_context", "_equal_context")):
+            gain = rates[label]["median"] / rates["fixed"]["median"]
+            row[f"measured_gain{key}"] = gain
+            row[f"share_of_loop_savings{key}"] = (gain - 1) / (theory - 1)
+        report[f"slots{slots}"] = row
+        print(json.dumps({f"slots{slots}": row}), flush=True)
         del llm
     return report
 
 
-def _lockstep(slots: int):
-    """adaptive_lockstep's cohort: (prompts, fixed-depth params, adaptive params, depths,
-    committed tokens after the first of each adaptive request)."""
+def _lockstep(slots: int) -> dict:
+    """adaptive_lockstep's cohorts: label -> (prompts, params) for `fixed` (depth 4, 64-token
+    prompts, 32 tokens after the first), `adaptive` (max_loops d from {2, 3, 4}, the same
+    prompts, 128 // d tokens after the first) and `adaptive_equal_context` (the same, prompts
+    cut to 80 - tokens // 2); `depths` and `tokens` (committed after the first) of the
+    adaptive requests."""
     draw = random.Random(3)
     depths = [draw.choice((2, 3, 4)) for _ in range(slots)]
     # committed tokens after the first, at most 128 traversals each: a request needing
@@ -287,22 +297,32 @@ def _lockstep(slots: int):
         SamplingParams(max_tokens=n + 1, ignore_eos=True, max_loops=d)
         for n, d in zip(tokens, depths, strict=True)
     ]
-    return prompts, fixed, adapt, depths, tokens
+    # mean context over a request's decode ~ prompt + tokens / 2: the fixed cohort's 80
+    cut = [p[: 64 + 16 - n // 2] for p, n in zip(prompts, tokens, strict=True)]
+    return {
+        "fixed": (prompts, fixed),
+        "adaptive": (prompts, adapt),
+        "adaptive_equal_context": (cut, adapt),
+        "depths": depths,
+        "tokens": tokens,
+    }
 
 
 def profile_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
     """Where adaptive exit's extra time goes: adaptive_lockstep's cohorts (fixed depth and
-    max_loops from {2,3,4}) under torch.profiler, GPU kernel time per decode traversal by
-    kernel name (a traversal = one exit-rule launch), and what adaptive adds over fixed."""
+    max_loops from {2,3,4}, with equal prompts and with equal mean contexts) under
+    torch.profiler, GPU kernel time per decode traversal by kernel name (a traversal = one
+    prepare launch), and what each adaptive cohort adds over fixed."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     report = {}
     for slots in slot_counts:
         llm = _engine(OURO, max_num_seqs=slots)
-        prompts, fixed, adapt, _, _ = _lockstep(slots)
+        cohorts = _lockstep(slots)
         per = {}
-        for label, params in (("fixed", fixed), ("adaptive", adapt)):
+        for label in ("fixed", "adaptive", "adaptive_equal_context"):
+            prompts, params = cohorts[label]
             decode_rate(llm, prompts, params)  # warm-up: its graph variants captured
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 rate = decode_rate(llm, prompts, params)["decode_tok_s"]
@@ -323,13 +343,18 @@ def profile_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
                     n: counts[n] / traversals for n, _ in by_name.most_common(40)
                 },
             }
-        f, a = per["fixed"]["us_per_traversal"], per["adaptive"]["us_per_traversal"]
-        added = {n: a.get(n, 0.0) - f.get(n, 0.0) for n in set(f) | set(a)}
-        per["adaptive_minus_fixed_us"] = dict(
-            sorted(((n, d) for n, d in added.items() if abs(d) >= 0.5), key=lambda x: -x[1])
-        )
+        f = per["fixed"]["us_per_traversal"]
+        for label in ("adaptive", "adaptive_equal_context"):
+            a = per[label]["us_per_traversal"]
+            added = {n: a.get(n, 0.0) - f.get(n, 0.0) for n in set(f) | set(a)}
+            per[f"{label}_minus_fixed_us"] = dict(
+                sorted(((n, d) for n, d in added.items() if abs(d) >= 0.5), key=lambda x: -x[1])
+            )
         report[f"slots{slots}"] = per
-        print(json.dumps({f"slots{slots}": per["adaptive_minus_fixed_us"]}), flush=True)
+        print(
+            json.dumps({f"slots{slots}": {k: v for k, v in per.items() if "minus" in k}}),
+            flush=True,
+        )
         del llm
         torch.cuda.empty_cache()
     return report

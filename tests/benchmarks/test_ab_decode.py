@@ -34,6 +34,14 @@ def test_long_takes_concurrency_and_prompt_length(ab):
             ab.parse_long(bad)
 
 
+def test_engine_takes_a_keyword_and_a_literal(ab):
+    assert ab.parse_engine("incremental_kv=False") == ("incremental_kv", False)
+    assert ab.parse_engine("max_num_batched_tokens=4096") == ("max_num_batched_tokens", 4096)
+    for bad in ("incremental_kv", "incremental_kv=no", "a-b=1", "=1"):
+        with pytest.raises(ValueError, match="--engine"):
+            ab.parse_engine(bad)
+
+
 def test_the_engine_has_a_slot_for_every_sequence_asked(ab):
     assert ab.slots_for([1, 8], []) == 8
     assert ab.slots_for([1], [(2, 960)]) == 8

@@ -23,3 +23,23 @@ def test_decode_rate_counts_the_tokens_after_the_first(monkeypatch):
     # least its first), so at most 5 + 8 + 3 (every token, 19, before the fix)
     assert 0 < rate["committed"] <= 16
     assert rate["decode_tok_s"] > 0
+
+
+def test_lockstep_cohorts_take_equal_traversals_and_the_equal_context_one_equal_contexts(
+    monkeypatch,
+):
+    monkeypatch.syspath_prepend(str(benchmark_scripts.ROOT / "benchmarks"))
+    bench = benchmark_scripts.load("h200_decode")
+    cohorts = bench._lockstep(64)
+    depths, tokens = cohorts["depths"], cohorts["tokens"]
+    assert set(depths) == {2, 3, 4}
+    assert all(120 < n * d <= 128 for n, d in zip(tokens, depths, strict=True))
+    fixed_prompts, fixed = cohorts["fixed"]
+    same, adapt = cohorts["adaptive"]
+    cut, adapt_cut = cohorts["adaptive_equal_context"]
+    assert same is fixed_prompts and adapt_cut is adapt
+    assert all(p.max_tokens == 33 and p.max_loops is None for p in fixed)
+    for full, short, n, p in zip(fixed_prompts, cut, tokens, adapt, strict=True):
+        assert short == full[: len(short)] and p.max_tokens == n + 1
+        # a request's mean context over its decode: the fixed cohort's 64 + 32 / 2
+        assert abs(len(short) + n / 2 - 80) <= 0.5
