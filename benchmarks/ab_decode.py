@@ -15,7 +15,8 @@ outputs, fixed depth 4) at each `--concurrency` (5 repeats) and at each `--long 
 repeats); then the sha256 of the greedy token ids of 8 prompts (equal hashes: the variants' bf16
 outputs agree). One JSON line on stdout, appended to OUT/ab.jsonl. `--set` applies before the
 engine is built, so its CUDA graphs capture the change; so does `--row KEY=ROW`, which replaces
-one row of the small-GEMM table (kernels/small_gemm_table: a GEMM config tried in place);
+one row of the small-GEMM table this GPU takes (kernels/small_gemm_tables: a GEMM config tried
+in place);
 `--engine NAME=VALUE` passes an engine argument (`--engine incremental_kv=False --engine
 enable_preemption=False`: the KV reservation instead of growth). H200
 machines differ by a few percent: alternate the variants within one device call (base, new,
@@ -94,7 +95,7 @@ def use_tree(tree: Path) -> Path:
 
 def parse_row(text: str) -> tuple[str, tuple]:
     """'11264x2048:m1:bfloat16=("ws", 128, 128, 1, 4, 3, 0, 0)' -> (key, row): a small-GEMM
-    table key and a row of small_gemm_table.FIELDS."""
+    table key and a row of small_gemm_tables.FIELDS."""
     key, sep, value = text.partition("=")
     try:
         row = ast.literal_eval(value) if sep else None
@@ -105,18 +106,20 @@ def parse_row(text: str) -> tuple[str, tuple]:
     return key, row
 
 
-def apply_rows(rows: list[tuple[str, tuple]]) -> None:
-    """Replace rows of the small-GEMM table before any GEMM reads it; a key the table lacks
-    or a row of the wrong length is an error (it would measure the table unchanged)."""
-    from rlt_engine.kernels import small_gemm_table
+def apply_rows(rows: list[tuple[str, tuple]], entries: dict | None) -> None:
+    """Replace rows of `entries` (the small-GEMM table this GPU takes) before any GEMM reads it;
+    no table, a key it lacks or a row of the wrong length is an error (it would measure the
+    table unchanged)."""
+    from rlt_engine.kernels.small_gemm_tables import FIELDS
 
-    entries = small_gemm_table.TABLE["entries"]
+    if rows and entries is None:
+        raise ValueError("--row: no small-GEMM table serves this GPU")
     for key, row in rows:
-        if key not in entries:
+        if key not in entries:  # type: ignore[operator]
             raise ValueError(f"--row: the table has no {key}")
-        if len(row) != len(small_gemm_table.FIELDS):
-            raise ValueError(f"--row {key}: {len(small_gemm_table.FIELDS)} fields, got {len(row)}")
-        entries[key] = row
+        if len(row) != len(FIELDS):
+            raise ValueError(f"--row {key}: {len(FIELDS)} fields, got {len(row)}")
+        entries[key] = row  # type: ignore[index]
 
 
 def apply_sets(sets: list[tuple[str, str, object]]) -> None:
@@ -148,7 +151,13 @@ def main() -> None:
     args = ap.parse_args()
     package = use_tree(args.tree)
     apply_sets(args.sets)
-    apply_rows(args.rows)
+    if args.rows:
+        import torch
+
+        from rlt_engine.kernels import small_gemm
+
+        table = small_gemm.serving_table(torch.device("cuda", 0))
+        apply_rows(args.rows, None if table is None else table["entries"])
     sys.path.insert(1, str(ROOT / "benchmarks"))
     import h200_decode as hd  # imports torch and the engine: after the tree is chosen
 

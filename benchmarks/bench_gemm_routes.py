@@ -52,7 +52,6 @@ from bench_small_gemm import rounding_bound  # noqa: E402
 from rlt_engine.kernels import pdl as _pdl  # noqa: E402
 from rlt_engine.kernels import small_gemm as _sg  # noqa: E402
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu  # noqa: E402
-from rlt_engine.kernels.small_gemm_table import TABLE  # noqa: E402
 from rlt_engine.kernels.ws_gemm import check as ws_check  # noqa: E402
 
 _pdl._import_triton()
@@ -213,7 +212,7 @@ def against_the_table(gemm, variants_for) -> dict:
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             ref = x.float() @ w32.T
             bound = rounding_bound(x, w32, ref)
-            config = _sg.lookup(TABLE["entries"], n, k, m, torch.bfloat16, True)
+            config = _sg.lookup(_sg._table_for(x.device) or {}, n, k, m, torch.bfloat16, True)
 
             def per_gemm(call, x=x, weights=weights):
                 graph = graph_of(lambda: [call(x, w) for w in weights])

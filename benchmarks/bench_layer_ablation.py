@@ -116,7 +116,7 @@ def _patch(removed: tuple[str, ...]):
     return undo
 
 
-# In-place tuning at c = 1 / 8: (GEMM shape, config fields of small_gemm_table.FIELDS[1:6]) put
+# In-place tuning at c = 1 / 8: (GEMM shape, config fields of small_gemm_tables.FIELDS[1:6]) put
 # into the table for the m1..m16 buckets, or a "whole" prefetch for a kind; one engine each
 SHAPES = {"qkv": "6144x2048", "o_proj": "2048x2048", "gate_up": "11264x2048", "down": "2048x5632"}
 TUNE = {
@@ -137,19 +137,21 @@ TUNE = {
 
 def tune(cs=(1, 8)) -> dict:
     from rlt_engine.kernels import small_gemm
-    from rlt_engine.kernels.small_gemm_table import TABLE
     from rlt_engine.models import layers
 
+    table = small_gemm.serving_table(torch.device("cuda", 0))
+    if table is None:
+        raise SystemExit("no small-GEMM table serves this GPU: nothing to tune in place")
     rows = {}
     real_project = layers.project
     for name, change in TUNE.items():
-        saved = dict(TABLE["entries"])
+        saved = dict(table["entries"])
         if change is not None and change[1] != "whole":
             kind, fields = change
             for m in (1, 2, 4, 8, 16):
                 key = f"{SHAPES[kind]}:m{m}:bfloat16"
-                TABLE["entries"][key] = ("triton", *fields, *TABLE["entries"][key][6:])
-        small_gemm._TABLES.clear()
+                table["entries"][key] = ("triton", *fields, *table["entries"][key][6:])
+        small_gemm._tableS.clear()
         if change is not None and change[1] == "whole":
             n_k = tuple(map(int, SHAPES[change[0]].split("x")))
 
@@ -169,9 +171,9 @@ def tune(cs=(1, 8)) -> dict:
                 print(name, c, round(r["decode_tok_s_median"], 1), flush=True)
             del llm
         finally:
-            TABLE["entries"].clear()
-            TABLE["entries"].update(saved)
-            small_gemm._TABLES.clear()
+            table["entries"].clear()
+            table["entries"].update(saved)
+            small_gemm._tableS.clear()
             layers.project = real_project
     return {"rows": rows}
 

@@ -34,10 +34,11 @@ table each) with the new table, and with each shape whose rows changed reverted 
 table's rows alone; a shape keeps its new rows unless decode is IN_PLACE_MARGIN faster without
 them. The old table is the committed one where it was tuned on this GPU and Triton, else none
 (cuBLAS). Writes <out>/small_gemm.json and, with --write-table,
-rlt_engine/kernels/small_gemm_table.py (and a copy in <out>): the best config's kernel ("triton"
-or "ws") where its graph time beats cuBLAS's by more than MARGIN, else "cublas"; with --only, the
-tuned shapes' rows replace theirs in the table and the others stay. Only bf16 is tuned (the
-models' dtype); other dtypes stay on cuBLAS.
+rlt_engine/kernels/small_gemm_tables/<this GPU>.py (and a copy in <out>; the tables of other
+GPUs stay as they are): the best config's kernel ("triton" or "ws") where its graph time beats
+cuBLAS's by more than MARGIN, else "cublas"; with --only, the tuned shapes' rows replace theirs
+in the table and the others stay. Only bf16 is tuned (the models' dtype); other dtypes stay on
+cuBLAS.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from rlt_engine.kernels import small_gemm, ws_gemm  # noqa: E402
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, table_key  # noqa: E402
+from rlt_engine.kernels.small_gemm_tables import module_name, table_of  # noqa: E402
 
 MODELS = {
     "ouro-1.4b": "tests/fixtures/ouro-1.4b",
@@ -89,7 +91,7 @@ WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3), (12
 # down_proj at 1 row, results/2026-12-04-tail-h200.md)
 WS_SHARED_BYTES = 224 << 10
 DEVICE = "cuda"
-TABLE_PATH = ROOT / "rlt_engine" / "kernels" / "small_gemm_table.py"
+TABLES_DIR = ROOT / "rlt_engine" / "kernels" / "small_gemm_tables"  # a module per GPU model
 
 
 def model_shapes() -> dict[str, tuple[int, int]]:
@@ -242,9 +244,6 @@ def tune(
     }
 
 
-FIELDS = ("backend", "block_n", "block_k", "split_k", "num_warps", "num_stages", "us", "cublas_us")
-
-
 def table_entry(r: dict) -> tuple:
     """One table row (FIELDS): the choice, the best config (also kept where cuBLAS won), and the
     per-GEMM graph times it was chosen by."""
@@ -274,12 +273,11 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
         tail = ["times (do_bench medians) the choice was made by."]
     tail[-1] += '"""'
     lines = [
-        '"""Small-GEMM dispatch table (kernels/small_gemm.py): written by',
-        "benchmarks/bench_small_gemm.py on the GPU named below; do not edit by hand. Keys are",
+        '"""Small-GEMM dispatch table of the GPU named below (kernels/small_gemm_tables):',
+        "written by benchmarks/bench_small_gemm.py on that GPU; do not edit by hand. Keys are",
         '"NxK:m<bucket>:<dtype>"; rows are FIELDS, "us" and "cublas_us" the per-GEMM CUDA-graph',
         *tail,
         "",
-        f"FIELDS = {FIELDS!r}",
         "TABLE: dict = {",
         f'    "device": {json.dumps(meta["device"])},',
         f'    "capability": {json.dumps(meta["capability"])},',
@@ -436,10 +434,10 @@ def main() -> None:
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + written)", flush=True)
     shapes = model_shapes()
     results, entries = [], {}  # entries: key -> table row
-    from rlt_engine.kernels.small_gemm_table import TABLE
-
-    same_gpu = (TABLE["device"], TABLE["triton"]) == (meta["device"], meta["triton"])
-    old = dict(TABLE["entries"]) if same_gpu else {}
+    table = table_of(meta["device"])  # this GPU's own table, if one was tuned here
+    same_gpu = table is not None and table["triton"] == meta["triton"]
+    old = dict(table["entries"]) if same_gpu else {}
+    table_path = TABLES_DIR / f"{module_name(meta['device'])}.py"
     if args.only:  # the other shapes' rows stay, if they were tuned on this GPU and Triton
         entries = dict(old)
 
@@ -449,8 +447,8 @@ def main() -> None:
             json.dumps({**meta, "results": results}, indent=1) + "\n"
         )
         if args.write_table:
-            write_table(TABLE_PATH, meta, entries)
-            write_table(args.out / "small_gemm_table.py", meta, entries)
+            write_table(table_path, meta, entries)
+            write_table(args.out / table_path.name, meta, entries)
 
     by_nk: dict[tuple[int, int], list[str]] = {}
     for name, nk in shapes.items():

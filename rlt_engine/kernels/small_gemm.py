@@ -18,12 +18,12 @@ for that stream:
 The counters are one zeroed int32 buffer per device that every launch leaves zero, so launches
 must not run concurrently on two streams of one device (the engine runs one stream at a time).
 
-`linear` chooses per shape from `small_gemm_table.TABLE`, keyed by (N, K, M bucket, dtype) and
-autotuned on one GPU model by benchmarks/bench_small_gemm.py: this kernel, or on Hopper at
-M <= 16 the warp-specialised one (kernels/ws_gemm.py, entries "ws"), or cuBLAS. It falls back
-to `F.linear` (cuBLAS) for shapes not in the table, entries that say "cublas", another GPU
-model, CPU tensors, M > 64, autograd, a "ws" entry where that kernel cannot run, or
-RLT_SMALL_GEMM=0. fp32 is never in the table: fp32 outputs stay cuBLAS's.
+`linear` chooses per shape from the GPU's table (kernels/small_gemm_tables: `pick_table`), keyed
+by (N, K, M bucket, dtype) and autotuned per GPU model by benchmarks/bench_small_gemm.py: this
+kernel, or on Hopper at M <= 16 the warp-specialised one (kernels/ws_gemm.py, entries "ws"), or
+cuBLAS. It falls back to `F.linear` (cuBLAS) for shapes not in the table, entries that say
+"cublas", a GPU no table serves, CPU tensors, M > 64, autograd, a "ws" entry where that kernel
+cannot run, or RLT_SMALL_GEMM=0. fp32 is never in the table: fp32 outputs stay cuBLAS's.
 `linear_argmax` is the greedy head: the lm_head GEMM whose epilogue keeps only each row's first
 best logit of its N tile (kernels/argmax's partials, which the decode traversal's advance
 reduces), so the logits are never written and the argmax's launch is gone.
@@ -73,7 +73,7 @@ triton = tl = round_bf16 = prefetch_l2 = first_best = None
 MAX_M = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # rows up to which `linear(..., prefetch_whole=True)` takes the Triton kernel: cuBLAS's 64-row
-# tile is faster alone from 32 rows on (small_gemm_table: Ouro o_proj 7.2 vs 6.4 us at 32)
+# tile is faster alone from 32 rows on (H200 table: Ouro o_proj 7.2 vs 6.4 us at 32)
 PREFETCH_WHOLE_MAX_M = 16
 _COUNTERS_PER_DEVICE = 1 << 16  # N tiles a launch may have (N <= 4M at BLOCK_N = 64)
 # A/B switch for benchmarks: "0" cuBLAS everywhere, "1" the table, "triton" the table's kernel
@@ -129,25 +129,43 @@ _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 def _table_for(device: torch.device) -> dict | None:
+    """The entries of the table that serves `device` (cached per GPU), or None."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _TABLES:
-        from rlt_engine.kernels.small_gemm_table import TABLE
-
-        props = torch.cuda.get_device_properties(index) if supported(device)[0] else None
-        ok = props is not None and table_applies(
-            TABLE, props.name, f"{props.major}.{props.minor}", props.multi_processor_count,
-            _triton_version(),
-        )  # fmt: skip
-        _TABLES[index] = TABLE.get("entries", {}) if ok else None
+        table = serving_table(torch.device("cuda", index))
+        _TABLES[index] = None if table is None else table.get("entries", {})
     return _TABLES[index]
+
+
+def serving_table(device: torch.device) -> dict | None:
+    """The small_gemm_tables table `device` takes (`pick_table`), or None (cuBLAS)."""
+    from rlt_engine.kernels.small_gemm_tables import TABLES
+
+    if device.type != "cuda" or not supported(device)[0]:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    layout = f"{props.major}.{props.minor}", props.multi_processor_count
+    return pick_table(TABLES, props.name, *layout, _triton_version())
+
+
+def pick_table(
+    tables: tuple[dict, ...], name: str, capability: str, sms: int, triton_version: str | None
+) -> dict | None:
+    """The table tuned on the GPU called `name`, else the first of its layout (`table_applies`),
+    else None."""
+    exact = [t for t in tables if t.get("device") == name]
+    return next(
+        (t for t in (*exact, *tables) if table_applies(t, name, capability, sms, triton_version)),
+        None,
+    )
 
 
 def table_applies(
     table: dict, name: str, capability: str, sms: int, triton_version: str | None
 ) -> bool:
-    """Whether `table` (small_gemm_table.TABLE) serves a GPU: the same Triton, and the GPU it
-    was tuned on or one of the same architecture and SM count (an H100 SXM takes the H200's:
-    the same kernels fill the same 132 SMs; only the bytes come at another rate)."""
+    """Whether `table` serves a GPU: the same Triton, and the GPU it was tuned on or one of the
+    same architecture and SM count (an H100 SXM takes the H200's: the same kernels fill the
+    same 132 SMs; only the bytes come at another rate)."""
     if table.get("triton") != triton_version:
         return False
     same_layout = (table.get("capability"), table.get("sms")) == (capability, sms)
@@ -155,8 +173,8 @@ def table_applies(
 
 
 def tuned_for(device: torch.device) -> bool:
-    """Whether the measured table (small_gemm_table.py) applies to `device` (`table_applies`).
-    Elsewhere every GEMM takes cuBLAS."""
+    """Whether a measured table (small_gemm_tables) serves `device` (`pick_table`). Elsewhere
+    every GEMM takes cuBLAS."""
     return device.type == "cuda" and _table_for(device) is not None
 
 
@@ -188,7 +206,7 @@ def lookup(
 ) -> GemmConfig | None:
     """The kernel config the table's entries give for [m, k] @ [n, k].T, or None (cuBLAS).
     `gated`: the fastest kernel's config even where the row says cuBLAS."""
-    row = entries.get(table_key(n, k, m, dtype))  # small_gemm_table.FIELDS
+    row = entries.get(table_key(n, k, m, dtype))  # small_gemm_tables.FIELDS
     if row is None or (row[0] == "cublas" and not gated):
         return None
     return GemmConfig(*row[1:6], kernel="ws" if row[0] == "ws" else "triton")

@@ -70,8 +70,8 @@ def test_sets_apply_to_the_module_and_refuse_unknown_names(ab, monkeypatch):
         ab.apply_sets([("kernels.paged_attention", "SHORT_SPLIT", 8)])
 
 
-def test_rows_replace_a_table_row_and_refuse_unknown_keys(ab, monkeypatch):
-    from rlt_engine.kernels import small_gemm_table
+def test_rows_replace_a_table_row_and_refuse_unknown_keys(ab):
+    from rlt_engine.kernels.small_gemm_tables import table_of
 
     key = "11264x2048:m1:bfloat16"
     row = ("ws", 128, 128, 1, 4, 3, 0.0, 0.0)
@@ -79,11 +79,13 @@ def test_rows_replace_a_table_row_and_refuse_unknown_keys(ab, monkeypatch):
     for bad in (key, f"{key}=ws", "11264x2048=(1,)", f"{key}=[1, 2]"):
         with pytest.raises(ValueError, match="--row"):
             ab.parse_row(bad)
-    entries = dict(small_gemm_table.TABLE["entries"])
-    monkeypatch.setitem(small_gemm_table.TABLE, "entries", entries)
-    ab.apply_rows([(key, row)])
-    assert small_gemm_table.TABLE["entries"][key] == row
+    entries = dict(table_of("NVIDIA H200")["entries"])
+    ab.apply_rows([(key, row)], entries)
+    assert entries[key] == row
     with pytest.raises(ValueError, match="has no 1x1:m1:bfloat16"):
-        ab.apply_rows([("1x1:m1:bfloat16", row)])
+        ab.apply_rows([("1x1:m1:bfloat16", row)], entries)
     with pytest.raises(ValueError, match="8 fields, got 2"):
-        ab.apply_rows([(key, ("ws", 1))])
+        ab.apply_rows([(key, ("ws", 1))], entries)
+    with pytest.raises(ValueError, match="no small-GEMM table serves"):
+        ab.apply_rows([(key, row)], None)
+    ab.apply_rows([], None)  # nothing asked: no table needed

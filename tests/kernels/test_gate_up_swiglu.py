@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm
-from rlt_engine.kernels.small_gemm_table import TABLE
+from rlt_engine.kernels.small_gemm_tables import table_of
 from rlt_engine.kernels.swiglu import silu_mul
 
 CUDA = torch.cuda.is_available()
@@ -79,7 +79,7 @@ def test_no_config_means_the_caller_runs_the_unfused_path():
 @pytest.mark.parametrize(("n", "k"), [(5632, 2048), (10752, 3072)], ids=["ouro", "nanbeige"])
 def test_gpu_model_shapes_within_an_ulp_of_the_unfused_path(m, n, k):
     x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m)
-    row = TABLE["entries"].get(f"{2 * n}x{k}:m{m}:bfloat16")
+    row = table_of("NVIDIA H200")["entries"].get(f"{2 * n}x{k}:m{m}:bfloat16")
     config = GemmConfig(*row[1:6]) if row else GemmConfig(128, 128, 1, 4, 4)
     got = gate_up_silu(x, w, config)
     half = GemmConfig(config.block_n // 2, config.block_k, 1, config.num_warps, config.num_stages)

@@ -32,8 +32,10 @@ from rlt_engine.kernels.small_gemm import (
     supported,
     table_key,
 )
-from rlt_engine.kernels.small_gemm_table import FIELDS, TABLE
+from rlt_engine.kernels.small_gemm_tables import FIELDS, TABLES, module_name, table_of
 from rlt_engine.kernels.ws_gemm import check as ws_check
+
+TABLE = table_of("NVIDIA H200")  # the committed table the CPU tests read
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -181,7 +183,23 @@ def test_the_table_serves_its_gpu_and_those_of_the_same_layout_on_its_triton():
     legacy = {"device": "NVIDIA H200", "triton": "3.6.0"}  # a table without the layout
     assert small_gemm.table_applies(legacy, "NVIDIA H200", "9.0", 132, "3.6.0")
     assert not small_gemm.table_applies(legacy, "NVIDIA H100 80GB HBM3", "9.0", 132, "3.6.0")
-    assert {"capability", "sms"} <= set(TABLE)  # the committed table names its layout
+    for committed in TABLES:  # each names its layout and lives in its GPU's module
+        assert {"capability", "sms"} <= set(committed)
+        assert table_of(committed["device"]) is committed
+    assert module_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+
+
+def test_a_gpu_takes_its_own_table_before_one_of_its_layout():
+    h200 = {"device": "NVIDIA H200", "capability": "9.0", "sms": 132, "triton": "3.6.0"}
+    h100 = {**h200, "device": "NVIDIA H100 80GB HBM3"}
+    old = {**h100, "triton": "3.5.1"}
+    for tables in ((h200, h100), (h100, h200)):
+        assert small_gemm.pick_table(tables, "NVIDIA H200", "9.0", 132, "3.6.0") is h200
+        assert small_gemm.pick_table(tables, "NVIDIA H100 80GB HBM3", "9.0", 132, "3.6.0") is h100
+    assert small_gemm.pick_table((h200,), "NVIDIA H100 80GB HBM3", "9.0", 132, "3.6.0") is h200
+    # its own table tuned on another Triton does not apply; one of its layout does
+    assert small_gemm.pick_table((old, h200), "NVIDIA H100 80GB HBM3", "9.0", 132, "3.6.0") is h200
+    assert small_gemm.pick_table((h200,), "NVIDIA H100 PCIe", "9.0", 114, "3.6.0") is None
 
 
 def test_dispatch_mode_says_what_runs(monkeypatch):
@@ -316,9 +334,10 @@ def test_gpu_cuda_graph_equals_eager():
 @gpu
 @needs_cuda
 def test_gpu_linear_uses_the_table():
-    if TABLE.get("device") != torch.cuda.get_device_name():
-        pytest.skip("the table was tuned on another GPU")
-    keys = [key for key, row in TABLE["entries"].items() if row[0] == "triton"]
+    table = small_gemm.serving_table(torch.device("cuda"))
+    if table is None:
+        pytest.skip("no table serves this GPU")
+    keys = [key for key, row in table["entries"].items() if row[0] == "triton"]
     for key in keys[:: max(1, len(keys) // 8)]:
         shape, bucket, dtype = key.split(":")
         n, k = map(int, shape.split("x"))
@@ -450,11 +469,12 @@ def test_gpu_prefetch_whole_takes_the_kernel_up_to_16_rows_and_changes_no_bit():
     """`linear(..., prefetch_whole=True)` (the o_proj after decode attention): the table's
     Triton config up to PREFETCH_WHOLE_MAX_M rows even where its entry says cuBLAS, the same
     bits as that config without the prefetch; cuBLAS's result above."""
-    if TABLE.get("device") != torch.cuda.get_device_name():
-        pytest.skip("the table was tuned on another GPU")
+    table = small_gemm.serving_table(torch.device("cuda"))
+    if table is None:
+        pytest.skip("no table serves this GPU")
     for m in (1, 8, 16):
         x, w = make(m, 2048, 2048, torch.bfloat16, device="cuda", seed=m)
-        config = lookup(TABLE["entries"], 2048, 2048, m, torch.bfloat16, gated=True)
+        config = lookup(table["entries"], 2048, 2048, m, torch.bfloat16, gated=True)
         assert config is not None
         want = gemm(x, w, config)
         for _ in range(3):

@@ -1,5 +1,5 @@
-"""Small-GEMM dispatch table (kernels/small_gemm.py): written by
-benchmarks/bench_small_gemm.py on the GPU named below (but see the end). Keys are
+"""Small-GEMM dispatch table of the GPU named below (kernels/small_gemm_tables): written by
+benchmarks/bench_small_gemm.py on that GPU (but see the end). Keys are
 "NxK:m<bucket>:<dtype>"; rows are FIELDS, "us" and "cublas_us" the per-GEMM CUDA-graph
 times (do_bench medians) the choice was made by; in the last run
 decode in place ranked the configs of (--rank-in-place): 2048x2048;
@@ -7,7 +7,6 @@ the shapes checked in decode (--confirm-in-place): 2048x2048. Rows with "us" 0.0
 by hand from decode A/Bs in place (deeper rings than the tuner then allowed,
 benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them."""
 
-FIELDS = ("backend", "block_n", "block_k", "split_k", "num_warps", "num_stages", "us", "cublas_us")
 TABLE: dict = {
     "device": "NVIDIA H200",
     "capability": "9.0",
