@@ -583,7 +583,9 @@ def execution_text(report: dict[str, Any]) -> str:
     kernels = report.get("kernels") or {}
     live = [name for name in ("pdl", "fused_rows") if kernels.get(name)]
     if kernels.get("small_gemm", "cublas") != "cublas":
-        live.append(f"small GEMMs: {kernels['small_gemm']}")
+        tuned_on = kernels.get("small_gemm_table")  # whose table: another GPU of the layout's
+        whose = f" ({tuned_on}'s)" if tuned_on else ""
+        live.append(f"small GEMMs: {kernels['small_gemm']}{whose}")
     return text + (f", {', '.join(live)}" if live else "")
 
 

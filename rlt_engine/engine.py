@@ -187,9 +187,13 @@ class LLMEngine:
         from rlt_engine.kernels import pdl, small_gemm
 
         triton = impl == "triton"
+        mode = small_gemm.dispatch_mode(self.device) if triton else "cublas"
+        table = small_gemm.serving_table(self.device) if mode != "cublas" else None
         return {
             "pdl": triton and pdl.enabled(self.device),
-            "small_gemm": small_gemm.dispatch_mode(self.device) if triton else "cublas",
+            "small_gemm": mode,
+            # the GPU the table was tuned on: another GPU of its layout may take it
+            "small_gemm_table": "" if table is None else table["device"],
             "fused_rows": self.runner.traversal.fused,
         }
 

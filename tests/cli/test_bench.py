@@ -320,3 +320,7 @@ def test_the_header_names_the_live_kernel_switches():
     assert execution_text({**base, "kernels": live}) == (
         f"{plain}, pdl, fused_rows, small GEMMs: table"
     )
+    borrowed = {**live, "small_gemm": "table+ws", "small_gemm_table": "NVIDIA H200"}
+    assert execution_text({**base, "kernels": borrowed}) == (
+        f"{plain}, pdl, fused_rows, small GEMMs: table+ws (NVIDIA H200's)"
+    )
