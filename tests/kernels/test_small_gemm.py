@@ -14,6 +14,8 @@ of the split-K ticket reduction): pytest tests/kernels/test_small_gemm.py -m gpu
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,6 +188,10 @@ def test_the_table_serves_its_gpu_and_those_of_the_same_layout_on_its_triton():
     for committed in TABLES:  # each names its layout and lives in its GPU's module
         assert {"capability", "sms"} <= set(committed)
         assert table_of(committed["device"]) is committed
+        module = importlib.import_module(
+            f"rlt_engine.kernels.small_gemm_tables.{module_name(committed['device'])}"
+        )
+        assert module.TABLE is committed
     assert module_name("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
 
 
