@@ -32,8 +32,8 @@ results/2026-12-02-added-times-h200.md). So after
 tuning, per model, decode tok/s in place (dummy weights, 64/32, c = 1 and 8, engines with one
 table each) with the new table, and with each shape whose rows changed reverted to the old
 table's rows alone; a shape keeps its new rows unless decode is IN_PLACE_MARGIN faster without
-them. The old table is the committed one where it was tuned on this GPU and Triton, else none
-(cuBLAS). Writes <out>/small_gemm.json and, with --write-table,
+them. The old table is the one this GPU takes now (its own, or one of its layout, on this
+Triton), else none (cuBLAS). Writes <out>/small_gemm.json and, with --write-table,
 rlt_engine/kernels/small_gemm_tables/<this GPU>.py (and a copy in <out>; the tables of other
 GPUs stay as they are): the best config's kernel ("triton" or "ws") where its graph time beats
 cuBLAS's by more than MARGIN, else "cublas"; with --only, the tuned shapes' rows replace theirs
@@ -58,7 +58,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from rlt_engine.kernels import small_gemm, ws_gemm  # noqa: E402
 from rlt_engine.kernels.small_gemm import GemmConfig, gemm, table_key  # noqa: E402
-from rlt_engine.kernels.small_gemm_tables import module_name, table_of  # noqa: E402
+from rlt_engine.kernels.small_gemm_tables import module_name  # noqa: E402
 
 MODELS = {
     "ouro-1.4b": "tests/fixtures/ouro-1.4b",
@@ -434,9 +434,11 @@ def main() -> None:
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + written)", flush=True)
     shapes = model_shapes()
     results, entries = [], {}  # entries: key -> table row
-    table = table_of(meta["device"])  # this GPU's own table, if one was tuned here
-    same_gpu = table is not None and table["triton"] == meta["triton"]
-    old = dict(table["entries"]) if same_gpu else {}
+    # what this GPU runs now: its own table, or one of its layout (small_gemm.pick_table); an
+    # --only run keeps the other shapes' rows from it, so a first table of this GPU does not
+    # drop the rows it took from another GPU's
+    table = small_gemm.serving_table(torch.device(DEVICE))
+    old = dict(table["entries"]) if table is not None else {}
     table_path = TABLES_DIR / f"{module_name(meta['device'])}.py"
     if args.only:  # the other shapes' rows stay, if they were tuned on this GPU and Triton
         entries = dict(old)
