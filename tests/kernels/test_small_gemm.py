@@ -206,6 +206,10 @@ def test_a_gpu_takes_its_own_table_before_one_of_its_layout():
     # its own table tuned on another Triton does not apply; one of its layout does
     assert small_gemm.pick_table((old, h200), "NVIDIA H100 80GB HBM3", "9.0", 132, "3.6.0") is h200
     assert small_gemm.pick_table((h200,), "NVIDIA H100 PCIe", "9.0", 114, "3.6.0") is None
+    # the committed tables: an H100 SXM on the H200 table's Triton takes it
+    sxm = small_gemm.pick_table(TABLES, "NVIDIA H100 80GB HBM3", "9.0", 132, TABLE["triton"])
+    assert sxm is (table_of("NVIDIA H100 80GB HBM3") or TABLE)
+    assert small_gemm.serving_table(torch.device("cpu")) is None
 
 
 def test_dispatch_mode_says_what_runs(monkeypatch):
