@@ -241,6 +241,10 @@ def adaptive() -> dict:
     return report
 
 
+# `_lockstep`'s cohorts: the fixed-depth one first, the adaptive ones measured against it
+LOCKSTEP_COHORTS = ("fixed", "adaptive", "adaptive_equal_context")
+
+
 def adaptive_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
     """Adaptive-exit gain of the decode path alone: one cohort of requests whose depths d are
     drawn from {2, 3, 4} and whose lengths make every request need about the same traversals
@@ -261,7 +265,7 @@ def adaptive_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
         cohorts = _lockstep(slots)
         depths, tokens = cohorts["depths"], cohorts["tokens"]
         rates = {}
-        for label in ("fixed", "adaptive", "adaptive_equal_context"):
+        for label in LOCKSTEP_COHORTS:
             prompts, params = cohorts[label]
             decode_rate(llm, prompts, params)  # warm-up: its graph variants captured
             runs = [decode_rate(llm, prompts, params)["decode_tok_s"] for _ in range(3)]
@@ -269,7 +273,8 @@ def adaptive_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
         traversals = max(n * d for n, d in zip(tokens, depths, strict=True))
         theory = (sum(tokens) / traversals) / (32 * slots / 128)
         row = {**rates, "depths": dict(sorted(Counter(depths).items())), "theoretical_gain": theory}
-        for label, key in (("adaptive", ""), ("adaptive_equal_context", "_equal_context")):
+        for label in LOCKSTEP_COHORTS[1:]:
+            key = label.removeprefix("adaptive")
             gain = rates[label]["median"] / rates["fixed"]["median"]
             row[f"measured_gain{key}"] = gain
             row[f"share_of_loop_savings{key}"] = (gain - 1) / (theory - 1)
@@ -321,7 +326,7 @@ def profile_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
         llm = _engine(OURO, max_num_seqs=slots)
         cohorts = _lockstep(slots)
         per = {}
-        for label in ("fixed", "adaptive", "adaptive_equal_context"):
+        for label in LOCKSTEP_COHORTS:
             prompts, params = cohorts[label]
             decode_rate(llm, prompts, params)  # warm-up: its graph variants captured
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -344,7 +349,7 @@ def profile_lockstep(slot_counts: tuple[int, ...] = (8, 64)) -> dict:
                 },
             }
         f = per["fixed"]["us_per_traversal"]
-        for label in ("adaptive", "adaptive_equal_context"):
+        for label in LOCKSTEP_COHORTS[1:]:
             a = per[label]["us_per_traversal"]
             added = {n: a.get(n, 0.0) - f.get(n, 0.0) for n in set(f) | set(a)}
             per[f"{label}_minus_fixed_us"] = dict(

@@ -153,10 +153,9 @@ def pick_table(
 ) -> dict | None:
     """The table tuned on the GPU called `name`, else the first of its layout (`table_applies`),
     else None."""
-    exact = [t for t in tables if t.get("device") == name]
+    own_first = sorted(tables, key=lambda t: t.get("device") != name)  # a stable sort
     return next(
-        (t for t in (*exact, *tables) if table_applies(t, name, capability, sms, triton_version)),
-        None,
+        (t for t in own_first if table_applies(t, name, capability, sms, triton_version)), None
     )
 
 
