@@ -226,17 +226,39 @@ def test_cuda_long_context_mha_decode_on_the_rows_kernel_matches_cpu(
     """Contexts past LONG_CONTEXT keys with one kv head per head (a tiny MHA Ouro, fp32): from
     two sequences on the decode takes the rows kernel split ROWS_SPLIT_BUDGET // n ways, merged
     by its last split, inside the CUDA graphs (one sequence keeps the tensor-core walk); tokens
-    and exit depths equal the CPU engine's, early exits on."""
+    and exit depths equal the CPU engine's, early exits on.
+
+    Start-up captures the long-context variant of every batch bucket whatever the workload, so
+    what is checked is the choice made for each bucket whose long-context graph a window
+    replayed, not every choice made at start-up."""
     from tiny_checkpoints import write_tiny_ouro
 
     from rlt_engine.kernels import paged_attention as pa
+    from rlt_engine.worker.graphs import GraphCache
 
     model = write_tiny_ouro(tmp_path / "mha", tokenizer_from=ouro_real_dir, num_key_value_heads=4)
     prompts = [[(13 * i + 7 * j) % 900 + 3 for j in range(1030 + 40 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=10, ignore_eos=True, exit_threshold=0.6)
-    picked: list[bool] = []
+    rows_kernel: dict[int, set[bool]] = {}  # decode sequences -> choices of long-context launches
     rule = pa._rows_wins
-    monkeypatch.setattr(pa, "_rows_wins", lambda *a: picked.append(rule(*a)) or picked[-1])
+
+    def spy_rule(num_seqs, num_heads, num_splits, long_context):
+        wins = rule(num_seqs, num_heads, num_splits, long_context)
+        if long_context:
+            rows_kernel.setdefault(num_seqs, set()).add(wins)
+        return wins
+
+    long_buckets: set[int] = set()  # padded batch sizes of the long-context windows replayed
+    replay = GraphCache.replay
+
+    def spy_replay(self, b, flags, traversals, wave=None):
+        padded = replay(self, b, flags, traversals, wave)
+        if flags.long_context:
+            long_buckets.add(padded)
+        return padded
+
+    monkeypatch.setattr(pa, "_rows_wins", spy_rule)
+    monkeypatch.setattr(GraphCache, "replay", spy_replay)
 
     def run(device: str, n: int):
         llm = LLM(str(model), dtype="float32", device=device, block_size=16, max_num_seqs=4)
@@ -245,6 +267,15 @@ def test_cuda_long_context_mha_decode_on_the_rows_kernel_matches_cpu(
         return [(o.token_ids, o.exit_depths) for o in outs]
 
     for n in (1, 3):
-        picked.clear()
+        long_buckets.clear()
         assert run("cuda", n) == run("cpu", n)
-        assert any(picked) == (n >= pa.ROWS_LONG_SEQS)
+        assert long_buckets, "no decode window ran past LONG_CONTEXT keys"
+        # the graphs replayed past LONG_CONTEXT: one sequence's on the tensor-core walk only,
+        # those of two or more with the rows kernel
+        for b in long_buckets:
+            if b >= pa.ROWS_LONG_SEQS:
+                assert True in rows_kernel[b]
+            else:
+                assert rows_kernel[b] == {False}
+        # one sequence keeps the tensor-core walk; three run the rows kernel once all decode
+        assert (max(long_buckets) >= pa.ROWS_LONG_SEQS) == (n >= pa.ROWS_LONG_SEQS)
