@@ -43,7 +43,6 @@ from typing import Any
 from serving_host_cpu import bench, free_port, thread_cpu  # a script of this directory
 
 from rlt_engine.async_engine import AsyncEngine
-from rlt_engine.engine import EngineStats
 from rlt_engine.engine_core import (
     AbortRequest,
     AddRequest,
@@ -55,7 +54,7 @@ from rlt_engine.engine_core import (
 from rlt_engine.engine_info import EngineInfo
 from rlt_engine.engine_process import PromptIds
 from rlt_engine.heap import freeze_startup_heap
-from rlt_engine.outputs import RequestMetrics, RequestOutput
+from rlt_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from rlt_engine.server.config import ServerConfig
 from rlt_engine.server.metrics import ServerMetrics
 from rlt_engine.server.serving import Serving, _CompletionRender

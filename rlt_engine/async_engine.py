@@ -48,7 +48,8 @@ from rlt_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
-    from rlt_engine.engine import EngineStats, LLMEngine
+    from rlt_engine.engine import LLMEngine
+    from rlt_engine.outputs import EngineStats
 
 
 class EngineDeadError(RuntimeError):

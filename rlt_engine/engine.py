@@ -22,7 +22,7 @@ from rlt_engine.core.scheduler import Scheduler
 from rlt_engine.detokenizer import IncrementalDetokenizer
 from rlt_engine.engine_info import EngineInfo
 from rlt_engine.models.tokenizer import has_tokenizer_files, load_tokenizer, stop_token_ids
-from rlt_engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from rlt_engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from rlt_engine.sampling_params import SamplingParams
 from rlt_engine.worker.decode import Flags
 from rlt_engine.worker.memory_plan import (
@@ -45,25 +45,6 @@ class StepFailedError(RuntimeError):
     def __init__(self, message: str, request_ids: tuple[str, ...]) -> None:
         super().__init__(message)
         self.request_ids = request_ids
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the scheduler and the KV pool (for metrics and `rlt generate -v`)."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    blocks_used: int
-    blocks_total: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    preemptions: int
-    decode_rows: int  # requests in the latest step's decode window (0: none)
-    # CUDA graphs captured since the engine started (start-up's included), and the host
-    # seconds they took: one captured on first use stalls every request in flight
-    graphs_captured: int = 0
-    graph_capture_s: float = 0.0
 
 
 @dataclass(eq=False)

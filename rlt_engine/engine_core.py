@@ -6,7 +6,10 @@ through `emit`. It runs on a thread of the caller's process (`AsyncEngine`, the 
 the tests) or in a process of its own (`rlt serve`, `engine_process.py`): there the engine's
 host work (planning, launches, detokenization) has an interpreter to itself, so an event loop
 busy writing thousands of SSE chunks a second never holds the lock the engine needs to feed
-the GPU. The events are plain dataclasses, pickled over a pipe in the second case.
+the GPU. The events are plain dataclasses, pickled over a pipe in the second case (their
+modules import no torch: an API server reads them without loading it). Right after
+`CoreReady` comes a turn with only the engine's stats, so /metrics shows the KV pool and
+start-up's graphs before the first request.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from rlt_engine.outputs import RequestOutput
 from rlt_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from rlt_engine.engine import EngineStats, LLMEngine
+    from rlt_engine.engine import LLMEngine
+    from rlt_engine.outputs import EngineStats
 
 IDLE_WAIT_S = 0.05  # how long an idle core sleeps before looking at its inbox again
 
@@ -131,6 +135,9 @@ def run_core(
     if on_loaded is not None:
         on_loaded(engine)
     emit(CoreReady(engine.info))
+    # the engine's numbers before any request (the pool's size, the graphs captured at
+    # start-up): without it /metrics showed a pool of 0 blocks until the first step
+    emit(CoreTurn(stats=engine.stats()))
     try:
         _loop(engine, inbox, emit)
     except BaseException as exc:

@@ -1,4 +1,6 @@
-"""What the engine hands back for each request."""
+"""What the engine hands back: each request's outputs, and snapshots of its own state. These
+cross the pipe from the engine process to the API servers, so this module imports nothing
+heavy: an API server that unpickles a turn must not have to import torch."""
 
 from __future__ import annotations
 
@@ -70,3 +72,22 @@ class RequestOutput:
             new_text="".join(d.new_text for d in deltas),
             new_logprobs=logprobs,
         )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the scheduler and the KV pool (for metrics and `rlt generate -v`)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    blocks_used: int
+    blocks_total: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    decode_rows: int  # requests in the latest step's decode window (0: none)
+    # CUDA graphs captured since the engine started (start-up's included), and the host
+    # seconds they took: one captured on first use stalls every request in flight
+    graphs_captured: int = 0
+    graph_capture_s: float = 0.0

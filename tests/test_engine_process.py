@@ -94,3 +94,42 @@ def test_the_core_stops_at_once_when_every_server_is_gone() -> None:
     assert len(got) == 1 and got[0].now
     # a turn for a server that is gone is dropped, not an error
     clients.emit(CoreTurn(stats=None))
+
+
+def test_an_api_server_reads_every_event_of_a_real_engine_without_torch() -> None:
+    """The events a real engine emits (ready, its first stats, the adds' answers, outputs,
+    each step's stats, stopped), unpickled in a fresh process that imports what an API server
+    imports: none of them makes it import torch. EngineStats once lived in rlt_engine.engine,
+    so the first turn with stats made an API server import torch (~1 s, seconds under load)
+    on its event thread, where it delivered nothing meanwhile."""
+    import pickle
+    import subprocess
+    import sys
+
+    from rlt_engine import LLM
+    from rlt_engine.engine_core import run_core
+
+    llm = LLM("demo", device="cpu", dtype="float32", max_num_seqs=2)
+    inbox = Inbox()
+    inbox.put([AddRequest("a", [5, 6, 7], SamplingParams(max_tokens=3)), StopCore()])
+    events: list = []  # type: ignore[type-arg]
+    run_core(lambda: llm.engine, inbox, events.append)
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "CoreReady" and kinds[-1] == "CoreStopped", kinds
+    turns = [e for e in events if isinstance(e, CoreTurn)]
+    assert turns[0].stats is not None and not turns[0].outputs  # the stats sent with ready
+    assert any(t.outputs for t in turns) and all(t.stats is not None for t in turns)
+    reader = (
+        "import pickle, sys\n"
+        "import rlt_engine.server.api_servers, rlt_engine.server.launch\n"
+        "assert 'torch' not in sys.modules, 'an API server imports torch by itself'\n"
+        "events = pickle.loads(sys.stdin.buffer.read())\n"
+        "assert events[1].stats.blocks_total > 0\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", reader], input=pickle.dumps(events), capture_output=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().strip() == "False"

@@ -28,7 +28,7 @@ from prometheus_client import (
 from rlt_engine.async_engine import StepReport
 
 if TYPE_CHECKING:
-    from rlt_engine.engine import EngineStats
+    from rlt_engine.outputs import EngineStats
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 

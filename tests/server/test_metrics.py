@@ -9,8 +9,7 @@ import time
 import pytest
 
 from rlt_engine.async_engine import StepReport
-from rlt_engine.engine import EngineStats
-from rlt_engine.outputs import RequestMetrics, RequestOutput
+from rlt_engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from rlt_engine.server.metrics import ServerMetrics
 
 
@@ -99,6 +98,32 @@ def test_metrics_over_http_count_what_was_served(server) -> None:
             break
         time.sleep(0.05)
     assert delta == want
+
+
+def test_metrics_before_any_request_show_the_pool(demo_llm) -> None:
+    """A server that has served nothing yet already reports its KV pool (and the graphs its
+    start-up captured: none on the CPU): the engine's numbers come with its first turn, which
+    ready sends, not with the first step."""
+    import httpx
+    from server_process import DEMO_ARGS, ServerProcess
+
+    proc = ServerProcess(*DEMO_ARGS).wait_healthy()
+    try:
+        label = '{model_name="demo"}'
+        deadline = time.monotonic() + 10  # recorded on the events thread, just after ready
+        while True:
+            text = httpx.get(proc.url + "/metrics", timeout=10).text
+            total = _total(text, "rlt:kv_blocks_total")
+            if total or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        proc.stop()
+    assert total == demo_llm.engine.num_blocks > 0
+    assert f"rlt:kv_blocks_used{label} 0.0" in text
+    assert f"vllm:kv_cache_usage_perc{label} 0.0" in text
+    assert _total(text, "rlt:cuda_graph_captures_total") == 0
+    assert _total(text, "rlt:engine_step_seconds_count") == 0  # the first turn is no step
 
 
 def _total(text: str, name: str) -> float:
