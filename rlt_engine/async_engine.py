@@ -125,7 +125,7 @@ class StepReport:
 
     stats: EngineStats | None  # None: another API server of the engine counts the engine
     outputs: list[RequestOutput]
-    wall_s: float | None  # the step's wall time; None: no step ran (aborts only)
+    wall_s: float | None  # the step's wall time; None: no step ran (aborts only, or ready)
     failed: int = 0  # requests failed by the step
 
 

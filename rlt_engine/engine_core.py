@@ -80,7 +80,8 @@ class CoreStopped:
 @dataclass
 class CoreTurn:
     """What one turn of the loop did: the adds it took or refused, then (`wall_s` set) one
-    engine step's outputs, or (`wall_s` None) only the outputs of requests it aborted."""
+    engine step's outputs, or (`wall_s` None) only the outputs of requests it aborted (the
+    first turn, right after `CoreReady`, has only the engine's stats)."""
 
     accepted: list[str] = field(default_factory=list)
     refused: list[tuple[str, str, str]] = field(default_factory=list)  # id, error type, message
