@@ -65,6 +65,7 @@ class LLM:
                         on_output(out)
                     if out.finished:
                         final[out.request_id] = out
+            self.engine.settle()  # the finished requests' slots freed on the device too
         except BaseException:
             for rid in ids:  # a failed step or Ctrl-C: free whatever this call still holds
                 if rid not in final:
