@@ -357,6 +357,11 @@ def _parse_serving(values: dict[str, Any]) -> ServingBenchConfig:
 
     refused = [*OFFLINE_ONLY, *(p.name for p in engine_flags() if p.name != "model")]
     given = _given(refused)
+    if given == ["concurrency"]:  # the offline knob; the serving one has vLLM's name
+        raise ValueError(
+            "--concurrency cannot be used with --url: the serving benchmark bounds the "
+            "requests in flight with --max-concurrency (and paces arrivals with --request-rate)"
+        )
     if given:
         raise ValueError(
             f"{_flag(given[0])} cannot be used with --url: the serving benchmark loads no model "

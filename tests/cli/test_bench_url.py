@@ -115,6 +115,12 @@ def test_engine_flags_with_url_are_one_line(args: tuple[str, ...], flag: str) ->
     assert_one_error_line(invoke("--url", url, *args), f"{flag} cannot be used with --url")
 
 
+def test_concurrency_with_url_names_the_serving_flag() -> None:
+    """Someone who ran the offline `-c 8` gets the serving benchmark's flag for it."""
+    url = f"http://127.0.0.1:{free_port()}"
+    assert_one_error_line(invoke("--url", url, "-c", "8"), "--max-concurrency")
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
