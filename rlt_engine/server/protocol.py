@@ -1,6 +1,9 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models, and their mapping onto
 `SamplingParams`. Unknown fields are ignored (as OpenAI-compatible servers do); fields we know
-but cannot honour with the value given are refused with a 400 naming the field.
+but cannot honour with the value given are refused with a 400 naming the field. Among those:
+structured output (`response_format` other than text), `logit_bias`, and tool calling (`tools`
+unless `tool_choice` is "none", `functions`): ignoring them would answer free text where the
+client asked for JSON or a tool call (vLLM refuses tools likewise without a tool parser).
 
 Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, `priority`; every choice
 returns its per-token exit depths as `exit_depths`.
@@ -49,6 +52,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    response_format: dict[str, object] | None = None
+    logit_bias: dict[str, float] | None = None
     # looped-model extensions
     min_loops: int | None = Field(default=None, ge=1)
     max_loops: int | None = Field(default=None, ge=1)
@@ -59,6 +64,12 @@ class _Common(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0.0:
                 raise ParamError(name, f"{name} is not supported (only 0)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ParamError(
+                "response_format", 'response_format is not supported (only {"type": "text"})'
+            )
+        if self.logit_bias:
+            raise ParamError("logit_bias", "logit_bias is not supported")
         stops = self.stop_strings()
         if any(not s for s in stops):
             raise ParamError("stop", "stop strings must be non-empty")
@@ -155,11 +166,20 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[dict[str, object]] | None = None
+    tool_choice: str | dict[str, object] | None = None
+    functions: list[dict[str, object]] | None = None
 
     def check(self) -> None:
         self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.tools and self.tool_choice != "none":
+            raise ParamError(
+                "tools", 'tool calling is not supported (send tool_choice: "none", or no tools)'
+            )
+        if self.functions:
+            raise ParamError("functions", "function calling is not supported")
 
     @property
     def token_limit(self) -> int | None:

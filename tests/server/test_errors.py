@@ -36,6 +36,11 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
         ({"model": "demo", "prompt": "x", "max_loops": 9}, "prompt"),  # past the model depth
         ({"model": "demo", "prompt": "x", "exit_threshold": 1.5}, "exit_threshold"),
         ({"model": "demo", "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+        (
+            {"model": "demo", "prompt": "x", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"50": 5}}, "logit_bias"),
         ({"model": "demo", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"model": "demo", "prompt": []}, "prompt"),
         ({"model": "demo", "prompt": [-1, 2]}, None),
@@ -56,6 +61,30 @@ def test_chat_400(server) -> None:
     _error(_post(server, "/v1/chat/completions", bad_role), 400)
     no_logprobs = {"model": "demo", "messages": [{"role": "user", "content": "x"}]}
     _error(_post(server, "/v1/chat/completions", {**no_logprobs, "top_logprobs": 2}), 400)
+
+
+def test_chat_refuses_tools_and_structured_output_it_cannot_honour(server) -> None:
+    """Asked for a tool call or JSON, the server says it cannot instead of answering free
+    text; the forms that ask for nothing it lacks still answer."""
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}
+    for extra, param in (
+        ({"tools": [tool]}, "tools"),
+        ({"tools": [tool], "tool_choice": "auto"}, "tools"),
+        ({"tools": [tool], "tool_choice": "required"}, "tools"),
+        ({"functions": [tool["function"]]}, "functions"),
+        ({"response_format": schema}, "response_format"),
+    ):
+        _error(_post(server, "/v1/chat/completions", {**chat, **extra}), 400, param)
+    for extra in (
+        {"tools": [tool], "tool_choice": "none"},
+        {"tools": []},
+        {"response_format": {"type": "text"}},
+        {"logit_bias": {}},
+    ):
+        r = _post(server, "/v1/chat/completions", {**chat, **extra})
+        assert r.status_code == 200, (extra, r.text)
 
 
 def test_not_json_and_wrong_method(server) -> None:
