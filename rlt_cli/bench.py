@@ -205,7 +205,8 @@ LOOP_PARAMETERS = [
         "max_loops",
         int | None,
         None,
-        "Most loops per token (default: the model depth).",
+        "Most loops per generated token (default: the model depth); the prompt, and so the "
+        "first token, always runs the full depth.",
         "Loop controls",
     ),
 ]

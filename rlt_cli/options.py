@@ -67,7 +67,8 @@ HELP: dict[str, str] = {
     "stop_token_ids": "Also stop at this token id (repeatable).",
     "logprobs": "Record the chosen token's logprob plus the top N (0 to 20).",
     "min_loops": "Least loops per token before it may exit (default 1).",
-    "max_loops": "Most loops per token (default: the model depth).",
+    "max_loops": "Most loops per generated token (default: the model depth); the prompt, "
+    "and so the first token, always runs the full depth.",
     "exit_threshold": "Exit once the gate's cumulative exit probability reaches this, in 0..1; "
     "1 = fixed depth (default: the model config's).",
 }
