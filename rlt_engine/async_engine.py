@@ -126,7 +126,7 @@ class StepReport:
     stats: EngineStats | None  # None: another API server of the engine counts the engine
     outputs: list[RequestOutput]
     wall_s: float | None  # the step's wall time; None: no step ran (aborts only, or ready)
-    failed: int = 0  # requests failed by the step
+    failed: tuple[str, ...] = ()  # requests failed by the step (no final output comes)
 
 
 @dataclass
@@ -445,8 +445,9 @@ class AsyncEngine:
             self._deliver_error(rid, RequestFailedError(message), posts)
         self._deliver(turn.outputs, posts)
         posts.send()
-        if self._on_step is not None and (turn.stats is not None or turn.outputs):
-            self._on_step(StepReport(turn.stats, turn.outputs, turn.wall_s, len(turn.failed)))
+        if self._on_step is not None and (turn.stats is not None or turn.outputs or turn.failed):
+            failed = tuple(rid for rid, _ in turn.failed)
+            self._on_step(StepReport(turn.stats, turn.outputs, turn.wall_s, failed))
 
     def _deliver(self, outputs: list[RequestOutput], posts: _Posts) -> None:
         streams, interval = self._state.streams, self.stream_interval

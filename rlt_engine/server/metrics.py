@@ -135,6 +135,11 @@ class ServerMetrics:
         now = time.monotonic()
         for out in report.outputs:
             self._record_output(out, now)
+        for rid in report.failed:  # a failed step: these end without a final output
+            self._success.labels(self._model, "error").inc()
+            self._last_token.pop(rid, None)
+            self._loops.pop(rid, None)
+            self._prompt_seen.discard(rid)
 
     def _record_engine(self, s: EngineStats, wall_s: float | None) -> None:
         self.running.set(s.num_running)

@@ -68,6 +68,18 @@ def test_record_counts_tokens_depths_requests_and_steps() -> None:
     assert value("vllm:kv_cache_usage_perc", label) == pytest.approx(0.04)
 
 
+def test_a_failed_request_counts_as_an_error_and_leaves_nothing_behind() -> None:
+    """A step that fails a request sends no final output for it: the report's failed ids
+    count it under finished_reason "error" and drop what the metrics held for it."""
+    m = ServerMetrics("demo", 8)
+    m.record(StepReport(_stats(), [_out("a", [5], [4], 1), _out("b", [6], [4], 1)], 0.02))
+    m.record(StepReport(_stats(), [_out("b", [7], [4], 2)], 0.02, failed=("a",)))
+    error = {"model_name": "demo", "finished_reason": "error"}
+    assert m.registry.get_sample_value("vllm:request_success_total", error) == 1
+    assert "a" not in m._last_token and "a" not in m._loops and "a" not in m._prompt_seen
+    assert "b" in m._last_token  # still running
+
+
 def test_metrics_over_http_count_what_was_served(server) -> None:
     """One request through the real server (engine process, events thread, registry): the
     counters move by exactly its tokens, its prompt and one success."""
