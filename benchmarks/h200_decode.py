@@ -127,7 +127,8 @@ def decode_rate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
             tokens[out.request_id] = out.num_tokens
             done += out.finished
         if start is None and len(first) == len(prompts):
-            _sync(engine.device)
+            # no sync: the step has already queued the first decode window behind the first
+            # tokens (rlt_engine/bench/throughput.py says why)
             start = time.perf_counter()
             at_start = sum(tokens.values())
     _sync(engine.device)

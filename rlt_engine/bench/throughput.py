@@ -1,8 +1,14 @@
 """Offline decode benchmark on an `LLMEngine`: committed decode tokens/s (below).
 
 Committed decode tokens/s = (output_len - 1) x concurrency / decode seconds, where decode time
-runs from the moment every request has its first token to the last completion, with the device
-synchronized at both ends (DESIGN section 9). Prefill, the first token and HTTP are excluded.
+runs from the moment every request has its first token to the last completion (DESIGN section
+9). Prefill, the first token and HTTP are excluded. The clock starts when the step that hands
+out the last first token returns, without a device sync: the host has just waited for those
+tokens' read back, and under asynchronous scheduling that step has already queued the first
+decode window behind them, so a sync there waited for that window and started the clock one
+window late while still counting its tokens (until 2026-12-06: ~6% high at c=1 and c=8 with
+32 outputs, `benchmarks/results/2026-12-06-decode-clock-cpu.md`). It stops after a device sync
+once the last request has finished.
 That formula assumes each request has exactly its first token when the clock starts; where
 prefill takes several steps (high concurrency, small token budgets) the requests prefilled
 first have decoded more by then, and it counts those tokens too. So each run also reports the
@@ -76,8 +82,7 @@ def run_once(
                 done[out.request_id] = out
         steps += 1
         if t_decode is None and len(counts) == len(ids) and all(counts.values()):
-            _sync(engine.device)
-            t_decode = time.perf_counter()
+            t_decode = time.perf_counter()  # no sync: see the module docstring
             at_start = sum(counts.values())
     _sync(engine.device)
     decode_s = time.perf_counter() - (t_decode or time.perf_counter())
