@@ -37,6 +37,7 @@ from rich.table import Table
 
 from rlt_cli.command import callback, keyword
 from rlt_cli.engine import load_llm
+from rlt_cli.options import HELP as OPTION_HELP
 from rlt_cli.options import engine_fields, engine_parameters, to_field_values
 from rlt_cli.output import check_device, status_spinner, stderr, stdout
 from rlt_engine.config import EngineConfig, SchedulerConfig
@@ -201,14 +202,7 @@ LOOP_PARAMETERS = [
         "Loop controls",
     ),
     option("min_loops", int | None, None, "Least loops per token (default 1).", "Loop controls"),
-    option(
-        "max_loops",
-        int | None,
-        None,
-        "Most loops per generated token (default: the model depth); the prompt, and so the "
-        "first token, always runs the full depth.",
-        "Loop controls",
-    ),
+    option("max_loops", int | None, None, OPTION_HELP["max_loops"], "Loop controls"),
 ]
 JSON_PARAMETER = keyword(
     "json_output",
@@ -351,6 +345,11 @@ def _flag(name: str) -> str:
 
 # offline-only flags refused with --url; --model stays (the served model's name)
 OFFLINE_ONLY = ("concurrency", "repeats", "warmup", "bandwidth_gbs")
+# why a refused flag has no place with --url, where the generic reason would mislead
+URL_REFUSALS = {
+    "concurrency": "the serving benchmark bounds the requests in flight with --max-concurrency "
+    "(and paces arrivals with --request-rate)",
+}
 
 
 def _parse_serving(values: dict[str, Any]) -> ServingBenchConfig:
@@ -358,16 +357,11 @@ def _parse_serving(values: dict[str, Any]) -> ServingBenchConfig:
 
     refused = [*OFFLINE_ONLY, *(p.name for p in engine_flags() if p.name != "model")]
     given = _given(refused)
-    if given == ["concurrency"]:  # the offline knob; the serving one has vLLM's name
-        raise ValueError(
-            "--concurrency cannot be used with --url: the serving benchmark bounds the "
-            "requests in flight with --max-concurrency (and paces arrivals with --request-rate)"
-        )
     if given:
-        raise ValueError(
-            f"{_flag(given[0])} cannot be used with --url: the serving benchmark loads no model "
-            "(give engine flags to the server)"
+        why = URL_REFUSALS.get(
+            given[0], "the serving benchmark loads no model (give engine flags to the server)"
         )
+        raise ValueError(f"{_flag(given[0])} cannot be used with --url: {why}")
     loops = {name: values[name] for name in _given([p.name for p in LOOP_PARAMETERS])}
     return ServingBenchConfig(
         url=values["url"],

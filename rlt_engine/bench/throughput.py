@@ -5,10 +5,9 @@ runs from the moment every request has its first token to the last completion (D
 9). Prefill, the first token and HTTP are excluded. The clock starts when the step that hands
 out the last first token returns, without a device sync: the host has just waited for those
 tokens' read back, and under asynchronous scheduling that step has already queued the first
-decode window behind them, so a sync there waited for that window and started the clock one
-window late while still counting its tokens (until 2026-12-06: ~6% high at c=1 and c=8 with
-32 outputs, `benchmarks/results/2026-12-06-decode-clock-cpu.md`). It stops after a device sync
-once the last request has finished.
+decode window, which a sync would wait for while its tokens still count
+(`benchmarks/results/2026-12-06-decode-clock-cpu.md`). It stops after a device sync once the
+last request has finished.
 That formula assumes each request has exactly its first token when the clock starts; where
 prefill takes several steps (high concurrency, small token budgets) the requests prefilled
 first have decoded more by then, and it counts those tokens too. So each run also reports the

@@ -137,9 +137,7 @@ class ServerMetrics:
             self._record_output(out, now)
         for rid in report.failed:  # a failed step: these end without a final output
             self._success.labels(self._model, "error").inc()
-            self._last_token.pop(rid, None)
-            self._loops.pop(rid, None)
-            self._prompt_seen.discard(rid)
+            self._forget(rid)
 
     def _record_engine(self, s: EngineStats, wall_s: float | None) -> None:
         self.running.set(s.num_running)
@@ -191,13 +189,17 @@ class ServerMetrics:
             self.e2e.observe(max(0.0, now - out.metrics.arrival_time))
             tokens = out.num_tokens
             self.request_generation.observe(tokens)
-            times = self._last_token.pop(rid, None)
+            times, loops = self._forget(rid)
             if times is not None and tokens > 1:
                 self.tpot.observe((times[1] - times[0]) / (tokens - 1))
-            loops = self._loops.pop(rid, 0)
             if tokens:
                 self.loops_per_token.observe(loops / tokens)
-            self._prompt_seen.discard(rid)
+
+    def _forget(self, rid: str) -> tuple[tuple[float, float] | None, int]:
+        """Drop what a request that ended held here: its (first, latest) token times and
+        its loops so far."""
+        self._prompt_seen.discard(rid)
+        return self._last_token.pop(rid, None), self._loops.pop(rid, 0)
 
     def render(self) -> bytes:
         if "PROMETHEUS_MULTIPROC_DIR" in os.environ:  # several API servers: all of theirs
