@@ -151,7 +151,7 @@ def tune(cs=(1, 8)) -> dict:
             for m in (1, 2, 4, 8, 16):
                 key = f"{SHAPES[kind]}:m{m}:bfloat16"
                 table["entries"][key] = ("triton", *fields, *table["entries"][key][6:])
-        small_gemm._tableS.clear()
+        small_gemm._TABLES.clear()
         if change is not None and change[1] == "whole":
             n_k = tuple(map(int, SHAPES[change[0]].split("x")))
 
@@ -173,7 +173,7 @@ def tune(cs=(1, 8)) -> dict:
         finally:
             table["entries"].clear()
             table["entries"].update(saved)
-            small_gemm._tableS.clear()
+            small_gemm._TABLES.clear()
             layers.project = real_project
     return {"rows": rows}
 
