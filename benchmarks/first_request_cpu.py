@@ -17,22 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from serving_host_cpu import free_port, wait_healthy  # a script of this directory
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "demo", "prompt": "Tom has 3 apples", "max_tokens": 8, "stream": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_once(url: str) -> tuple[float, float]:
@@ -53,27 +48,20 @@ def one_start(tree: Path, serve_args: list[str]) -> tuple[float, float, float]:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "rlt_cli.main", "serve", "demo", "--port", str(port),
                "--device", "cpu", "--dtype", "float32", *serve_args]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"{' '.join(command)}: not healthy within 120 s")
-        time.sleep(3)
-        first_ttft, first_e2e = stream_once(url)
-        second_ttft, _ = stream_once(url)
-        return round(first_ttft, 1), round(first_e2e, 1), round(second_ttft, 1)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "serve.log"
+        with log.open("w") as out:
+            proc = subprocess.Popen(command, cwd=tree, env=env, stdout=out, stderr=out)
+        try:
+            wait_healthy(url, proc, log, timeout=120)
+            time.sleep(3)
+            first_ttft, first_e2e = stream_once(url)
+            second_ttft, _ = stream_once(url)
+            return round(first_ttft, 1), round(first_e2e, 1), round(second_ttft, 1)
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
 
 def main() -> None:
