@@ -40,7 +40,7 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must lie in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise ValueError("stop must not hold an empty string (it would match at once)")
         if self.min_loops is not None and self.min_loops < 1:
             raise ValueError(f"min_loops must be >= 1, got {self.min_loops}")
         if self.max_loops is not None and self.max_loops < 1:

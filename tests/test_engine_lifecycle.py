@@ -347,7 +347,7 @@ def test_outputs_come_back_in_input_order(llm):
         (dict(top_p=0.0), r"top_p must lie in \(0, 1\], got 0\.0"),
         (dict(top_p=1.5), r"top_p must lie in \(0, 1\], got 1\.5"),
         (dict(logprobs=21), r"logprobs must lie in \[0, 20\], got 21"),
-        (dict(stop=[""]), r"stop strings must be non-empty"),
+        (dict(stop=[""]), r"stop must not hold an empty string"),
         (dict(min_loops=0), r"min_loops must be >= 1, got 0"),
         (dict(max_loops=0), r"max_loops must be >= 1, got 0"),
         (dict(exit_threshold=1.5), r"exit_threshold must lie in \[0, 1\], got 1\.5"),

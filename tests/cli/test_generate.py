@@ -165,6 +165,7 @@ def test_json_stdout_is_only_json(tiny_ouro_dir: Path) -> None:
         (("--device", "nonsense"), "device"),
         (("--max-tokens", "abc"), "--max-tokens"),
         (("--no-such-flag",), "--no-such-flag"),
+        (("--stop", ""), "--stop must not hold an empty string"),
     ],
 )
 def test_bad_flags_give_one_line(tiny_ouro_dir: Path, args: tuple[str, ...], needle: str) -> None:
