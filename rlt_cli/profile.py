@@ -8,7 +8,8 @@ wall time by phase, GPU time launched by each phase, GPU-busy share of the decod
 kernel launches and host syncs per token step (the syncs by phase and op: where the host
 waits), and the top kernels (CPU ops on CPU), each with its added time (its end past the
 previous kernel's on its stream: under PDL kernels overlap, so that, not device time, is what a
-kernel costs the chain).
+kernel costs the chain), and on a GPU the decode chain: that added time by kernel launch (its
+grid) and the kernel before it.
 Human output: tables on stdout, progress on stderr. `--json`: one JSON object on stdout.
 torch loads only when run.
 """
@@ -173,6 +174,8 @@ def _render(report: dict[str, Any]) -> None:
             f"{escape(', '.join(report['missing_markers']))}[/]"
         )
     stdout.print(_top_table(report))
+    if report.get("chain") and report["chain"]["items"]:
+        stdout.print(_chain_table(report["chain"]))
     stdout.print(f"trace: {escape(report['trace'])}")
 
 
@@ -234,6 +237,35 @@ def _top_table(report: dict[str, Any]) -> Table:
             "overlap under PDL; the added times sum to the busy time)"
         )
         table.caption_justify = "left"
+    return table
+
+
+def _chain_table(chain: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"decode chain: added time by kernel and the kernel before it "
+        f"({chain['added_ms']:.1f} ms in all)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
+    for name in ("added ms", "%", "calls", "median us"):
+        table.add_column(name, justify="right")
+    table.add_column("after", overflow="ellipsis", no_wrap=True, max_width=48)
+    table.add_column("kernel [grid]", overflow="ellipsis", no_wrap=True, max_width=48)
+    for item in chain["items"]:
+        table.add_row(
+            f"{item['added_ms']:.2f}",
+            _pct(item["added_share"]),
+            str(item["calls"]),
+            f"{item['added_median_us']:.2f}",
+            escape(item["after"]),
+            escape(item["kernel"]),
+        )
+    table.caption = (
+        "a layer step by step: each link's added time against the bytes its kernel moves "
+        "says where the chain waits instead of streaming"
+    )
+    table.caption_justify = "left"
     return table
 
 

@@ -29,6 +29,10 @@ prefill waves, the decode window and the read back; ...). Here:
   programmatic dependent launch a kernel starts while the one before still runs, so device
   times overlap and overstate; the added times of a stream sum to its busy time, and a
   kernel's is what the decode chain would lose without it.
+- **Decode chain**: the decode windows' added time by link, a kernel (with its launch grid,
+  which tells apart the launches of one kernel: the qkv from the o_proj) and the kernel that
+  ran before it on its stream, with the median a call: where a layer's time goes, step by
+  step, against what each step moves.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import bisect
 import gzip
 import json
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -272,6 +277,7 @@ def analyze(
             traversals,
         ),
         "top": _top(device, events, thread, (t0, t1), top),
+        "chain": _chain(launched, windows, top) if cuda else None,
     }
     if cuda:
         ops = [
@@ -445,3 +451,61 @@ def added_times(kernels: Sequence[dict[str, Any]]) -> dict[str, float]:
             out[e["name"]] += max(0.0, end - max(last_end, start))
             last_end = max(last_end, end)
     return out
+
+
+FIRST = "(first)"  # a chain link's "after" for the first kernel of a stream
+
+
+def launch_key(e: dict[str, Any]) -> str:
+    """A kernel call's name with its launch grid where the trace records one."""
+    grid = (e.get("args") or {}).get("grid")
+    return e["name"] if grid is None else f"{e['name']} {list(grid)}"
+
+
+def added_links(
+    kernels: Sequence[dict[str, Any]], keep: Iterable[bool]
+) -> dict[tuple[str, str], list[float]]:
+    """Per (key before, key) link, the added time (us, as `added_times`) of each kept call;
+    `keep` marks the calls to record (every call counts for the stream's timeline). The key
+    before is that of the call with the latest end so far on the stream (FIRST for none)."""
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    streams: dict[tuple[Any, Any], list[tuple[dict[str, Any], bool]]] = defaultdict(list)
+    for e, kept in zip(kernels, keep, strict=True):
+        streams[(e.get("pid"), e.get("tid"))].append((e, kept))
+    for calls in streams.values():
+        last_end, before = float("-inf"), FIRST
+        for e, kept in sorted(calls, key=lambda c: float(c[0]["ts"])):
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            key = launch_key(e)
+            if kept:
+                out[(before, key)].append(max(0.0, end - max(last_end, start)))
+            if end > last_end:
+                last_end, before = end, key
+    return out
+
+
+def _chain(
+    launched: list[tuple[dict[str, Any], float]], windows: list[tuple[float, float]], n: int
+) -> dict[str, Any]:
+    """The decode windows' kernels' added time by link (see the module docstring)."""
+    kernels = [(e, at) for e, at in launched if e.get("cat") == "kernel"]
+    starts = [s for s, _ in windows]
+    links = added_links(
+        [e for e, _ in kernels], [_inside(at, windows, starts) for _, at in kernels]
+    )
+    total = sum(sum(v) for v in links.values())
+    ranked = sorted(links, key=lambda k: -sum(links[k]))[:n]
+    return {
+        "added_ms": total / 1e3,
+        "items": [
+            {
+                "after": after,
+                "kernel": key,
+                "calls": len(links[(after, key)]),
+                "added_ms": sum(links[(after, key)]) / 1e3,
+                "added_median_us": statistics.median(links[(after, key)]),
+                "added_share": _ratio(sum(links[(after, key)]), total),
+            }
+            for after, key in ranked
+        ],
+    }

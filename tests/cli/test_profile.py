@@ -133,3 +133,32 @@ def test_profile_on_cuda_reports_kernels_and_gpu_busy(
     assert phases["decode_window"]["gpu_ms"] > 0
     assert data["top"]["kind"] == "cuda_kernels" and data["top"]["items"]
     assert data["phases_ms"] <= data["wall_ms"]
+    # the decode chain: links between the decode windows' kernels, named with their grids
+    chain = data["chain"]
+    assert chain["items"] and 0 < chain["added_ms"] <= gpu["busy_ms"]
+    assert sum(i["calls"] for i in chain["items"]) <= gpu["decode_kernels"]
+    assert any(i["kernel"].endswith("]") for i in chain["items"])
+
+
+def test_the_chain_table_shows_each_link() -> None:
+    """The human form of the decode chain: one row a link, the kernel before it and the
+    kernel with its grid, its added time, share, calls and median."""
+    from rich.console import Console
+
+    from rlt_cli.profile import _chain_table
+
+    chain = {
+        "added_ms": 3.0,
+        "items": [
+            {"after": "_add_rms_norm_kernel [1, 1, 1]", "kernel": "ws_gemm_kernel [96, 1, 1]",
+             "calls": 96, "added_ms": 2.0, "added_median_us": 10.14, "added_share": 2 / 3},
+            {"after": "(first)", "kernel": "_prepare_kernel [1, 1, 1]", "calls": 4,
+             "added_ms": 1.0, "added_median_us": 7.2, "added_share": 1 / 3},
+        ],
+    }  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(_chain_table(chain))
+    text = console.export_text()
+    assert "decode chain" in text and "3.0 ms in all" in text
+    assert "_add_rms_norm_kernel [1, 1, 1]" in text and "ws_gemm_kernel [96, 1, 1]" in text
+    assert "10.14" in text and "66.7%" in text and "(first)" in text

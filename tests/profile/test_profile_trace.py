@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from rlt_engine.profile.trace import (
+    FIRST,
     HOST_GAPS,
     PHASES,
+    added_links,
     added_times,
     analyze,
     exclusive_segments,
@@ -228,6 +230,51 @@ def test_top_kernels_carry_their_added_time() -> None:
     assert 0 < gemm["added_share"] <= 1
 
 
+def test_chain_links_each_kept_call_to_the_kernel_before_it() -> None:
+    """A link is (the call with the latest end before, the call), keyed with the launch grid
+    where the trace has one; its added time as `added_times`; calls not kept still move the
+    stream's timeline; a stream's first call follows FIRST."""
+
+    def grid(e, g):
+        return {**e, "args": {**e["args"], "grid": g}}
+
+    calls = [
+        grid(kernel("norm", 0, 10, 1), [1, 1, 1]),
+        grid(kernel("gemm", 5, 20, 2), [96, 1, 1]),  # under norm: adds 15
+        grid(kernel("norm", 22, 6, 3), [1, 1, 1]),  # adds 3
+        kernel("tiny", 23, 2, 4),  # ends inside norm: adds 0, and norm stays "before"
+        grid(kernel("gemm", 40, 10, 5), [32, 4, 1]),  # idle before: adds its 10
+        grid(kernel("gemm", 50, 10, 6), [96, 1, 1]),  # not kept: moves the timeline only
+        grid(kernel("norm", 55, 8, 7), [1, 1, 1]),  # adds 3 after gemm [96, 1, 1]
+    ]
+    keep = [True, True, True, True, True, False, True]
+    assert added_links(calls, keep) == {
+        (FIRST, "norm [1, 1, 1]"): [10.0],
+        ("norm [1, 1, 1]", "gemm [96, 1, 1]"): [15.0],
+        ("gemm [96, 1, 1]", "norm [1, 1, 1]"): [3.0, 3.0],
+        ("norm [1, 1, 1]", "tiny"): [0.0],
+        ("norm [1, 1, 1]", "gemm [32, 4, 1]"): [10.0],
+    }
+
+
+def test_the_decode_chain_holds_the_windows_kernels_only() -> None:
+    """The summary's chain: the kernels launched in decode windows (the prefill's GEMM and
+    the sampler are not, but the first decode GEMM links to the sampler before it)."""
+    chain = analyze(gpu_trace(), token_steps=4, traversals=16, top=5)["chain"]
+    assert chain["added_ms"] == pytest.approx(0.48)
+    links = {(i["after"], i["kernel"]): i for i in chain["items"]}
+    assert list(links) == [
+        ("decode_gemm", "decode_gemm"),  # 300 us
+        ("sampler", "decode_gemm"),  # 100
+        ("decode_gemm", "attention"),  # 80
+    ]
+    assert links[("decode_gemm", "attention")]["added_median_us"] == pytest.approx(80)
+    assert links[("decode_gemm", "decode_gemm")]["added_share"] == pytest.approx(300 / 480)
+    assert (
+        analyze(gpu_trace(), token_steps=4, traversals=16, top=1)["chain"]["items"][0]["calls"] == 1
+    )
+
+
 def test_cpu_trace_has_no_gpu_numbers_and_ranks_cpu_ops_by_self_time() -> None:
     op = {"ph": "X", "cat": "cpu_op", **MAIN}
     trace = {
@@ -242,6 +289,7 @@ def test_cpu_trace_has_no_gpu_numbers_and_ranks_cpu_ops_by_self_time() -> None:
     }
     s = analyze(trace, token_steps=1, traversals=4)
     assert s["gpu"]["available"] is False and s["gpu"]["busy_share_decode_window"] is None
+    assert s["chain"] is None
     assert all(p["gpu_ms"] is None for p in s["phases"])
     top = s["top"]
     assert top["kind"] == "cpu_ops"
