@@ -42,7 +42,7 @@ import gzip
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -441,15 +441,9 @@ def added_times(kernels: Sequence[dict[str, Any]]) -> dict[str, float]:
     latest end before it on its stream (device pid, stream tid), counted from its own start
     where the stream was idle."""
     out: dict[str, float] = defaultdict(float)
-    streams: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
-    for e in kernels:
-        streams[(e.get("pid"), e.get("tid"))].append(e)
-    for calls in streams.values():
-        last_end = float("-inf")
-        for e in sorted(calls, key=lambda e: float(e["ts"])):
-            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-            out[e["name"]] += max(0.0, end - max(last_end, start))
-            last_end = max(last_end, end)
+    links = added_links(kernels, [True] * len(kernels), key=lambda e: e["name"])
+    for (_, name), added in links.items():
+        out[name] += sum(added)
     return out
 
 
@@ -463,11 +457,15 @@ def launch_key(e: dict[str, Any]) -> str:
 
 
 def added_links(
-    kernels: Sequence[dict[str, Any]], keep: Iterable[bool]
+    kernels: Sequence[dict[str, Any]],
+    keep: Iterable[bool],
+    key: Callable[[dict[str, Any]], str] = launch_key,
 ) -> dict[tuple[str, str], list[float]]:
-    """Per (key before, key) link, the added time (us, as `added_times`) of each kept call;
-    `keep` marks the calls to record (every call counts for the stream's timeline). The key
-    before is that of the call with the latest end so far on the stream (FIRST for none)."""
+    """Per (key before, key) link, the time (us) each kept call adds to its stream: its end
+    past the latest end before it on the stream (device pid, stream tid), from its own start
+    where the stream was idle. `keep` marks the calls to record (every call moves the
+    stream's timeline). The key before is that of the call with the latest end so far on the
+    stream (FIRST for none)."""
     out: dict[tuple[str, str], list[float]] = defaultdict(list)
     streams: dict[tuple[Any, Any], list[tuple[dict[str, Any], bool]]] = defaultdict(list)
     for e, kept in zip(kernels, keep, strict=True):
@@ -476,11 +474,11 @@ def added_links(
         last_end, before = float("-inf"), FIRST
         for e, kept in sorted(calls, key=lambda c: float(c[0]["ts"])):
             start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
-            key = launch_key(e)
+            name = key(e)
             if kept:
-                out[(before, key)].append(max(0.0, end - max(last_end, start)))
+                out[(before, name)].append(max(0.0, end - max(last_end, start)))
             if end > last_end:
-                last_end, before = end, key
+                last_end, before = end, name
     return out
 
 
