@@ -491,8 +491,9 @@ def _chain(
     links = added_links(
         [e for e, _ in kernels], [_inside(at, windows, starts) for _, at in kernels]
     )
-    total = sum(sum(v) for v in links.values())
-    ranked = sorted(links, key=lambda k: -sum(links[k]))[:n]
+    sums = {link: sum(added) for link, added in links.items()}
+    total = sum(sums.values())
+    ranked = sorted(sums, key=lambda link: -sums[link])[:n]
     return {
         "added_ms": total / 1e3,
         "items": [
@@ -500,9 +501,9 @@ def _chain(
                 "after": after,
                 "kernel": key,
                 "calls": len(links[(after, key)]),
-                "added_ms": sum(links[(after, key)]) / 1e3,
+                "added_ms": sums[(after, key)] / 1e3,
                 "added_median_us": statistics.median(links[(after, key)]),
-                "added_share": _ratio(sum(links[(after, key)]), total),
+                "added_share": _ratio(sums[(after, key)], total),
             }
             for after, key in ranked
         ],
