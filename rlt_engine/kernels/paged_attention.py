@@ -233,6 +233,10 @@ ROWS_SPLIT_BUDGET = 128
 # split rows kernel: c=12 / 16 +2.0% / +2.4% at 64-token prompts, c=8 +2.7% / +4.8% at 110 /
 # 150 and equal at 64; from 2 sequences on, c=4 lost 2.1% (2026-12-04-wide-tile-h200.md)
 ROWS_SHORT_SEQS = 8
+# The rows kernel, with the caller's `prefetch_kv` word, reads the metadata and its first
+# tile's table entries before the PDL wait, and its splits without keys leave there: c=8
+# +1.0%, c=16 +0.4%, c=64 +0.3%, same tokens (H100, 2026-12-06-rows-settled-h100.md)
+ROWS_SETTLED = True
 MAX_SPLITS = 32
 
 
@@ -449,6 +453,7 @@ def _launch(
                 **shapes,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
                 MERGE=merge_in_kernel,
+                SETTLED=prefetch_kv and ROWS_SETTLED,
                 ROPE=rw is not None,
                 HALF=head_dim // 2,
                 EXACT_MUL=not interpret,  # rope.py: mul.rn, no FMA contraction
@@ -1090,6 +1095,9 @@ def _decode_rows_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
     MERGE: tl.constexpr,  # split-K merged by the split that arrives last (no merge launch)
+    SETTLED: tl.constexpr,  # the metadata and the first tile's table entries read before the
+    # wait (the caller's word: the kernel before writes only the rows' q, K, V), and a split
+    # without keys of a sequence with a query leaves there (its split 0 waits)
     PDL: tl.constexpr,
     PREFETCH_KV: tl.constexpr,
     ROW_LINES: tl.constexpr,
@@ -1103,6 +1111,24 @@ def _decode_rows_kernel(
     a program owns one (sequence, head, split). With a single query row a tensor-core tile
     would be 15/16 padding, so scores and P @ V are register reductions over [BLOCK_N, d]
     tiles in fp32 (no shared memory: many programs per SM to keep loads in flight)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if SETTLED:  # the metadata and the first tile's table entries before the wait
+        q_begin = tl.load(query_start_ptr + seq)
+        q_end = tl.load(query_start_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t_begin = split * per_split
+        t_end = tl.minimum(t_begin + per_split, n_tiles)
+        if MERGE:  # noqa: SIM102  (a constexpr branch)
+            if (t_begin >= t_end) & (q_end > q_begin):  # no keys (the split 0 waits)
+                return
+        pos = t_begin * BLOCK_N + tl.arange(0, BLOCK_N)
+        blk = pos // BLOCK_SIZE
+        phys_first = tl.load(table + blk, mask=(pos < seq_len) & (blk < max_blocks), other=0)
     if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
         if PREFETCH_KV:
             prefetch_kv_l2(
@@ -1112,26 +1138,25 @@ def _decode_rows_kernel(
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_begin = tl.load(query_start_ptr + seq)
-    if tl.load(query_start_ptr + seq + 1) == q_begin:  # a padding sequence: no query
+    if not SETTLED:
+        q_begin = tl.load(query_start_ptr + seq)
+        q_end = tl.load(query_start_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)  # the query sits at seq_len - 1, sees every key
+    if q_end == q_begin:  # a padding sequence: no query
         return
-    seq_len = tl.load(seq_lens_ptr + seq)  # the query sits at seq_len - 1 and sees every key
     token = q_begin.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q_row = q_ptr + token * stride_qt + head * stride_qh
     q = tl.load(q_row + d, mask=d_ok, other=0.0)
 
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-    t_begin = split * per_split
-    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    if not SETTLED:
+        n_tiles = tl.cdiv(seq_len, BLOCK_N)
+        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        t_begin = split * per_split
+        t_end = tl.minimum(t_begin + per_split, n_tiles)
     if MERGE and t_begin >= t_end:  # no keys: the last of the splits with keys merges
         return
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + head.to(tl.int64) * stride_kh
     v_base = v_ptr + head.to(tl.int64) * stride_vh
     if ROPE:  # as in _paged_attention_kernel: rotate q, and the new key's split writes it
@@ -1160,7 +1185,11 @@ def _decode_rows_kernel(
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < seq_len
         blk = pos // BLOCK_SIZE
-        phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
+        if SETTLED:  # the first tile's entries were read before the wait
+            later = pos_ok & (blk < max_blocks) & (t != t_begin)
+            phys = tl.where(t == t_begin, phys_first, tl.load(table + blk, mask=later, other=0))
+        else:
+            phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
         slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_ok = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)

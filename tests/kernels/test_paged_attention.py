@@ -378,13 +378,15 @@ def test_auto_takes_the_rows_kernel_for_many_short_or_split_long_decode_rows(mon
     assert decode_splits(8, False) == 1  # GQA: the tensor-core walk, unsplit
 
 
+@pytest.mark.parametrize("settled", [False, True])
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("num_splits", [2, 5, 16])
-def test_rows_kernel_merged_in_the_kernel_changes_no_bit(num_splits, rope):
+def test_rows_kernel_merged_in_the_kernel_changes_no_bit(num_splits, rope, settled):
     """The rows kernel with `split_counters`: the split that arrives last merges (no merge
     launch), with the same bits as the merge launch, splits with no keys leave at once,
     padding sequences and rows of no sequence stay untouched, the counters are back to zero;
-    with `rope_write` too (the split holding the new key writes it)."""
+    with `rope_write` too (the split holding the new key writes it); and with the caller's
+    `prefetch_kv` word (ROWS_SETTLED: the metadata and first table entries read first)."""
     if rope:
         case, new = _rope_write_case("rows", torch.float32, "cpu", lens=(1, 5, 17, 40, 9))
         extra = {"rope_write": new}
@@ -402,7 +404,7 @@ def test_rows_kernel_merged_in_the_kernel_changes_no_bit(num_splits, rope):
         rest = (case.block_size, case.scale, case.max_query_len, num_splits, sentinel.clone())
         return _launch(*args, *rest, **tiles, **extra, **more), k, v
 
-    merged, k1, v1 = run(split_counters=counters)
+    merged, k1, v1 = run(split_counters=counters, prefetch_kv=settled)
     assert not counters.any()
     two_launches, k2, v2 = run()
     assert torch.equal(merged, two_launches)
@@ -473,6 +475,11 @@ def test_prefetch_kv_is_a_hint_only():
     case = Case([(1, 37), (1, 5), (0, 3)], 4, 2, 16, 8, torch.float32, "cpu")
     plain = case.run()
     assert torch.equal(case.run(kernel="auto", prefetch_kv=True)[:2], plain[:2])
+    mha = Case([(1, 37), (1, 5), (0, 3), (1, 16)], 3, 3, 16, 8, torch.float32, "cpu")
+    for splits in (1, 3):  # the rows kernel's settled reads (ROWS_SETTLED), unsplit and split
+        rows = mha.run(splits, kernel="rows", block_n=16)
+        settled = mha.run(splits, kernel="rows", block_n=16, prefetch_kv=True)
+        assert torch.equal(settled[:3], rows[:3])
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 5])
@@ -623,6 +630,42 @@ def test_decode_launch_plans_do_not_spill_on_sm90():
         assert spilled == 0 and registers <= 255, (name, registers, spilled)
 
 
+# the rows kernel's decode build (bf16, d = 128, 16 splits merged in the kernel), without and
+# with ROWS_SETTLED's reads before the wait, compiled for sm_90a (see _COMPILE_PROBE)
+_COMPILE_ROWS = """
+from rlt_engine.kernels import paged_attention as pa
+
+pa._import_triton()
+pa.merge_partials = pa._kernel(pa._merge_partials, False)
+fn = pa._kernel(pa._decode_rows_kernel, False)
+out = {}
+for settled in (False, True):
+    const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=16, NUM_SPLITS=16,
+                 SPLITS_PAD=16, MERGE=True, SETTLED=settled, PDL=True, PREFETCH_KV=False,
+                 ROW_LINES=2, LINE=64, ROPE=False, HALF=64, EXACT_MUL=True, ROUND_BF16=False)
+    sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
+    sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+    sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
+                                "count_ptr")}
+    sig["slot_ptr"] = "*i64"
+    ptx = triton_ptx(fn, const, sig, num_warps=1, num_stages=2)
+    before = ptx.split("griddepcontrol.wait")[0]
+    out["settled" if settled else "plain"] = [before.count("ld.global"), *ptxas_usage(ptx)]
+print(json.dumps(out))
+"""
+
+
+def test_rows_kernel_reads_its_settled_metadata_before_the_pdl_wait():
+    """ROWS_SETTLED's build loads the sequence's query range, length and first table entries
+    before `griddepcontrol.wait` (the plain build nothing), and neither spills on sm_90a."""
+    from sm90_compile import TRITON_PTX, run_compile_script
+
+    got = run_compile_script(TRITON_PTX + _COMPILE_ROWS)
+    assert got["plain"][0] == 0 and got["settled"][0] >= 4, got
+    for name, (_, registers, spilled) in got.items():
+        assert spilled == 0 and registers <= 255, (name, registers, spilled)
+
+
 # a padded prefill wave's launch as _launch configures it (bf16, d = 128, MHA: 64-row blocks,
 # FLAT), compiled for sm_90a (see _COMPILE_PROBE)
 _COMPILE_PREFILL = """
@@ -757,6 +800,37 @@ def test_gpu_ouro_decode_split_1_vs_4(num_seqs):
     check(one, ref, BF16_TOL)
     check(four, ref, BF16_TOL)
     check(one, four.float().cpu(), BF16_TOL)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("num_seqs", [8, 16, 64])
+def test_gpu_rows_settled_changes_no_bit(num_seqs):
+    """The rows kernel with the caller's word (`prefetch_kv`: ROWS_SETTLED's metadata and first
+    table entries before the wait, splits without keys leaving there) against it without,
+    merged in the kernel with 128 // n splits of 16 keys over short contexts (most splits
+    empty), a padding sequence included: the same bits eagerly and on graph replays, the
+    counters back to zero."""
+    specs = [*_decode_specs(num_seqs, 90, num_seqs), (0, 5)]
+    case = Case(specs, 16, 16, 128, 16, torch.bfloat16, "cuda")
+    splits = max(1, 128 // num_seqs)
+    counters = torch.zeros(len(specs) * 16, dtype=torch.int32, device="cuda")
+    tiles = {"block_n": 16, "kernel": "rows", "split_counters": counters}
+    rows = sum(q for q, _ in specs)
+    plain = case.run(splits, **tiles)
+    settled = case.run(splits, prefetch_kv=True, **tiles)
+    assert torch.equal(settled[:rows], plain[:rows])
+    out = torch.empty_like(case.q)
+    case.run(splits, out, prefetch_kv=True, **tiles)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.run(splits, out, prefetch_kv=True, **tiles)
+    for _ in range(20):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:rows], plain[:rows])
+    assert not counters.any()
 
 
 @gpu
