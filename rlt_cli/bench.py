@@ -436,20 +436,29 @@ def _engine_device(options: dict[str, Any]) -> Any:
     return torch.device(device)
 
 
+def copy_bandwidth(
+    given_gbs: float | None, options: dict[str, Any]
+) -> tuple[float | None, str | None]:
+    """(bytes/s, "given" | "measured") for the floor: the given GB/s, else measured on a CUDA
+    device (before the engine, whose KV pool takes the memory the copy needs); (None, None) on
+    CPU."""
+    if given_gbs is not None:
+        return given_gbs * 1e9, "given"
+    device = _engine_device(options)
+    if device.type != "cuda":
+        return None, None
+    from rlt_engine.bench.floor import measure_copy_bandwidth
+
+    with status_spinner("measuring copy bandwidth"):
+        return measure_copy_bandwidth(device), "measured"
+
+
 def _bench(run: BenchRun) -> None:
     check_device(run.engine_options.get("device", "auto"))
-    from rlt_engine.bench.floor import measure_copy_bandwidth, weight_bytes
+    from rlt_engine.bench.floor import weight_bytes
     from rlt_engine.bench.throughput import benchmark
 
-    bandwidth, source = None, None
-    if run.bandwidth_gbs is not None:
-        bandwidth, source = run.bandwidth_gbs * 1e9, "given"
-    elif _engine_device(run.engine_options).type == "cuda":
-        with status_spinner("measuring copy bandwidth"):  # before the KV pool takes memory
-            bandwidth, source = (
-                measure_copy_bandwidth(_engine_device(run.engine_options)),
-                "measured",
-            )
+    bandwidth, source = copy_bandwidth(run.bandwidth_gbs, run.engine_options)
     llm = load_engine(run)
     engine = llm.engine
     depth = engine.info.num_loops

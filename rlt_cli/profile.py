@@ -9,7 +9,9 @@ kernel launches and host syncs per token step (the syncs by phase and op: where 
 waits), and the top kernels (CPU ops on CPU), each with its added time (its end past the
 previous kernel's on its stream: under PDL kernels overlap, so that, not device time, is what a
 kernel costs the chain), and on a GPU the decode chain: that added time by kernel launch (its
-grid) and the kernel before it.
+grid) and the kernel before it, and its cadence: what a layer run adds against the layer's
+weights at the device's copy rate (measured before the engine loads, as `rlt bench` does), and
+what a traversal's own launches add.
 Human output: tables on stdout, progress on stderr. `--json`: one JSON object on stdout.
 torch loads only when run.
 """
@@ -32,6 +34,7 @@ from rlt_cli.bench import (
     LOOP_PARAMETERS,
     WORKLOAD_FLAGS,
     Workload,
+    copy_bandwidth,
     engine_flags,
     engine_summary,
     execution_text,
@@ -105,6 +108,7 @@ def _profile(run: ProfileRun) -> None:
     from rlt_engine.profile.driver import Workload as DriverWorkload
     from rlt_engine.profile.driver import profile_workload
 
+    bandwidth, _ = copy_bandwidth(None, run.engine_options)
     llm = load_engine(run)
     engine = llm.engine
     (c,) = run.concurrency
@@ -122,7 +126,12 @@ def _profile(run: ProfileRun) -> None:
             top=run.top,
             on_phase=on_phase,
         )
-    report = {**engine_summary(engine, run), "concurrency": c, **summary}
+    report = {
+        **engine_summary(engine, run),
+        "concurrency": c,
+        "bandwidth_gbs": bandwidth / 1e9 if bandwidth is not None else None,
+        **summary,
+    }
     if run.json_output:
         typer.echo(json.dumps(report))
         return
@@ -176,6 +185,9 @@ def _render(report: dict[str, Any]) -> None:
     stdout.print(_top_table(report))
     if report.get("chain") and report["chain"]["items"]:
         stdout.print(_chain_table(report["chain"]))
+        line = _cadence_line(report)
+        if line:
+            stdout.print(line)
     stdout.print(f"trace: {escape(report['trace'])}")
 
 
@@ -267,6 +279,28 @@ def _chain_table(chain: dict[str, Any]) -> Table:
     )
     table.caption_justify = "left"
     return table
+
+
+def _cadence_line(report: dict[str, Any]) -> str | None:
+    """The chain's cadence in words: a layer run's added time against its weights at the copy
+    rate, and a traversal's own launches."""
+    cadence = report["chain"].get("cadence")
+    if not cadence:
+        return None
+    text = f"a layer run adds {cadence['layer_us']:.1f} us ({cadence['layer_runs']:,} runs)"
+    layer_bytes, bandwidth = report.get("layer_weight_bytes"), report.get("bandwidth_gbs")
+    if layer_bytes and bandwidth:
+        at_copy = layer_bytes / (bandwidth * 1e3)  # bytes / (GB/s) in us
+        text += (
+            f"; its weights, {layer_bytes / 1e6:.1f} MB, take {at_copy:.1f} us at the copy "
+            f"rate ({bandwidth / 1e3:.2f} TB/s), {_pct(at_copy / cadence['layer_us'])} of it"
+        )
+    text += (
+        f". A traversal's own launches (prepare, the lm_head when a row exits, advance) add "
+        f"{cadence['traversal_us']:.1f} us; the windows' other launches "
+        f"{cadence['other_ms']:.2f} ms"
+    )
+    return text
 
 
 def _sync_table(sites: list[dict[str, Any]]) -> Table:

@@ -33,6 +33,7 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from rlt_engine.bench.floor import weight_bytes
 from rlt_engine.bench.throughput import run_once
 from rlt_engine.engine import LLMEngine
 from rlt_engine.profile.trace import ROOT, analyze, load_trace
@@ -163,10 +164,12 @@ def profile_workload(
     if on_phase is not None:
         on_phase("summarising")
     token_steps = w.output_len - 1
+    layers = engine.model.config.num_layers
     summary = analyze(
         load_trace(trace_out),
         token_steps=token_steps,
         traversals=counters.decode_traversals,
+        layers=layers,
         top=top,
         cuda=cuda,
     )
@@ -176,6 +179,9 @@ def profile_workload(
         "decode_tokens_per_s": result.decode_tokens_per_s,  # under the profiler (overhead in)
         "token_steps": token_steps,
         "decode_traversals": counters.decode_traversals,
+        # a traversal's weight bytes (bench/floor.py) spread over its layers: what a layer run
+        # streams, against the chain's cadence
+        "layer_weight_bytes": weight_bytes(engine.model).layer_stack / layers,
         "engine_steps": result.steps,
         "missing_markers": counters.missing,
         "graphs_captured": after.graphs_captured - before.graphs_captured,

@@ -32,7 +32,9 @@ prefill waves, the decode window and the read back; ...). Here:
 - **Decode chain**: the decode windows' added time by link, a kernel (with its launch grid,
   which tells apart the launches of one kernel: the qkv from the o_proj) and the kernel that
   ran before it on its stream, with the median a call: where a layer's time goes, step by
-  step, against what each step moves.
+  step, against what each step moves. Its cadence sorts the links by how often they run: the
+  added time of a layer run, and of a traversal's own launches (prepare, the gated lm_head,
+  advance) around its layers.
 """
 
 from __future__ import annotations
@@ -161,13 +163,14 @@ def analyze(
     *,
     token_steps: int,
     traversals: int,
+    layers: int = 0,
     top: int = 15,
     cuda: bool | None = None,
 ) -> dict[str, Any]:
     """The summary of one profiled workload (times in ms). `token_steps`: decode token steps
     of the workload (one new token for every request each); `traversals`: decode traversals
-    it ran (from the plans). `cuda`: whether device activity was recorded (default: whether
-    the trace holds any)."""
+    it ran (from the plans); `layers`: layers a traversal runs (the chain's cadence, 0: none).
+    `cuda`: whether device activity was recorded (default: whether the trace holds any)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     roots = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == ROOT]
     if not roots:
@@ -277,7 +280,7 @@ def analyze(
             traversals,
         ),
         "top": _top(device, events, thread, (t0, t1), top),
-        "chain": _chain(launched, windows, top) if cuda else None,
+        "chain": _chain(launched, windows, top, traversals, layers) if cuda else None,
     }
     if cuda:
         ops = [
@@ -483,9 +486,14 @@ def added_links(
 
 
 def _chain(
-    launched: list[tuple[dict[str, Any], float]], windows: list[tuple[float, float]], n: int
+    launched: list[tuple[dict[str, Any], float]],
+    windows: list[tuple[float, float]],
+    n: int,
+    traversals: int = 0,
+    layers: int = 0,
 ) -> dict[str, Any]:
-    """The decode windows' kernels' added time by link (see the module docstring)."""
+    """The decode windows' kernels' added time by link (see the module docstring), and with
+    `traversals` and `layers` its cadence (`_cadence`)."""
     kernels = [(e, at) for e, at in launched if e.get("cat") == "kernel"]
     starts = [s for s, _ in windows]
     links = added_links(
@@ -507,4 +515,33 @@ def _chain(
             }
             for after, key in ranked
         ],
+        "cadence": _cadence(sums, {link: len(a) for link, a in links.items()}, traversals, layers),
+    }
+
+
+def _cadence(
+    sums: dict[tuple[str, str], float],
+    calls: dict[tuple[str, str], int],
+    traversals: int,
+    layers: int,
+) -> dict[str, Any] | None:
+    """Every link by how often its kernel launch runs: one with at least half as many calls
+    as layer runs (traversals x layers) belongs to a layer (the first layer's qkv too, which
+    follows the traversal's prepare, not a norm), one with at least half as many as traversals
+    to a traversal's own launches around its layers, the rest to the windows (their first and
+    last launches, a prefill riding them). Each sum spread over its runs: what a layer run and
+    a traversal's own launches add, in us."""
+    if traversals <= 0 or layers <= 0:
+        return None
+    runs = traversals * layers
+    launches: dict[str, int] = defaultdict(int)
+    for (_, key), n in calls.items():
+        launches[key] += n
+    layer = sum(us for (_, key), us in sums.items() if 2 * launches[key] >= runs)
+    traversal = sum(us for (_, key), us in sums.items() if traversals <= 2 * launches[key] < runs)
+    return {
+        "layer_runs": runs,
+        "layer_us": layer / runs,
+        "traversal_us": traversal / traversals,
+        "other_ms": (sum(sums.values()) - layer - traversal) / 1e3,
     }

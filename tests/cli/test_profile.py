@@ -138,6 +138,24 @@ def test_profile_on_cuda_reports_kernels_and_gpu_busy(
     assert chain["items"] and 0 < chain["added_ms"] <= gpu["busy_ms"]
     assert sum(i["calls"] for i in chain["items"]) <= gpu["decode_kernels"]
     assert any(i["kernel"].endswith("]") for i in chain["items"])
+    # its cadence: a layer run's added time, against the layer's weights at the copy rate
+    assert chain["cadence"]["layer_us"] > 0 and chain["cadence"]["layer_runs"] > 0
+    assert data["bandwidth_gbs"] > 0 and data["layer_weight_bytes"] > 0
+
+
+def test_the_cadence_line_sets_a_layer_run_against_its_weights_at_the_copy_rate() -> None:
+    from rlt_cli.profile import _cadence_line
+
+    cadence = {"layer_runs": 2976, "layer_us": 50.0, "traversal_us": 26.7, "other_ms": 0.03}
+    report = {"chain": {"items": [], "cadence": cadence}, "layer_weight_bytes": 102.8e6,
+              "bandwidth_gbs": 2970.0}  # fmt: skip
+    line = _cadence_line(report)
+    assert "a layer run adds 50.0 us (2,976 runs)" in line
+    assert "102.8 MB, take 34.6 us at the copy rate (2.97 TB/s), 69.2% of it" in line
+    assert "26.7 us" in line and "0.03 ms" in line
+    # without a measured copy rate (CPU) only the cadence; without a cadence nothing
+    assert "copy rate" not in _cadence_line({**report, "bandwidth_gbs": None})
+    assert _cadence_line({"chain": {"items": [], "cadence": None}}) is None
 
 
 def test_the_chain_table_shows_each_link() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 import rlt_engine.worker.decode as decode_module
+from rlt_engine.bench.floor import weight_bytes
 from rlt_engine.detokenizer import IncrementalDetokenizer
 from rlt_engine.llm import LLM
 from rlt_engine.profile.driver import Workload, instrument, profile_workload
@@ -49,4 +50,6 @@ def test_profile_workload_without_a_tokenizer(ckpt: Path, tmp_path: Path) -> Non
     assert phases["detokenize"]["calls"] == 0  # no tokenizer: no detokenizer
     assert phases["decode_window"]["ms"] > 0 and phases["prefill"]["ms"] > 0
     assert s["token_steps"] == 2 and s["decode_traversals"] >= 2 * 4
+    layers = engine.model.config.num_layers
+    assert s["layer_weight_bytes"] == weight_bytes(engine.model).layer_stack / layers > 0
     assert not engine.has_unfinished_requests()

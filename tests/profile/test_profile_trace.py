@@ -275,6 +275,39 @@ def test_the_decode_chain_holds_the_windows_kernels_only() -> None:
     )
 
 
+def traversals_trace(traversals: int, layers: int) -> dict[str, Any]:
+    """One decode window of back-to-back kernels (each adds its duration): per traversal a
+    prepare (5 us), then per layer a GEMM (10 us, the first after the prepare) and a norm
+    (2 us), then the lm_head (1 us) and advance (3 us); after the window a sampler (50 us)."""
+    t, events = 10.0, [mark("rlt.workload", 0, 10_000), mark("rlt.step", 0, 9_000)]
+    events.append(mark("rlt.decode_window", 5, 8_000))
+    plan = []
+    for _ in range(traversals):
+        plan += [("prepare", [1, 1, 1], 5.0)]
+        plan += [("gemm", [96, 1, 1], 10.0), ("norm", [8, 1, 1], 2.0)] * layers
+        plan += [("lm_head", [768, 1, 1], 1.0), ("advance", [1, 1, 1], 3.0)]
+    for corr, (name, grid, dur) in enumerate([*plan, ("sampler", [1, 1, 1], 50.0)], 1):
+        at = 6.0 if name != "sampler" else 8_500.0  # launched in the window, or after it
+        events.append(launch(at, corr))
+        events.append({**kernel(name, t, dur, corr), "args": {"correlation": corr, "grid": grid}})
+        t += dur
+    return {"traceEvents": events}
+
+
+def test_the_chain_cadence_spreads_each_link_over_its_runs() -> None:
+    """A layer run's added time is every link whose kernel runs about once a layer run (the
+    first layer's GEMM after the prepare included), a traversal's own launches those of about
+    once a traversal, the rest is the windows' (the sampler launched after it is not)."""
+    chain = analyze(traversals_trace(4, 3), token_steps=1, traversals=4, layers=3)["chain"]
+    cadence = chain["cadence"]
+    assert cadence["layer_runs"] == 12
+    assert cadence["layer_us"] == pytest.approx(12.0)  # GEMM 10 + norm 2
+    assert cadence["traversal_us"] == pytest.approx(9.0)  # prepare 5 + lm_head 1 + advance 3
+    assert cadence["other_ms"] == pytest.approx(0.0)
+    assert chain["added_ms"] == pytest.approx((12 * 12 + 4 * 9) / 1e3)
+    assert analyze(traversals_trace(4, 3), token_steps=1, traversals=4)["chain"]["cadence"] is None
+
+
 def test_cpu_trace_has_no_gpu_numbers_and_ranks_cpu_ops_by_self_time() -> None:
     op = {"ph": "X", "cat": "cpu_op", **MAIN}
     trace = {
