@@ -1096,8 +1096,7 @@ def _decode_rows_kernel(
     SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
     MERGE: tl.constexpr,  # split-K merged by the split that arrives last (no merge launch)
     SETTLED: tl.constexpr,  # the metadata and the first tile's table entries read before the
-    # wait (the caller's word: the kernel before writes only the rows' q, K, V), and a split
-    # without keys of a sequence with a query leaves there (its split 0 waits)
+    # wait (the caller's word: the kernel before writes only the rows' q, K, V)
     PDL: tl.constexpr,
     PREFETCH_KV: tl.constexpr,
     ROW_LINES: tl.constexpr,
@@ -1115,21 +1114,7 @@ def _decode_rows_kernel(
     head = tl.program_id(1)
     split = tl.program_id(2)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if SETTLED:  # the metadata and the first tile's table entries before the wait
-        q_begin = tl.load(query_start_ptr + seq)
-        q_end = tl.load(query_start_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-        t_begin = split * per_split
-        t_end = tl.minimum(t_begin + per_split, n_tiles)
-        if MERGE:  # noqa: SIM102  (a constexpr branch)
-            if (t_begin >= t_end) & (q_end > q_begin):  # no keys (the split 0 waits)
-                return
-        pos = t_begin * BLOCK_N + tl.arange(0, BLOCK_N)
-        blk = pos // BLOCK_SIZE
-        phys_first = tl.load(table + blk, mask=(pos < seq_len) & (blk < max_blocks), other=0)
-    if PDL:  # wait for the previous kernel, then release the next (kernels/pdl.py)
+    if PDL and not SETTLED:  # wait for the previous kernel, then release the next (pdl.py)
         if PREFETCH_KV:
             prefetch_kv_l2(
                 block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
@@ -1138,10 +1123,32 @@ def _decode_rows_kernel(
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if not SETTLED:
-        q_begin = tl.load(query_start_ptr + seq)
-        q_end = tl.load(query_start_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)  # the query sits at seq_len - 1, sees every key
+    # The sequence's metadata, this split's key tiles and its first tile's table entries
+    # (SETTLED: before the wait, on the caller's word that the kernel before writes only the
+    # rows' q, K and V). A split without keys of a sequence with a query leaves (the last of
+    # the splits with keys merges; its split 0 waits, so the launch completes after the kernel
+    # before it).
+    q_begin = tl.load(query_start_ptr + seq)
+    q_end = tl.load(query_start_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)  # the query sits at seq_len - 1, sees every key
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
+    if MERGE and (t_begin >= t_end) & (q_end > q_begin):
+        return
+    pos = t_begin * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = pos // BLOCK_SIZE
+    phys_first = tl.load(table + blk, mask=(pos < seq_len) & (blk < max_blocks), other=0)
+    if PDL and SETTLED:
+        if PREFETCH_KV:
+            prefetch_kv_l2(
+                block_tables_ptr, seq_lens_ptr, query_start_ptr, k_ptr, v_ptr,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, max_blocks,
+                prefetch_tiles, HEAD_DIM, BLOCK_N, BLOCK_SIZE, NUM_SPLITS, ROW_LINES, LINE,
+            )  # fmt: skip
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if q_end == q_begin:  # a padding sequence: no query
         return
     token = q_begin.to(tl.int64)
@@ -1150,13 +1157,6 @@ def _decode_rows_kernel(
     q_row = q_ptr + token * stride_qt + head * stride_qh
     q = tl.load(q_row + d, mask=d_ok, other=0.0)
 
-    if not SETTLED:
-        n_tiles = tl.cdiv(seq_len, BLOCK_N)
-        per_split = tl.cdiv(n_tiles, NUM_SPLITS)
-        t_begin = split * per_split
-        t_end = tl.minimum(t_begin + per_split, n_tiles)
-    if MERGE and t_begin >= t_end:  # no keys: the last of the splits with keys merges
-        return
     k_base = k_ptr + head.to(tl.int64) * stride_kh
     v_base = v_ptr + head.to(tl.int64) * stride_vh
     if ROPE:  # as in _paged_attention_kernel: rotate q, and the new key's split writes it
@@ -1185,11 +1185,8 @@ def _decode_rows_kernel(
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < seq_len
         blk = pos // BLOCK_SIZE
-        if SETTLED:  # the first tile's entries were read before the wait
-            later = pos_ok & (blk < max_blocks) & (t != t_begin)
-            phys = tl.where(t == t_begin, phys_first, tl.load(table + blk, mask=later, other=0))
-        else:
-            phys = tl.load(table + blk, mask=pos_ok & (blk < max_blocks), other=0)
+        later = pos_ok & (blk < max_blocks) & (t != t_begin)  # the first tile's: read above
+        phys = tl.where(t == t_begin, phys_first, tl.load(table + blk, mask=later, other=0))
         slot = phys.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_ok = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
