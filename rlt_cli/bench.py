@@ -39,7 +39,7 @@ from rlt_cli.command import callback, keyword
 from rlt_cli.engine import load_llm
 from rlt_cli.options import HELP as OPTION_HELP
 from rlt_cli.options import engine_fields, engine_parameters, to_field_values
-from rlt_cli.output import check_device, status_spinner, stderr, stdout
+from rlt_cli.output import check_device, print_table, status_spinner, stderr
 from rlt_engine.config import EngineConfig, SchedulerConfig
 from rlt_engine.sampling_params import SamplingParams
 
@@ -503,7 +503,7 @@ def _bench(run: BenchRun) -> None:
     if run.json_output:
         typer.echo(json.dumps(report))
         return
-    stdout.print(_table(report))
+    print_table(_table(report))
 
 
 def _serve_bench(config: ServingBenchConfig, *, json_output: bool) -> None:
@@ -530,7 +530,7 @@ def _serve_bench(config: ServingBenchConfig, *, json_output: bool) -> None:
     if json_output:
         typer.echo(json.dumps(report))
         return
-    stdout.print(_serving_table(report))
+    print_table(_serving_table(report))
     for message, count in list(report["errors"].items())[:3]:
         stderr.print(f"[red]{count} failed: {escape(message)}[/]")
 

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rlt_cli.command import callback, keyword
 from rlt_cli.engine import load_llm
 from rlt_cli.options import engine_fields, engine_parameters, flag_name, to_field_values
-from rlt_cli.output import check_device, status_spinner, stderr, stdout
+from rlt_cli.output import check_device, print_table, status_spinner, stderr
 from rlt_engine.config import EngineConfig, KVLayout
 
 if TYPE_CHECKING:
@@ -332,7 +332,7 @@ def _evaluate(run: EvalRun) -> None:
     if run.json_output:
         typer.echo(json.dumps(summary(results, meta)))
         return
-    stdout.print(final_table(results, caption=_caption(title)))
+    print_table(final_table(results, caption=_caption(title)))
     if run.config.output_dir is not None:
         stderr.print(f"[dim]per-question records: {escape(str(run.config.output_dir))}[/]")
     if plot:

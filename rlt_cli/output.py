@@ -14,6 +14,24 @@ from rich.markup import escape
 stdout = Console(highlight=False, soft_wrap=True)
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 
+
+def print_table(table: Any) -> None:
+    """Print a table of numbers on stdout at its natural width where the terminal is
+    narrower (Rich would fit it to the terminal, 80 columns when piped, cutting numbers to
+    '1629…'): the terminal wraps its lines instead. Name columns that may be cut carry their
+    own max_width."""
+    need = stdout.measure(table, options=stdout.options.update(max_width=1 << 16)).maximum
+    width = stdout.width
+    if need <= width:
+        stdout.print(table)
+        return
+    stdout.width = need
+    try:
+        stdout.print(table)
+    finally:
+        stdout.width = width
+
+
 # What a command turns into one readable line. Every model/config/checkpoint/tokenizer error
 # of the engine derives from one of these (ModelNotFoundError is a FileNotFoundError;
 # ConfigError, CheckpointError and TokenizerError are ValueErrors; tests/cli/test_generate.py

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from rlt_cli.bench import (
     workload_parameters,
 )
 from rlt_cli.command import callback
-from rlt_cli.output import check_device, status_spinner, stdout
+from rlt_cli.output import check_device, print_table, status_spinner, stdout
 
 HELP = "Profile a decode workload by engine phase and kernel (torch.profiler, Chrome trace)."
 DEFAULT_CONCURRENCY = (8,)
@@ -168,7 +168,7 @@ def _render(report: dict[str, Any]) -> None:
             f"{_num(gpu['syncs_per_token_step'])} host syncs"
         )
         if gpu["sync_sites"]:
-            stdout.print(_sync_table(gpu["sync_sites"]))
+            print_table(_sync_table(gpu["sync_sites"]))
     else:
         stdout.print("GPU busy: n/a (CPU run); kernels per token step: n/a")
     if report["graphs_captured"]:
@@ -182,9 +182,9 @@ def _render(report: dict[str, Any]) -> None:
             f"[yellow]not marked (the engine has no such method): "
             f"{escape(', '.join(report['missing_markers']))}[/]"
         )
-    stdout.print(_top_table(report))
+    print_table(_top_table(report))
     if report.get("chain") and report["chain"]["items"]:
-        stdout.print(_chain_table(report["chain"]))
+        print_table(_chain_table(report["chain"]))
         line = _cadence_line(report)
         if line:
             stdout.print(line)
@@ -216,7 +216,7 @@ def _phase_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def _top_table(report: dict[str, Any]) -> Table:
+def _top_table(report: dict[str, Any], width: int | None = None) -> Table:
     top = report["top"]
     kind = "kernels by device time" if top["kind"] == "cuda_kernels" else "CPU ops by self time"
     table = Table(
@@ -249,10 +249,10 @@ def _top_table(report: dict[str, Any]) -> Table:
             "overlap under PDL; the added times sum to the busy time)"
         )
         table.caption_justify = "left"
-    return table
+    return _fit_names(table, 1, 100, width)
 
 
-def _chain_table(chain: dict[str, Any]) -> Table:
+def _chain_table(chain: dict[str, Any], width: int | None = None) -> Table:
     table = Table(
         title=f"decode chain: added time by kernel and the kernel before it "
         f"({chain['added_ms']:.1f} ms in all)",
@@ -260,19 +260,24 @@ def _chain_table(chain: dict[str, Any]) -> Table:
         box=None,
         pad_edge=False,
     )
-    for name in ("added ms", "%", "calls", "median us"):
-        table.add_column(name, justify="right")
-    table.add_column("after", overflow="ellipsis", no_wrap=True, max_width=48)
-    table.add_column("kernel [grid]", overflow="ellipsis", no_wrap=True, max_width=48)
-    for item in chain["items"]:
-        table.add_row(
+    headers = ("added ms", "%", "calls", "median us")
+    numbers = [
+        (
             f"{item['added_ms']:.2f}",
             _pct(item["added_share"]),
             str(item["calls"]),
             f"{item['added_median_us']:.2f}",
-            escape(item["after"]),
-            escape(item["kernel"]),
         )
+        for item in chain["items"]
+    ]
+    share = _name_width(headers, numbers, 2, 48, width)
+    for name in headers:
+        table.add_column(name, justify="right")
+    for name in ("after", "kernel [grid]"):
+        table.add_column(name, overflow="ellipsis", no_wrap=True, max_width=share)
+    for cells, item in zip(numbers, chain["items"], strict=True):
+        keys = (_short_key(item["after"], share), _short_key(item["kernel"], share))
+        table.add_row(*cells, *map(escape, keys))
     table.caption = (
         "a layer step by step: each link's added time against the bytes its kernel moves "
         "says where the chain waits instead of streaming"
@@ -303,7 +308,7 @@ def _cadence_line(report: dict[str, Any]) -> str | None:
     return text
 
 
-def _sync_table(sites: list[dict[str, Any]]) -> Table:
+def _sync_table(sites: list[dict[str, Any]], width: int | None = None) -> Table:
     table = Table(
         title="host syncs by phase and op (ms: the host waiting)",
         title_justify="left",
@@ -315,7 +320,45 @@ def _sync_table(sites: list[dict[str, Any]]) -> Table:
     table.add_column("innermost op", overflow="ellipsis", no_wrap=True, max_width=60)
     for site in sites:
         table.add_row(f"{site['ms']:.2f}", str(site["syncs"]), site["phase"], escape(site["op"]))
+    return _fit_names(table, 1, 60, width)
+
+
+def _fit_names(table: Table, names: int, cap: int, width: int | None) -> Table:
+    """Give the table's last `names` columns (names cut with an ellipsis) what the terminal
+    leaves beside its other columns (`_name_width`)."""
+    others = table.columns[: len(table.columns) - names]
+    cells = list(zip(*(list(c.cells) for c in others), strict=True))
+    share = _name_width([c.header for c in others], cells, names, cap, width)
+    for column in table.columns[len(table.columns) - names :]:
+        column.max_width = share
     return table
+
+
+def _name_width(
+    headers: Sequence[Any], rows: Sequence[Sequence[Any]], names: int, cap: int, width: int | None
+) -> int:
+    """Columns each of `names` name columns may take beside columns of these headers and
+    rows, on a terminal of `width` columns (default stdout's), at most `cap`, at least 8. Rich
+    does not shorten text it may not wrap: on an 80-column terminal it dropped every number
+    column of the chain table instead."""
+    width = stdout.width if width is None else width
+    widths = [len(str(h)) for h in headers]
+    for row in rows:
+        widths = [max(w, len(str(cell))) for w, cell in zip(widths, row, strict=True)]
+    padding = 2 * (len(headers) + names) - 2  # a space each side of a column, none at the edges
+    return max(8, min(cap, (width - sum(widths) - padding) // names))
+
+
+def _short_key(key: str, width: int) -> str:
+    """A chain key cut to `width` characters, its launch grid kept: 'ws_gemm_kernel [88, 1,
+    1]' in 21 reads 'ws_gemm_k… [88, 1, 1]'."""
+    if len(key) <= width:
+        return key
+    name, sep, grid = key.rpartition(" [")
+    keep = width - len(grid) - 3  # the ellipsis, the space and the bracket
+    if not sep or not key.endswith("]") or keep < 4:
+        return key[: width - 1] + "…"
+    return f"{name[:keep]}… [{grid}"
 
 
 def _pct(value: float | None) -> str:

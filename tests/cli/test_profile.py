@@ -175,8 +175,50 @@ def test_the_chain_table_shows_each_link() -> None:
         ],
     }  # fmt: skip
     console = Console(width=200, record=True)
-    console.print(_chain_table(chain))
+    console.print(_chain_table(chain, width=200))
     text = console.export_text()
     assert "decode chain" in text and "3.0 ms in all" in text
     assert "_add_rms_norm_kernel [1, 1, 1]" in text and "ws_gemm_kernel [96, 1, 1]" in text
     assert "10.14" in text and "66.7%" in text and "(first)" in text
+    # on an 80-column terminal the names are cut, their grids kept, and every number stays
+    # (Rich dropped the number columns rather than cut names it may not wrap)
+    console = Console(width=80, record=True)
+    console.print(_chain_table(chain, width=80))
+    lines = console.export_text().splitlines()
+    assert max(map(len, lines[:4])) <= 80
+    assert "10.14" in lines[2] and "66.7%" in lines[2] and "96" in lines[2]
+    assert "_add_rms_n… [1, 1, 1]" in lines[2] and "ws_gemm_k… [96, 1, 1]" in lines[2]
+
+
+def test_short_chain_keys_keep_their_grid() -> None:
+    from rlt_cli.profile import _short_key
+
+    assert _short_key("ws_gemm_kernel [88, 1, 1]", 25) == "ws_gemm_kernel [88, 1, 1]"
+    assert _short_key("ws_gemm_kernel [88, 1, 1]", 21) == "ws_gemm_k… [88, 1, 1]"
+    assert _short_key("ws_gemm_kernel [88, 1, 1]", 10) == "ws_gemm_k…"  # no room for the grid
+    assert _short_key("void at::native::vectorized_elementwise_kernel<2>", 12) == "void at::na…"
+
+
+def test_tables_of_numbers_print_at_their_natural_width_on_a_narrow_terminal() -> None:
+    """`print_table`: a bench table wider than an 80-column terminal keeps every number
+    whole (Rich fitted it to 80 columns: '1629…' tok/s); the terminal wraps its lines."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    import rlt_cli.output as output
+
+    table = Table(box=None)
+    for name in ("concurrency", "tok/s", "floor", "% floor", "TTFT p50", "TTFT p90", "E2E p50"):
+        table.add_column(name, justify="right")
+    table.add_row("256", "19654.2", "75,999", "25.9%", "265.6 ms", "481.7 ms", "864.7 ms")
+    saved = output.stdout
+    output.stdout = Console(width=40, file=io.StringIO(), highlight=False, soft_wrap=True)
+    try:
+        output.print_table(table)
+        text = output.stdout.file.getvalue()
+        assert output.stdout.width == 40  # put back
+    finally:
+        output.stdout = saved
+    assert "19654.2" in text and "concurrency" in text and "864.7 ms" in text and "…" not in text
