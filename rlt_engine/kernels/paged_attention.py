@@ -233,10 +233,6 @@ ROWS_SPLIT_BUDGET = 128
 # split rows kernel: c=12 / 16 +2.0% / +2.4% at 64-token prompts, c=8 +2.7% / +4.8% at 110 /
 # 150 and equal at 64; from 2 sequences on, c=4 lost 2.1% (2026-12-04-wide-tile-h200.md)
 ROWS_SHORT_SEQS = 8
-# The rows kernel, with the caller's `prefetch_kv` word, reads the metadata and its first
-# tile's table entries before the PDL wait, and its splits without keys leave there: c=8
-# +1.0%, c=16 +0.4%, c=64 +0.3%, same tokens (H100, 2026-12-06-rows-settled-h100.md)
-ROWS_SETTLED = True
 MAX_SPLITS = 32
 
 
@@ -453,7 +449,10 @@ def _launch(
                 **shapes,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
                 MERGE=merge_in_kernel,
-                SETTLED=prefetch_kv and ROWS_SETTLED,
+                # the caller's word: the metadata and the first tile's table entries read
+                # before the PDL wait, the splits without keys leaving there: c=8 +1.0%, c=16
+                # +0.4%, c=64 +0.3%, same tokens (H100, 2026-12-06-rows-settled-h100.md)
+                SETTLED=prefetch_kv,
                 ROPE=rw is not None,
                 HALF=head_dim // 2,
                 EXACT_MUL=not interpret,  # rope.py: mul.rn, no FMA contraction

@@ -386,7 +386,7 @@ def test_rows_kernel_merged_in_the_kernel_changes_no_bit(num_splits, rope, settl
     launch), with the same bits as the merge launch, splits with no keys leave at once,
     padding sequences and rows of no sequence stay untouched, the counters are back to zero;
     with `rope_write` too (the split holding the new key writes it); and with the caller's
-    `prefetch_kv` word (ROWS_SETTLED: the metadata and first table entries read first)."""
+    `prefetch_kv` word (SETTLED: the metadata and first table entries read first)."""
     if rope:
         case, new = _rope_write_case("rows", torch.float32, "cpu", lens=(1, 5, 17, 40, 9))
         extra = {"rope_write": new}
@@ -476,7 +476,7 @@ def test_prefetch_kv_is_a_hint_only():
     plain = case.run()
     assert torch.equal(case.run(kernel="auto", prefetch_kv=True)[:2], plain[:2])
     mha = Case([(1, 37), (1, 5), (0, 3), (1, 16)], 3, 3, 16, 8, torch.float32, "cpu")
-    for splits in (1, 3):  # the rows kernel's settled reads (ROWS_SETTLED), unsplit and split
+    for splits in (1, 3):  # the rows kernel's settled reads (SETTLED), unsplit and split
         rows = mha.run(splits, kernel="rows", block_n=16)
         settled = mha.run(splits, kernel="rows", block_n=16, prefetch_kv=True)
         assert torch.equal(settled[:3], rows[:3])
@@ -631,7 +631,7 @@ def test_decode_launch_plans_do_not_spill_on_sm90():
 
 
 # the rows kernel's decode build (bf16, d = 128, 16 splits merged in the kernel), without and
-# with ROWS_SETTLED's reads before the wait, compiled for sm_90a (see _COMPILE_PROBE)
+# with SETTLED's reads before the wait, compiled for sm_90a (see _COMPILE_PROBE)
 _COMPILE_ROWS = """
 from rlt_engine.kernels import paged_attention as pa
 
@@ -656,7 +656,7 @@ print(json.dumps(out))
 
 
 def test_rows_kernel_reads_its_settled_metadata_before_the_pdl_wait():
-    """ROWS_SETTLED's build loads the sequence's query range, length and first table entries
+    """The SETTLED build loads the sequence's query range, length and first table entries
     before `griddepcontrol.wait` (the plain build nothing), and neither spills on sm_90a."""
     from sm90_compile import TRITON_PTX, run_compile_script
 
@@ -806,7 +806,7 @@ def test_gpu_ouro_decode_split_1_vs_4(num_seqs):
 @needs_cuda
 @pytest.mark.parametrize("num_seqs", [8, 16, 64])
 def test_gpu_rows_settled_changes_no_bit(num_seqs):
-    """The rows kernel with the caller's word (`prefetch_kv`: ROWS_SETTLED's metadata and first
+    """The rows kernel with the caller's word (`prefetch_kv`: SETTLED's metadata and first
     table entries before the wait, splits without keys leaving there) against it without,
     merged in the kernel with 128 // n splits of 16 keys over short contexts (most splits
     empty), a padding sequence included: the same bits eagerly and on graph replays, the
