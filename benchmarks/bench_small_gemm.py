@@ -4,7 +4,7 @@
 
 For every weight GEMM of Ouro-1.4B and Nanbeige4.2-3B (packed qkv, o_proj, packed gate_up,
 down_proj, lm_head; shapes from tests/fixtures/*/config.json) and M = 1, 2, 4, .., 64 bf16 rows,
-cuBLAS (F.linear) and every candidate config of the Triton kernel and, on Hopper at M <= 16 for
+cuBLAS (F.linear) and every candidate config of the Triton kernel and, on Hopper at M <= 64 for
 the GEMMs the model calls ungated (qkv, o_proj, down_proj), of the warp-specialised one
 (kernels/ws_gemm.py) (each after checking it: three launches bitwise equal, every element
 within rounding of the fp32 matmul) are timed two ways, both triton.testing.do_bench medians (it
@@ -36,9 +36,9 @@ them. The old table is the one this GPU takes now (its own, or one of its layout
 Triton), else none (cuBLAS). Writes <out>/small_gemm.json and, with --write-table,
 rlt_engine/kernels/small_gemm_tables/<this GPU>.py (and a copy in <out>; the tables of other
 GPUs stay as they are): the best config's kernel ("triton" or "ws") where its graph time beats
-cuBLAS's by more than MARGIN, else "cublas"; with --only, the tuned shapes' rows replace theirs
-in the table and the others stay. Only bf16 is tuned (the models' dtype); other dtypes stay on
-cuBLAS.
+cuBLAS's by more than MARGIN, else "cublas"; with --only (shapes) or --ms (M values), the tuned
+rows replace theirs in the table and the others stay. Only bf16 is tuned (the models' dtype);
+other dtypes stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -86,10 +86,6 @@ WS_GEMMS = ("qkv", "o_proj", "down_proj")
 SWIGLU_GEMMS = ("gate_up",)
 WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3), (128, 128, 5),
                    (128, 128, 6))  # fmt: skip
-# a ws program's ring and x rows: the H200's 227 KiB a block less the barriers and the RoPE
-# epilogue's exchange (deeper rings than 200 KB won in decode in place: gate/up at 8 / 16 rows,
-# down_proj at 1 row, results/2026-12-04-tail-h200.md)
-WS_SHARED_BYTES = 224 << 10
 DEVICE = "cuda"
 TABLES_DIR = ROOT / "rlt_engine" / "kernels" / "small_gemm_tables"  # a module per GPU model
 
@@ -116,10 +112,11 @@ def form_of(names: list[str]) -> str:
     return "swiglu" if kinds & set(SWIGLU_GEMMS) else "ws" if kinds & set(WS_GEMMS) else "plain"
 
 
-def candidates(n: int, k: int, m: int, form: str) -> list[GemmConfig]:
+def candidates(n: int, k: int, m: int, form: str, rope: bool = False) -> list[GemmConfig]:
     """Tiles x splits that give 1/2..~12 waves of programs over the SMs, >= 2 K blocks a split;
-    the warp-specialised kernel's where `form` allows (<= 2 waves, shared memory within
-    WS_SHARED_BYTES).
+    the warp-specialised kernel's where `form` allows (<= 2 waves, its ring and x rows within a
+    block's shared memory: ws_gemm.shared_bytes, with the RoPE epilogue's exchange where
+    `rope`, the packed qkv's decode form).
     "swiglu": the fused forms' configs (no split-K; the Triton kernel's halves >= 32 rows)."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     swiglu = form == "swiglu"
@@ -136,12 +133,11 @@ def candidates(n: int, k: int, m: int, form: str) -> list[GemmConfig]:
             (t, s) for t in WS_TILES for s in WS_SPLITS
         ]  # fmt: skip
         for (bn, bk, stages), s in tiles_splits:
-            rows = 8 if m <= 8 else 16
-            shared = k // s * rows * 2 + stages * bn * bk * 2
+            shared = ws_gemm.shared_bytes(k, m, bn, bk, s, stages, rope=rope)
             n_tiles = n // bn * s
             if (
                 ws_gemm.check(n, k, m, bn, bk, s, swiglu=swiglu) is None
-                and shared <= WS_SHARED_BYTES
+                and shared <= ws_gemm.SHARED_LIMIT
                 and (sms // 2 <= n_tiles <= 2 * sms or swiglu)
             ):
                 out.append(GemmConfig(bn, bk, s, 4, stages, kernel="ws"))
@@ -186,7 +182,14 @@ def rounding_bound(x: torch.Tensor, w32: torch.Tensor, ref: torch.Tensor) -> tor
 
 
 def tune(
-    n: int, k: int, m: int, weights: list[torch.Tensor], w32: torch.Tensor, form: str, args
+    n: int,
+    k: int,
+    m: int,
+    weights: list[torch.Tensor],
+    w32: torch.Tensor,
+    form: str,
+    args,
+    rope: bool = False,
 ) -> dict:
     """`form` (see `form_of`): "swiglu" times and checks the fused gate/up + SwiGLU forms
     against silu_mul of the rounded fp32 product (2 bf16 ulps: the product's rounding goes
@@ -208,7 +211,7 @@ def tune(
         run, base = gemm, F.linear
     cublas = graph_us(base, x, weights, args)
     runs, rejected = [], []
-    for config in candidates(n, k, m, form):
+    for config in candidates(n, k, m, form, rope):
         try:
             outs = [run(x, w, config) for _ in range(3)]
         except Exception as exc:  # a config the compiler refuses (shared memory, ...)
@@ -412,6 +415,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=20, help="do_bench repetitions, ms")
     ap.add_argument("--only", nargs="*", help="shape names (e.g. ouro-1.4b/qkv)")
+    ap.add_argument(
+        "--ms", type=int, nargs="*", default=list(MS), help="the M values to tune (their rows)"
+    )
     ap.add_argument("--confirm-in-place", action="store_true", help="see the module docstring")
     ap.add_argument("--rank-in-place", type=int, default=0, metavar="K", help="see the docstring")
     args = ap.parse_args()
@@ -435,12 +441,12 @@ def main() -> None:
     shapes = model_shapes()
     results, entries = [], {}  # entries: key -> table row
     # what this GPU runs now: its own table, or one of its layout (small_gemm.pick_table); an
-    # --only run keeps the other shapes' rows from it, so a first table of this GPU does not
+    # --only or --ms run keeps the other rows from it, so a first table of this GPU does not
     # drop the rows it took from another GPU's
     table = small_gemm.serving_table(torch.device(DEVICE))
     old = dict(table["entries"]) if table is not None else {}
     table_path = TABLES_DIR / f"{module_name(meta['device'])}.py"
-    if args.only:  # the other shapes' rows stay, if they were tuned on this GPU and Triton
+    if args.only or set(args.ms) != set(MS):  # the other rows stay
         entries = dict(old)
 
     def save(entries: dict) -> None:
@@ -463,8 +469,9 @@ def main() -> None:
         wbytes = n * k * w.element_size()
         copies = min(32, max(2, -(-(256 << 20) // wbytes)))
         weights = [w] + [w.clone() for _ in range(copies - 1)]
-        for m in MS:
-            r = tune(n, k, m, weights, w32, form_of(names), args)
+        rope = any(name.endswith("/qkv") for name in names)  # its decode form: with RoPE
+        for m in args.ms:
+            r = tune(n, k, m, weights, w32, form_of(names), args, rope)
             best = r["best"] or {}
             for side, key in (("cublas", "cublas_graph_us"), ("cublas_call", "cublas_call_us")):
                 r[f"{side}_tb_s"] = wbytes / (r[key] * 1e-6) / 1e12

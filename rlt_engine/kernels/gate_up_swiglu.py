@@ -46,7 +46,7 @@ def gate_up_silu(
 
         m = x.numel() // max(1, x.shape[-1])
         if not ws_gemm.available(x.device) or ws_gemm.check(
-            *w.shape, m, config.block_n, config.block_k, config.split_k, swiglu=True
+            *w.shape, m, config.block_n, config.block_k, config.split_k, True, config.num_stages
         ):
             return None
         return ws_gemm.ws_gemm(x, w, config, swiglu=True)

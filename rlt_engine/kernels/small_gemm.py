@@ -20,7 +20,7 @@ must not run concurrently on two streams of one device (the engine runs one stre
 
 `linear` chooses per shape from the GPU's table (kernels/small_gemm_tables: `pick_table`), keyed
 by (N, K, M bucket, dtype) and autotuned per GPU model by benchmarks/bench_small_gemm.py: this
-kernel, or on Hopper at M <= 16 the warp-specialised one (kernels/ws_gemm.py, entries "ws"), or
+kernel, or on Hopper the warp-specialised one (kernels/ws_gemm.py, entries "ws"), or
 cuBLAS. It falls back to `F.linear` (cuBLAS) for shapes not in the table, entries that say
 "cublas", a GPU no table serves, CPU tensors, M > 64, autograd, a "ws" entry where that kernel
 cannot run, or RLT_SMALL_GEMM=0. fp32 is never in the table: fp32 outputs stay cuBLAS's.
@@ -105,7 +105,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     # "triton": this module's kernel; "ws": kernels/ws_gemm's warp-specialised one (Hopper,
-    # M <= 16, no gate; num_warps unused)
+    # no gate; num_warps unused)
     kernel: str = "triton"
 
     def as_dict(self) -> dict[str, int]:
@@ -261,11 +261,17 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
     config = choose(x, w)
     if config is None or config.kernel != "ws" or not _ws_available(x.device):
         return None
-    from rlt_engine.kernels.ws_gemm import check_rope, ws_gemm
+    from rlt_engine.kernels import ws_gemm as _ws
 
-    if check_rope(w.shape[0], config.block_n, rope, x) is not None:
+    if _ws.check_rope(w.shape[0], config.block_n, rope, x) is not None:
         return None
-    return ws_gemm(x, w, config, rope=rope)
+    shared = _ws.shared_bytes(
+        w.shape[1], x.numel() // w.shape[1], config.block_n, config.block_k, config.split_k,
+        config.num_stages, rope=True,
+    )  # fmt: skip
+    if shared > _ws.SHARED_LIMIT:  # a row tuned without the epilogue's exchange
+        return None
+    return _ws.ws_gemm(x, w, config, rope=rope)
 
 
 # -- launch ---------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Small-M weight GEMM on Hopper with warp specialisation: `ws_gemm(x, w, config) == x @ w.T`
-for decode rows (M <= 16), written in Gluon (Triton's explicit-layout dialect).
+for decode rows (M <= 64), written in Gluon (Triton's explicit-layout dialect).
 
 Why a second kernel beside kernels/small_gemm: at decode a GEMM is a weight stream that must
 wait for its activations, which the kernel before it writes. A Triton program's K-loop
@@ -14,10 +14,12 @@ split between warps:
 - four consumer warps (one warpgroup) execute the PDL wait, load the program's activation rows
   for its whole K range in one go (rows >= M filled with zeros; TMA, or cp.async up to
   X_BY_LOADS_ROWS rows), then run one wgmma per stage, swap-AB: out.T[BLOCK_N, BM] =
-  w[BLOCK_N, k] @ x.T[k, BM], both operands read from shared memory, BM = 8 or 16 the MMA's
-  narrow side. Everything queued before a copy lands before it (the memory system serves
-  requests about in order), so the rows wait for the weight tiles issued ahead of them:
-  `RING_AHEAD_BYTES` bounds those where that pays;
+  w[BLOCK_N, k] @ x.T[k, BM], both operands read from shared memory, BM = 8, 16, 32 or 64
+  (`rows_tile`) the MMA's narrow side. Everything queued before a copy lands before it (the
+  memory system serves requests about in order), so the rows wait for the weight tiles
+  issued ahead of them: `RING_AHEAD_BYTES` bounds those where that pays. The rows and the
+  ring share the program's shared memory (`shared_bytes`): from 32 rows a long K needs
+  split-K to fit;
 - split-K as in kernels/small_gemm: fp32 partials to a workspace, a ticket per N tile drawn
   with an acq_rel atomic, the last split sums the partials in split order 0..S-1 and rounds
   once. Bitwise deterministic run to run; a CUDA graph replay equals eager. `unreduced`
@@ -54,7 +56,11 @@ from rlt_engine.kernels.split_sums import SplitSums
 
 __all__ = ["QkvRope", "available", "check", "ws_gemm"]
 
-MAX_M = 16  # the MMA's narrow side: 8 or 16 rows of x
+MAX_M = 64  # the MMA's narrow side: 8, 16, 32 or 64 rows of x (`rows_tile`)
+# a block's shared memory on sm_90 (227 KiB), which holds the ring, the x rows and the RoPE
+# epilogue's exchange; SHARED_SLACK for the barriers and alignment
+SHARED_LIMIT = 227 << 10
+SHARED_SLACK = 1 << 10
 # Up to X_BY_LOADS_ROWS rows the consumer warps copy the activation rows with cp.async, not
 # TMA. Issued after the wait, the rows land only behind the weight tiles every program queued
 # before them, but a few rows by cp.async sooner (the kernel clock at 1 row: the qkv's rows
@@ -95,11 +101,35 @@ def available(device: torch.device) -> bool:
     return _AVAILABLE[index]
 
 
+def rows_tile(m: int) -> int:
+    """BM, the rows of x a program holds (the MMA's N): the next of 8, 16, 32, 64 from m."""
+    return 8 if m <= 8 else 1 << (m - 1).bit_length()
+
+
+def shared_bytes(
+    k: int, m: int, block_n: int, block_k: int, split_k: int, stages: int, rope: bool = False
+) -> int:
+    """A program's shared memory: its ring of `stages` weight tiles [block_n, block_k] (the
+    SwiGLU form's gate and up halves together), its x rows [rows_tile(m), K / split_k], the
+    RoPE epilogue's exchange [block_n, rows_tile(m)] and SHARED_SLACK (16-bit elements)."""
+    bm = rows_tile(m)
+    exchange = block_n * bm if rope else 0
+    return 2 * (stages * block_n * block_k + bm * (k // split_k) + exchange) + SHARED_SLACK
+
+
 def check(
-    n: int, k: int, m: int, block_n: int, block_k: int, split_k: int, swiglu: bool = False
+    n: int,
+    k: int,
+    m: int,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    swiglu: bool = False,
+    stages: int | None = None,
 ) -> str | None:
     """Why the kernel cannot take this shape and config, or None. `swiglu`: n counts the
-    packed gate and up rows; a program takes block_n / 2 rows of each."""
+    packed gate and up rows; a program takes block_n / 2 rows of each. `stages` (the ring's):
+    also whether the ring and the x rows fit a block's shared memory."""
     if m > MAX_M:
         return f"at most {MAX_M} rows, got {m}"
     rows, n_out = (block_n // 2, n // 2) if swiglu else (block_n, n)
@@ -112,6 +142,14 @@ def check(
         return f"N = {n} must be a multiple of block_n (64 or 128 rows{part}), got {block_n}"
     if k % (split_k * block_k):
         return f"K = {k} must be a multiple of split_k * block_k = {split_k * block_k}"
+    if stages is not None:
+        need = shared_bytes(k, m, block_n, block_k, split_k, stages)
+        if need > SHARED_LIMIT:
+            return (
+                f"{stages} stages of [{block_n}, {block_k}] and {rows_tile(m)} rows of K / "
+                f"{split_k} need {need >> 10} KiB of shared memory, more than "
+                f"{SHARED_LIMIT >> 10} KiB: fewer stages or more splits"
+            )
     return None
 
 
@@ -173,7 +211,7 @@ def ws_gemm(
     rope: QkvRope | None = None,
     unreduced: bool = False,
 ) -> torch.Tensor | SplitSums:
-    """`x @ w.T` for x [..., K] with at most 16 rows, w [N, K] contiguous, one 16-bit dtype, on
+    """`x @ w.T` for x [..., K] with at most MAX_M rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
     num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
     [..., I] with kernels/gate_up_swiglu's roundings (block_n / 2 rows of each a program, no
@@ -200,6 +238,13 @@ def ws_gemm(
     why = check(n, k, m, config.block_n, bk, splits, swiglu)
     if why is None and rope is not None:
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
+    need = shared_bytes(k, m, config.block_n, bk, splits, config.num_stages, rope is not None)
+    if why is None and need > SHARED_LIMIT:
+        why = (
+            f"the ring ({config.num_stages} stages of [{config.block_n}, {bk}]), "
+            f"{rows_tile(m)} rows of K / {splits} and the epilogue need {need >> 10} KiB of "
+            f"shared memory, more than {SHARED_LIMIT >> 10} KiB"
+        )
     unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
     if why is None and unreduced and rope is not None:
         why = "unreduced partials are for the plain GEMM, not the RoPE epilogue"
@@ -218,7 +263,7 @@ def ws_gemm(
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
     box = bn // 2 if rope is not None else bn  # RoPE: a tile's two halves of head dims
     w_desc = TensorDescriptor.from_tensor(w, [box, bk], w_layout)
-    bm = 8 if m <= 8 else 16
+    bm = rows_tile(m)
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
     from rlt_engine.kernels.small_gemm import split_buffers

@@ -48,18 +48,67 @@ def test_not_available_off_hopper():
 def test_shape_checks_name_the_constraint():
     assert check(6144, 2048, 16, 64, 256, 1) is None
     assert check(2048, 5632, 8, 64, 128, 4) is None
-    assert "at most 16 rows" in check(6144, 2048, 17, 64, 256, 1)
+    assert check(6144, 2048, 64, 64, 256, 1) is None  # the shape (no stages: no shared bound)
+    assert "at most 64 rows" in check(6144, 2048, 65, 64, 256, 1)
     assert "multiple of block_n" in check(6100, 2048, 8, 64, 256, 1)
     assert "split_k * block_k = 1024" in check(2048, 5632, 8, 64, 256, 4)
     assert check(11264, 2048, 8, 128, 256, 1, swiglu=True) is None  # 64 gate + 64 up rows
     assert "no split-K" in check(11264, 2048, 8, 128, 128, 4, swiglu=True)
     assert "128 rows a part" in check(11264, 2048, 8, 64, 256, 1, swiglu=True)
     assert "even N" in check(11265, 2048, 8, 128, 256, 1, swiglu=True)
-    x, w = make(17, 64, 128, torch.bfloat16)
-    with pytest.raises(ValueError, match="at most 16 rows"):
+    x, w = make(65, 64, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 64 rows"):
         gemm(x, w, ws())
     with pytest.raises(ValueError, match="must share a dtype"):
         gemm(x[:4].float(), w.float(), ws())
+
+
+def test_rows_and_ring_must_fit_a_blocks_shared_memory():
+    """A program holds rows_tile(m) rows of its K range beside its ring: from 32 rows a long K
+    needs split-K (or a shorter ring), which `check` names before anything is compiled."""
+    from rlt_engine.kernels.ws_gemm import SHARED_LIMIT, rows_tile, shared_bytes
+
+    assert [rows_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+    # Ouro's qkv at 8 rows, 5 stages of [64, 256] and the RoPE exchange: as the table runs it
+    assert shared_bytes(2048, 8, 64, 256, 1, 5, rope=True) == 2 * (
+        5 * 64 * 256 + 8 * 2048 + 64 * 8
+    ) + (1 << 10)
+    assert check(6144, 2048, 64, 64, 256, 2, stages=2) is None  # 128 + 64 KiB
+    why = check(6144, 2048, 64, 64, 256, 1, stages=3)  # 256 KiB of rows alone
+    assert "need 353 KiB of shared memory" in why and "more splits" in why
+    assert check(2048, 5632, 64, 64, 128, 4, stages=2) is None
+    assert check(2048, 5632, 64, 64, 128, 4, stages=4) is not None  # 180 KiB rows + 64 ring
+    assert check(11264, 2048, 32, 128, 128, 1, swiglu=True, stages=2) is None
+    assert check(11264, 2048, 64, 128, 128, 1, swiglu=True, stages=2) is not None  # no split
+    assert shared_bytes(2048, 64, 64, 256, 2, 2) <= SHARED_LIMIT
+
+
+def test_a_ws_row_that_does_not_fit_is_refused_with_the_reason(monkeypatch):
+    """A table row whose ring and rows overflow shared memory is refused by the launch (before
+    it is compiled); the qkv's RoPE form declines such a row (the caller's launches run)."""
+    from rlt_engine.kernels import ws_gemm as module
+    from rlt_engine.kernels.small_gemm import linear_rope
+
+    x, w = make(64, 6144, 2048, torch.bfloat16)
+    with pytest.raises(ValueError, match="353 KiB of shared memory"):
+        gemm(x, w, ws(64, 256, 1, 3))
+    calls = []
+    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 256, 2, 2))
+    monkeypatch.setattr(small_gemm, "_ws_available", lambda device: True)
+    monkeypatch.setattr(module, "ws_gemm", lambda *a, **kw: calls.append(a[0].shape) or "ran")
+    pool = torch.zeros(10, 16, 128, dtype=torch.bfloat16)
+
+    def rope_of(rows: int) -> QkvRope:
+        trig = torch.zeros(rows, 128, dtype=torch.bfloat16)
+        return QkvRope(trig, trig, pool, pool, torch.zeros(rows, dtype=torch.int64), 16)
+
+    # 64 rows: 128 KiB of rows, 64 of ring and 8 of the exchange fit
+    assert linear_rope(x, w, rope_of(64)) == "ran"
+    # a ring of 3 stages: the plain GEMM fits (225 KiB), not with the exchange: declined
+    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 256, 2, 3))
+    assert linear_rope(x, w, rope_of(64)) is None
+    assert linear_rope(x[:8], w, rope_of(8)) == "ran"  # 8 rows: 32 KiB
+    assert calls == [(64, 2048), (8, 2048)]
 
 
 def test_the_ring_bound_applies_from_its_rows_where_it_is_less_than_the_ring():
@@ -155,7 +204,11 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (16, 128, 256, 2, 2, 1, "bf16", False, 128, False),
            (8, 64, 256, 2, 4, 1, "bf16", False, 0, True),
            (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 0),
-           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3))
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3),
+           (32, 64, 128, 2, 1, 2, "bf16", False, 0, False),
+           (64, 64, 256, 2, 2, 1, "bf16", False, 128, False),
+           (64, 64, 128, 4, 4, 1, "bf16", False, 0, True))
+shared = {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
     xload, ahead = more or (False, 0)
@@ -182,14 +235,34 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     name += "_unreduced" if unreduced else ""
     name += "_xload" if xload else ""
     name += f"_ahead{ahead}" if ahead else ""
+    name += f"_m{bm}" if bm > 16 else ""
     out[name] = kernel.asm["ptx"]
-print(json.dumps(out))
+    estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, rope=rope > 0)
+    shared[name] = [kernel.metadata.shared, estimate]
+print(json.dumps({"ptx": out, "shared": shared}))
 """
 
 
 @pytest.fixture(scope="module")
-def ptx() -> dict[str, str]:
+def compiled() -> dict[str, dict]:
     return run_compile_script(_COMPILE)
+
+
+@pytest.fixture(scope="module")
+def ptx(compiled) -> dict[str, str]:
+    return compiled["ptx"]
+
+
+def test_shared_bytes_is_what_the_compiler_allocates(compiled):
+    """`shared_bytes` (which `check` bounds by SHARED_LIMIT before anything is compiled) is
+    the compiled kernel's shared memory and SHARED_SLACK's barriers, for rows of 8 to 64."""
+    from rlt_engine.kernels.ws_gemm import SHARED_SLACK
+
+    assert {"split1_swiglu_m32", "split2_rope_bn64_m64", "split4_unreduced_m64"} <= set(
+        compiled["shared"]
+    )
+    for name, (allocated, estimate) in compiled["shared"].items():
+        assert estimate - SHARED_SLACK < allocated <= estimate, name
 
 
 def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
@@ -241,22 +314,43 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
 
 # -- GPU -----------------------------------------------------------------------------------------
 
-SHAPES = {  # (N, K) -> configs the table may choose
-    "ouro_qkv": ((6144, 2048), [ws(64, 256, 1, 3), ws(64, 128, 1, 4), ws(128, 128, 2, 3)]),
+SHAPES = {  # (N, K) -> configs the table may choose (the last ones fit 64 rows)
+    "ouro_qkv": (
+        (6144, 2048),
+        [ws(64, 256, 1, 3), ws(64, 128, 1, 4), ws(128, 128, 2, 3), ws(64, 256, 2, 2)],
+    ),
     "ouro_o": ((2048, 2048), [ws(64, 128, 4, 4), ws(64, 256, 2, 3), ws(64, 256, 4, 2)]),
-    "ouro_down": ((2048, 5632), [ws(64, 128, 4, 4), ws(64, 128, 2, 4)]),
-    "nanbeige_down": ((3072, 10752), [ws(64, 128, 4, 3), ws(64, 128, 6, 2)]),
+    "ouro_down": ((2048, 5632), [ws(64, 128, 4, 4), ws(64, 128, 2, 4), ws(64, 128, 4, 2)]),
+    "nanbeige_down": (
+        (3072, 10752),
+        [ws(64, 128, 4, 3), ws(64, 128, 6, 2), ws(64, 128, 12, 2)],
+    ),
 }
+ROWS = [1, 5, 8, 16, 24, 32, 48, 64]  # every rows_tile, full and partly filled
+
+
+def fitting(n: int, k: int, m: int, configs, swiglu: bool = False, rope: bool = False):
+    """The configs whose ring and rows fit a block's shared memory at m rows (at least one)."""
+    from rlt_engine.kernels.ws_gemm import SHARED_LIMIT, shared_bytes
+
+    fit = [
+        c for c in configs
+        if check(n, k, m, c.block_n, c.block_k, c.split_k, swiglu, c.num_stages) is None
+        and shared_bytes(k, m, c.block_n, c.block_k, c.split_k, c.num_stages, rope)
+        <= SHARED_LIMIT
+    ]  # fmt: skip
+    assert fit, (n, k, m)
+    return fit
 
 
 @gpu
 @needs_ws
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize("m", ROWS)
 def test_gpu_model_shapes_within_the_product_bound(name, m):
     (n, k), configs = SHAPES[name]
     x, w = make(m, n, k, torch.bfloat16, device="cuda", seed=m)
-    for config in configs:
+    for config in fitting(n, k, m, configs):
         out = gemm(x, w, config)
         check_product(out, x, w, ACC_TOL_GPU)
         assert torch.equal(gemm(x, w, config), out)
@@ -326,15 +420,18 @@ def test_gpu_keeps_no_reference_to_its_operands():
 
 @gpu
 @needs_ws
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize(("inter", "hidden"), [(5632, 2048), (64 * 12, 3072)])
+@pytest.mark.parametrize(
+    ("m", "inter", "hidden"),
+    [(m, 5632, 2048) for m in (1, 8, 16, 24, 32)] + [(m, 64 * 12, 3072) for m in (1, 8, 16)],
+)
 def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hidden):
     """The SwiGLU form within an ulp of the unfused path on the same kernel (its GEMM, then
     silu_mul): the same accumulations, so only the activation's last rounding may differ;
-    deterministic."""
+    deterministic. (No split-K: 32 rows of K = 2048 are the most that fit beside a ring.)"""
     x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
-    for block_n, block_k, stages in ((128, 128, 3), (128, 256, 2), (256, 64, 3)):
-        config = ws(block_n, block_k, 1, stages)
+    tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3)]
+    for config in fitting(2 * inter, hidden, m, tiles, swiglu=True):
+        block_n, block_k, stages = config.block_n, config.block_k, config.num_stages
         fused = gate_up_silu(x, w, config)
         plain = silu_mul(gemm(x, w, ws(block_n // 2, block_k, 1, stages)))
         torch.testing.assert_close(fused, plain, rtol=2**-7, atol=1e-6)
@@ -372,17 +469,30 @@ def test_gpu_rows_by_loads_and_a_bounded_ring_give_the_same_bits(m, monkeypatch)
     assert int(small_gemm._counters(x.device).abs().sum()) == 0
 
 
+ROPE_CASES = [
+    (16, 16, 2048, ws(64, 256, 1, 5)),  # Ouro's qkv as its table runs it: 2 tiles a head
+    (16, 16, 2048, ws(64, 256, 2, 3)),  # split-K: the last split stores, then the ticket
+    (16, 16, 2048, ws(128, 256, 2, 2)),  # a tile is a head: no ticket
+    (16, 16, 2048, ws(64, 256, 2, 2)),  # 32-64 rows: split-K to fit the rows
+    (48, 8, 3072, ws(64, 256, 1, 4)),  # Nanbeige (GQA)
+    (48, 8, 3072, ws(64, 256, 4, 2)),
+]
+
+
+def _rope_fits(m: int, hidden: int, config: GemmConfig) -> bool:
+    from rlt_engine.kernels.ws_gemm import SHARED_LIMIT, shared_bytes
+
+    c = config
+    return shared_bytes(hidden, m, c.block_n, c.block_k, c.split_k, c.num_stages, True) <= (
+        SHARED_LIMIT
+    )
+
+
 @gpu
 @needs_ws
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "hidden", "config"),
-    [
-        (16, 16, 2048, ws(64, 256, 1, 5)),  # Ouro's qkv as its table runs it: 2 tiles a head
-        (16, 16, 2048, ws(64, 256, 2, 3)),  # split-K: the last split stores, then the ticket
-        (16, 16, 2048, ws(128, 256, 2, 2)),  # a tile is a head: no ticket
-        (48, 8, 3072, ws(64, 256, 1, 4)),  # Nanbeige (GQA)
-    ],
+    ("m", "heads", "kv_heads", "hidden", "config"),
+    [(m, *case) for m in ROWS for case in ROPE_CASES if _rope_fits(m, case[2], case[3])],
 )
 def test_gpu_qkv_rope_epilogue_equals_rope_write_kv(m, heads, kv_heads, hidden, config):
     """The GEMM with RoPE + the K/V write in its epilogue = the GEMM, then rope_write_kv_:
@@ -414,7 +524,7 @@ def test_gpu_qkv_rope_epilogue_equals_rope_write_kv(m, heads, kv_heads, hidden, 
 
 @gpu
 @needs_ws
-@pytest.mark.parametrize("m", [1, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 5, 8, 16, 32, 64])
 @pytest.mark.parametrize("name", ["ouro_o", "ouro_down", "nanbeige_down"])
 def test_gpu_unreduced_partials_sum_to_the_gemm_bit_for_bit(name, m):
     """`unreduced`: the split-K partials, summed in split order and rounded (SplitSums.total,
@@ -429,6 +539,7 @@ def test_gpu_unreduced_partials_sum_to_the_gemm_bit_for_bit(name, m):
     g = torch.Generator(device="cuda").manual_seed(m)
     res = torch.randn(m, n, device="cuda", generator=g).bfloat16()
     norm_w = (torch.rand(n, device="cuda", generator=g) + 0.5).bfloat16()
+    configs = fitting(n, k, m, configs)
     for config in configs:
         plain = ws_gemm(x, w, config)
         parts = ws_gemm(x, w, config, unreduced=True)
@@ -439,9 +550,11 @@ def test_gpu_unreduced_partials_sum_to_the_gemm_bit_for_bit(name, m):
             chain, add_rms_norm(plain, res, norm_w, 1e-6, norm_w, 1e-6), strict=True
         ):
             assert torch.equal(got, want)
-    x1, w1 = make(m, 2048, 2048, torch.bfloat16, device="cuda", seed=m)  # fits one split's ring
-    unsplit = ws_gemm(x1, w1, ws(64, 128, 1, 4), unreduced=True)
-    assert isinstance(unsplit, torch.Tensor) and torch.equal(unsplit, ws_gemm(x1, w1, ws()))
+    if m <= 32:  # without split-K the output (64 rows of K = 2048 do not fit one program)
+        x1, w1 = make(m, 2048, 2048, torch.bfloat16, device="cuda", seed=m)
+        unsplit = ws_gemm(x1, w1, ws(64, 128, 1, 2), unreduced=True)
+        assert isinstance(unsplit, torch.Tensor)
+        assert torch.equal(unsplit, ws_gemm(x1, w1, ws(64, 128, 1, 2)))
     config = configs[0]
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
