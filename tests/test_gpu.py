@@ -138,21 +138,22 @@ def test_cuda_slots_handed_on_early_match_cpu(tiny_ouro_dir):
     assert got == want
 
 
-def ouro_decode_at_1_and_8(prompts: list[list[int]]) -> dict[int, list]:
-    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs, 8 slots): (token ids, exit depths)
-    of 16 greedy tokens for the first 1 and the first 8 prompts, each from a fresh engine that
-    returns every block."""
+def ouro_decode_at(prompts: list[list[int]], counts=(1, 8, 32)) -> dict[int, list]:
+    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs, as many slots as the largest
+    count): (token ids, exit depths) of 16 greedy tokens for the first n prompts for each n of
+    `counts` (decode rows of 1, 8 and 32: each its own small-GEMM table bucket), each from a
+    fresh engine that returns every block."""
     import gc
     from pathlib import Path
 
     model = Path(__file__).parent / "fixtures" / "ouro-1.4b"
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     runs = {}
-    for n in (1, 8):
+    for n in counts:
         gc.collect()
         torch.cuda.empty_cache()
         llm = LLM(str(model), load_format="dummy", dtype="bfloat16", device="cuda",
-                  max_num_seqs=8)  # fmt: skip
+                  max_num_seqs=max(counts))  # fmt: skip
         outs = llm.generate(prompts[:n], params)
         assert llm.engine.blocks.num_used == 0
         runs[n] = [(o.token_ids, o.exit_depths) for o in outs]
@@ -161,8 +162,8 @@ def ouro_decode_at_1_and_8(prompts: list[list[int]]) -> dict[int, list]:
 
 
 def test_cuda_unreduced_split_k_equals_the_gemms_own_sum(monkeypatch):
-    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs), decode at 1 and 8 sequences: the
-    o_proj's and down_proj's split-K partials summed by the add + norm launch
+    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs), decode at 1, 8 and 32 sequences:
+    the o_proj's and down_proj's split-K partials summed by the add + norm launch
     (kernels/split_sums) give the tokens and exit depths of the GEMM summing them itself."""
     from rlt_engine.kernels import small_gemm
     from rlt_engine.kernels.split_sums import SplitSums
@@ -176,8 +177,8 @@ def test_cuda_unreduced_split_k_equals_the_gemms_own_sum(monkeypatch):
         return out
 
     monkeypatch.setattr(small_gemm, "linear", spy)
-    prompts = [[(41 * i + 13 * j) % 49000 + 3 for j in range(36 + i)] for i in range(8)]
-    unreduced = ouro_decode_at_1_and_8(prompts)
+    prompts = [[(41 * i + 13 * j) % 49000 + 3 for j in range(36 + i)] for i in range(32)]
+    unreduced = ouro_decode_at(prompts)
     from rlt_engine.kernels.ws_gemm import available
 
     cuda = torch.device("cuda")
@@ -190,11 +191,11 @@ def test_cuda_unreduced_split_k_equals_the_gemms_own_sum(monkeypatch):
             x, w, gate, prefetch_whole
         ),
     )
-    assert ouro_decode_at_1_and_8(prompts) == unreduced
+    assert ouro_decode_at(prompts) == unreduced
 
 
 def test_cuda_qkv_rope_epilogue_equals_its_own_launch(monkeypatch):
-    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs), decode at 1 and 8 sequences:
+    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs), decode at 1, 8 and 32 sequences:
     RoPE + the K/V write in the qkv GEMM's epilogue (worker/attention's project_attend, taken
     on an H200) gives the tokens and exit depths of their own launch, bit for bit."""
     from rlt_engine.kernels import small_gemm
@@ -209,15 +210,15 @@ def test_cuda_qkv_rope_epilogue_equals_its_own_launch(monkeypatch):
         return out
 
     monkeypatch.setattr(small_gemm, "linear_rope", spy)
-    prompts = [[(37 * i + 11 * j) % 49000 + 3 for j in range(40 + i)] for i in range(8)]
-    fused = ouro_decode_at_1_and_8(prompts)
+    prompts = [[(37 * i + 11 * j) % 49000 + 3 for j in range(40 + i)] for i in range(32)]
+    fused = ouro_decode_at(prompts)
     from rlt_engine.kernels.ws_gemm import available
 
     cuda = torch.device("cuda")
     if available(cuda) and small_gemm.tuned_for(cuda):  # an H200 or H100 SXM takes the table
         assert any(taken)
     monkeypatch.setattr(TritonPagedAttention, "project_attend", lambda self, *a: None)
-    assert ouro_decode_at_1_and_8(prompts) == fused
+    assert ouro_decode_at(prompts) == fused
 
 
 def test_cuda_long_context_mha_decode_on_the_rows_kernel_matches_cpu(

@@ -18,8 +18,9 @@ split between warps:
   (`rows_tile`) the MMA's narrow side. Everything queued before a copy lands before it (the
   memory system serves requests about in order), so the rows wait for the weight tiles
   issued ahead of them: `RING_AHEAD_BYTES` bounds those where that pays. The rows and the
-  ring share the program's shared memory (`shared_bytes`): from 32 rows a long K needs
-  split-K to fit;
+  ring share the program's shared memory (`shared_bytes`): where a program's whole K range
+  of rows does not fit beside its ring (from 32 rows of a long K), it holds a rolling window
+  of them (`x_tiles`);
 - split-K as in kernels/small_gemm: fp32 partials to a workspace, a ticket per N tile drawn
   with an acq_rel atomic, the last split sums the partials in split order 0..S-1 and rounds
   once. Bitwise deterministic run to run; a CUDA graph replay equals eager. `unreduced`
@@ -106,15 +107,32 @@ def rows_tile(m: int) -> int:
     return 8 if m <= 8 else 1 << (m - 1).bit_length()
 
 
+def _shared(m: int, block_n: int, block_k: int, stages: int, rope: bool, x_tiles: int) -> int:
+    bm = rows_tile(m)
+    exchange = block_n * bm if rope else 0
+    return 2 * (stages * block_n * block_k + x_tiles * bm * block_k + exchange) + SHARED_SLACK
+
+
+def x_tiles(
+    k: int, m: int, block_n: int, block_k: int, split_k: int, stages: int, rope: bool = False
+) -> int:
+    """The tiles [rows_tile(m), block_k] of x a program holds: its whole K range where that
+    fits beside the ring, else a rolling window of max(2, stages) tiles, each reloaded (from
+    L2: every program reads the same rows) once the MMA that read it is done."""
+    kt = k // (split_k * block_k)
+    if _shared(m, block_n, block_k, stages, rope, kt) <= SHARED_LIMIT:
+        return kt
+    return min(kt, max(2, stages))
+
+
 def shared_bytes(
     k: int, m: int, block_n: int, block_k: int, split_k: int, stages: int, rope: bool = False
 ) -> int:
     """A program's shared memory: its ring of `stages` weight tiles [block_n, block_k] (the
-    SwiGLU form's gate and up halves together), its x rows [rows_tile(m), K / split_k], the
-    RoPE epilogue's exchange [block_n, rows_tile(m)] and SHARED_SLACK (16-bit elements)."""
-    bm = rows_tile(m)
-    exchange = block_n * bm if rope else 0
-    return 2 * (stages * block_n * block_k + bm * (k // split_k) + exchange) + SHARED_SLACK
+    SwiGLU form's gate and up halves together), its x rows (`x_tiles` of them), the RoPE
+    epilogue's exchange [block_n, rows_tile(m)] and SHARED_SLACK (16-bit elements)."""
+    tiles = x_tiles(k, m, block_n, block_k, split_k, stages, rope)
+    return _shared(m, block_n, block_k, stages, rope, tiles)
 
 
 def check(
@@ -145,10 +163,11 @@ def check(
     if stages is not None:
         need = shared_bytes(k, m, block_n, block_k, split_k, stages)
         if need > SHARED_LIMIT:
+            tiles = x_tiles(k, m, block_n, block_k, split_k, stages)
             return (
-                f"{stages} stages of [{block_n}, {block_k}] and {rows_tile(m)} rows of K / "
-                f"{split_k} need {need >> 10} KiB of shared memory, more than "
-                f"{SHARED_LIMIT >> 10} KiB: fewer stages or more splits"
+                f"{stages} stages of [{block_n}, {block_k}] beside {tiles} tiles of "
+                f"{rows_tile(m)} rows need {need >> 10} KiB of shared memory, more than "
+                f"{SHARED_LIMIT >> 10} KiB: fewer stages or a smaller tile"
             )
     return None
 
@@ -240,10 +259,11 @@ def ws_gemm(
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
     need = shared_bytes(k, m, config.block_n, bk, splits, config.num_stages, rope is not None)
     if why is None and need > SHARED_LIMIT:
+        tiles = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, rope is not None)
         why = (
-            f"the ring ({config.num_stages} stages of [{config.block_n}, {bk}]), "
-            f"{rows_tile(m)} rows of K / {splits} and the epilogue need {need >> 10} KiB of "
-            f"shared memory, more than {SHARED_LIMIT >> 10} KiB"
+            f"the ring ({config.num_stages} stages of [{config.block_n}, {bk}]), {tiles} tiles "
+            f"of {rows_tile(m)} rows and the epilogue need {need >> 10} KiB of shared memory, "
+            f"more than {SHARED_LIMIT >> 10} KiB"
         )
     unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
     if why is None and unreduced and rope is not None:
@@ -284,6 +304,7 @@ def ws_gemm(
         kv_heads = k_pool.shape[1]
     pdl = _pdl.enabled(x.device)
     kt = k // (splits * bk)  # weight tiles a program streams
+    xt = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, rope is not None)
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         x_ptr=x2, K=k,
@@ -293,10 +314,10 @@ def ws_gemm(
         # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
-        KT=kt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
+        KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced,
-        XLOAD=m <= X_BY_LOADS_ROWS, AHEAD=_ahead(parts * config.block_n * bk * x.element_size(),
-                                                 config.num_stages, m),
+        XLOAD=m <= X_BY_LOADS_ROWS and xt == kt,
+        AHEAD=_ahead(parts * config.block_n * bk * x.element_size(), config.num_stages, m),
         num_warps=4,
         # launched with the whole register file (Triton's default here), so no other kernel's
         # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
@@ -492,7 +513,8 @@ def _build():
 
     @gluon.jit
     def consumer(x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs, full,
-                 empty, xbar, KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                 empty, xbar, KT: gl.constexpr, XT: gl.constexpr, BM: gl.constexpr,
+                 BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
                  PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
                  scratch, cos_ptr, sin_ptr,
@@ -522,10 +544,16 @@ def _build():
             async_copy.wait_group(0)
             fence_async_shared()
             gl.thread_barrier()
+        elif XT < KT:  # a window of XT tiles, a barrier each (refilled in the MMA loop)
+            for i in gl.static_range(XT):
+                mbarrier.expect(xbar.index(i), x_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar.index(i),
+                                                xs.index(i))  # fmt: skip
         else:
-            mbarrier.expect(xbar, KT * x_desc.block_type.nbytes)
+            mbarrier.expect(xbar.index(0), KT * x_desc.block_type.nbytes)
             for i in gl.static_range(KT):
-                tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar, xs.index(i))
+                tma.async_copy_global_to_shared(x_desc, [0, k0 + i * BK], xbar.index(0),
+                                                xs.index(i))  # fmt: skip
         if ROPE:  # in flight while the MMA loop runs
             operands = rope_operands(cos_ptr, sin_ptr, stride_cos, stride_sin, slot_ptr, M, H,
                                      KVH, BM, BN, D)  # fmt: skip
@@ -534,13 +562,15 @@ def _build():
         )
         acc = gl.zeros([BN, BM], gl.float32, mma)
         acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
-        if not XLOAD:
-            mbarrier.wait(xbar, 0)
+        if not XLOAD and XT == KT:
+            mbarrier.wait(xbar.index(0), 0)
         if PROBE:
             stamp(probe_ptr, 2, now())
         for i in range(KT):
             s = i % STAGES
-            xt = xs.index(i).permute([1, 0])
+            if XT < KT:
+                mbarrier.wait(xbar.index(i % XT), (i // XT) & 1)
+            xt = xs.index(i % XT).permute([1, 0])
             mbarrier.wait(full.index(s), (i // STAGES) & 1)
             acc = warpgroup_mma(ring.index(s * PARTS), xt, acc, is_async=True)
             if PARTS == 2:
@@ -549,6 +579,12 @@ def _build():
             else:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index(s))
+            if XT < KT:  # noqa: SIM102  (the MMA that read tile i is done: refill its slot)
+                if i + XT < KT:
+                    slot = i % XT
+                    mbarrier.expect(xbar.index(slot), x_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [0, k0 + (i + XT) * BK],
+                                                    xbar.index(slot), xs.index(slot))  # fmt: skip
         if PROBE:
             stamp(probe_ptr, 3, now())
         rows = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))  # weight rows = output columns
@@ -592,7 +628,8 @@ def _build():
 
     @gluon.jit
     def ws_gemm_kernel(x_desc, w_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr,
-                       KT: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                       KT: gl.constexpr, XT: gl.constexpr, BM: gl.constexpr,
+                       BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
                        PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
@@ -601,10 +638,10 @@ def _build():
                        AHEAD: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
-        xs = gl.allocate_shared_memory(x_desc.dtype, [KT, BM, BK], x_desc.layout)
+        xs = gl.allocate_shared_memory(x_desc.dtype, [XT, BM, BK], x_desc.layout)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        xbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        xbar = gl.allocate_shared_memory(gl.int64, [XT, 1], mbarrier.MBarrierLayout())
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         if ROPE:  # the epilogue's exchange of RoPE halves between warps
             scratch = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BN, BM], plain)
@@ -613,12 +650,14 @@ def _build():
         for s in gl.static_range(STAGES):
             mbarrier.init(full.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(xbar, count=1)
+        for i in gl.static_range(XT):
+            mbarrier.init(xbar.index(i), count=1)
         # fmt: off
         gl.warp_specialize(
             [
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
-                            full, empty, xbar, KT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL, PROBE,
+                            full, empty, xbar, KT, XT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL,
+                            PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE,
                             UNREDUCED, x_ptr, K, XLOAD)),

@@ -64,34 +64,40 @@ def test_shape_checks_name_the_constraint():
 
 
 def test_rows_and_ring_must_fit_a_blocks_shared_memory():
-    """A program holds rows_tile(m) rows of its K range beside its ring: from 32 rows a long K
-    needs split-K (or a shorter ring), which `check` names before anything is compiled."""
-    from rlt_engine.kernels.ws_gemm import SHARED_LIMIT, rows_tile, shared_bytes
+    """A program holds rows_tile(m) rows of its K range beside its ring, or where they do not
+    fit (from 32 rows of a long K) a rolling window of max(2, stages) tiles of them; a ring
+    too large for either is refused by `check` before anything is compiled."""
+    from rlt_engine.kernels.ws_gemm import SHARED_LIMIT, rows_tile, shared_bytes, x_tiles
 
     assert [rows_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
     # Ouro's qkv at 8 rows, 5 stages of [64, 256] and the RoPE exchange: as the table runs it
     assert shared_bytes(2048, 8, 64, 256, 1, 5, rope=True) == 2 * (
         5 * 64 * 256 + 8 * 2048 + 64 * 8
     ) + (1 << 10)
-    assert check(6144, 2048, 64, 64, 256, 2, stages=2) is None  # 128 + 64 KiB
-    why = check(6144, 2048, 64, 64, 256, 1, stages=3)  # 256 KiB of rows alone
-    assert "need 353 KiB of shared memory" in why and "more splits" in why
-    assert check(2048, 5632, 64, 64, 128, 4, stages=2) is None
-    assert check(2048, 5632, 64, 64, 128, 4, stages=4) is not None  # 180 KiB rows + 64 ring
-    assert check(11264, 2048, 32, 128, 128, 1, swiglu=True, stages=2) is None
-    assert check(11264, 2048, 64, 128, 128, 1, swiglu=True, stages=2) is not None  # no split
-    assert shared_bytes(2048, 64, 64, 256, 2, 2) <= SHARED_LIMIT
+    assert x_tiles(2048, 8, 64, 256, 1, 5, rope=True) == 8  # the whole K range
+    assert x_tiles(2048, 32, 64, 256, 1, 2) == 8  # 128 KiB of rows beside 64 of ring
+    assert x_tiles(2048, 64, 64, 256, 1, 3) == 3  # 256 KiB of rows: a window of 3 tiles
+    assert shared_bytes(2048, 64, 64, 256, 1, 3) == 2 * (3 * 64 * 256 * 2) + (1 << 10)
+    assert x_tiles(2048, 64, 64, 256, 2, 2) == 4  # split-K: 128 KiB of rows fit
+    assert x_tiles(2048, 64, 128, 128, 1, 1) == 2  # never fewer than two
+    assert check(6144, 2048, 64, 64, 256, 1, stages=3) is None
+    assert check(11264, 2048, 64, 128, 128, 1, swiglu=True, stages=3) is None
+    why = check(6144, 2048, 8, 128, 256, 1, stages=4)  # 256 KiB of ring alone
+    assert "beside 4 tiles of 8 rows need 273 KiB of shared memory" in why
+    assert "fewer stages" in why
+    assert all(shared_bytes(2048, m, 64, 256, 1, 3) <= SHARED_LIMIT for m in (1, 8, 16, 32, 64))
 
 
 def test_a_ws_row_that_does_not_fit_is_refused_with_the_reason(monkeypatch):
-    """A table row whose ring and rows overflow shared memory is refused by the launch (before
-    it is compiled); the qkv's RoPE form declines such a row (the caller's launches run)."""
+    """A table row whose ring overflows shared memory is refused by the launch (before it is
+    compiled); the qkv's RoPE form declines a row whose exchange does not fit beside it (the
+    caller's launches run)."""
     from rlt_engine.kernels import ws_gemm as module
     from rlt_engine.kernels.small_gemm import linear_rope
 
     x, w = make(64, 6144, 2048, torch.bfloat16)
-    with pytest.raises(ValueError, match="353 KiB of shared memory"):
-        gemm(x, w, ws(64, 256, 1, 3))
+    with pytest.raises(ValueError, match="4 tiles of 8 rows and the epilogue need 273 KiB"):
+        gemm(x[:8], w, ws(128, 256, 1, 4))
     calls = []
     monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 256, 2, 2))
     monkeypatch.setattr(small_gemm, "_ws_available", lambda device: True)
@@ -102,10 +108,10 @@ def test_a_ws_row_that_does_not_fit_is_refused_with_the_reason(monkeypatch):
         trig = torch.zeros(rows, 128, dtype=torch.bfloat16)
         return QkvRope(trig, trig, pool, pool, torch.zeros(rows, dtype=torch.int64), 16)
 
-    # 64 rows: 128 KiB of rows, 64 of ring and 8 of the exchange fit
-    assert linear_rope(x, w, rope_of(64)) == "ran"
-    # a ring of 3 stages: the plain GEMM fits (225 KiB), not with the exchange: declined
-    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 256, 2, 3))
+    assert linear_rope(x, w, rope_of(64)) == "ran"  # 64 rows of 1024: 201 KiB in all
+    # a smaller block: the plain GEMM's window of 2 tiles fits (129 KiB), not beside the
+    # exchange (137 KiB)
+    monkeypatch.setattr(module, "SHARED_LIMIT", 135_000)
     assert linear_rope(x, w, rope_of(64)) is None
     assert linear_rope(x[:8], w, rope_of(8)) == "ran"  # 8 rows: 32 KiB
     assert calls == [(64, 2048), (8, 2048)]
@@ -207,7 +213,9 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, True, 3),
            (32, 64, 128, 2, 1, 2, "bf16", False, 0, False),
            (64, 64, 256, 2, 2, 1, "bf16", False, 128, False),
-           (64, 64, 128, 4, 4, 1, "bf16", False, 0, True))
+           (64, 64, 128, 4, 4, 1, "bf16", False, 0, True),
+           (64, 64, 128, 3, 1, 2, "bf16", False, 0, False),
+           (64, 64, 256, 3, 1, 1, "bf16", False, 128, False))
 shared = {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
@@ -217,7 +225,9 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
         f"tensordesc<{dt}[{rows}, {bk}],"
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
-    const = dict(KT=2048 // (split * bk), BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
+    kt = 2048 // (split * bk)
+    xt = ws_gemm.x_tiles(2048, bm, bn * parts, bk, split, stages, rope=rope > 0)
+    const = dict(KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
                  PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0,
                  UNREDUCED=unreduced, XLOAD=xload, AHEAD=ahead)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
@@ -422,12 +432,13 @@ def test_gpu_keeps_no_reference_to_its_operands():
 @needs_ws
 @pytest.mark.parametrize(
     ("m", "inter", "hidden"),
-    [(m, 5632, 2048) for m in (1, 8, 16, 24, 32)] + [(m, 64 * 12, 3072) for m in (1, 8, 16)],
+    [(m, 5632, 2048) for m in (1, 8, 16, 24, 32, 48, 64)]
+    + [(m, 64 * 12, 3072) for m in (1, 8, 16, 64)],
 )
 def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hidden):
     """The SwiGLU form within an ulp of the unfused path on the same kernel (its GEMM, then
     silu_mul): the same accumulations, so only the activation's last rounding may differ;
-    deterministic. (No split-K: 32 rows of K = 2048 are the most that fit beside a ring.)"""
+    deterministic. (No split-K: from 48 rows of K = 2048 a window of the rows, `x_tiles`.)"""
     x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
     tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3)]
     for config in fitting(2 * inter, hidden, m, tiles, swiglu=True):
