@@ -190,6 +190,7 @@ def tune(
     form: str,
     args,
     rope: bool = False,
+    current: GemmConfig | None = None,
 ) -> dict:
     """`form` (see `form_of`): "swiglu" times and checks the fused gate/up + SwiGLU forms
     against silu_mul of the rounded fp32 product (2 bf16 ulps: the product's rounding goes
@@ -211,7 +212,10 @@ def tune(
         run, base = gemm, F.linear
     cublas = graph_us(base, x, weights, args)
     runs, rejected = [], []
-    for config in candidates(n, k, m, form, rope):
+    configs = candidates(n, k, m, form, rope)
+    if args.ws_only:  # the ws configs against the row this GPU runs now (and cuBLAS)
+        configs = [c for c in configs if c.kernel == "ws"] + [c for c in [current] if c]
+    for config in configs:
         try:
             outs = [run(x, w, config) for _ in range(3)]
         except Exception as exc:  # a config the compiler refuses (shared memory, ...)
@@ -418,6 +422,11 @@ def main() -> None:
     ap.add_argument(
         "--ms", type=int, nargs="*", default=list(MS), help="the M values to tune (their rows)"
     )
+    ap.add_argument(
+        "--ws-only",
+        action="store_true",
+        help="time only the ws kernel's configs against the current row's config and cuBLAS",
+    )
     ap.add_argument("--confirm-in-place", action="store_true", help="see the module docstring")
     ap.add_argument("--rank-in-place", type=int, default=0, metavar="K", help="see the docstring")
     args = ap.parse_args()
@@ -471,7 +480,8 @@ def main() -> None:
         weights = [w] + [w.clone() for _ in range(copies - 1)]
         rope = any(name.endswith("/qkv") for name in names)  # its decode form: with RoPE
         for m in args.ms:
-            r = tune(n, k, m, weights, w32, form_of(names), args, rope)
+            current = small_gemm.lookup(old, n, k, m, torch.bfloat16, gated=True)
+            r = tune(n, k, m, weights, w32, form_of(names), args, rope, current)
             best = r["best"] or {}
             for side, key in (("cublas", "cublas_graph_us"), ("cublas_call", "cublas_call_us")):
                 r[f"{side}_tb_s"] = wbytes / (r[key] * 1e-6) / 1e12
