@@ -82,6 +82,35 @@ def test_the_gate_up_is_tuned_as_the_model_runs_it():
     assert bench.form_of(["ouro-1.4b/lm_head"]) == "plain"
 
 
+def test_the_ws_kernel_is_offered_up_to_64_rows_where_it_fits(monkeypatch):
+    """On a 132-SM Hopper the ws configs reach 64 rows on every Ouro GEMM (a window of the rows
+    where its whole K range does not fit), each within a block's shared memory, the qkv's
+    with the RoPE epilogue's exchange."""
+    import torch
+
+    from rlt_engine.kernels import ws_gemm
+
+    bench = _module()
+    monkeypatch.setattr(ws_gemm, "available", lambda device: True)
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    shapes = bench.model_shapes()
+    for name in ("qkv", "o_proj", "gate_up", "down_proj"):
+        n, k = shapes[f"ouro-1.4b/{name}"]
+        rope = name == "qkv"
+        for m in (1, 8, 16, 32, 64):
+            offered = [
+                c for c in bench.candidates(n, k, m, bench.form_of([f"x/{name}"]), rope)
+                if c.kernel == "ws"
+            ]  # fmt: skip
+            assert offered, (name, m)
+            for c in offered:
+                need = ws_gemm.shared_bytes(
+                    k, m, c.block_n, c.block_k, c.split_k, c.num_stages, rope
+                )
+                assert need <= ws_gemm.SHARED_LIMIT, (name, m, c)
+
+
 def test_the_table_names_the_shapes_checked_in_decode(tmp_path):
     bench = _module()
     meta = {"device": "GPU", "capability": "9.0", "sms": 132, "triton": "3.6.0", "torch": "2.11"}
