@@ -512,7 +512,7 @@ def test_gpu_qkv_rope_epilogue_equals_rope_write_kv(m, heads, kv_heads, hidden, 
     from rlt_engine.kernels.rope_kv_write import rope_write_kv_
     from rlt_engine.kernels.ws_gemm import ws_gemm
 
-    d, slots = 128, 64
+    d, slots = 128, 128  # more slots than rows (64 at most) and the trash slot
     n = (heads + 2 * kv_heads) * d
     x, w = make(m, n, hidden, torch.bfloat16, device="cuda", seed=m + heads)
     g = torch.Generator(device="cuda").manual_seed(m)

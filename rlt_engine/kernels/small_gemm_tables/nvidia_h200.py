@@ -5,7 +5,10 @@ times (do_bench medians) the choice was made by; in the last run
 decode in place ranked the configs of (--rank-in-place): 2048x2048;
 the shapes checked in decode (--confirm-in-place): 2048x2048. Rows with "us" 0.0 were set
 by hand from decode A/Bs in place (deeper rings than the tuner then allowed,
-benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them."""
+benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them. Ouro's
+m32 rows (the warp-specialised kernel at 17-32 rows) were tuned on an H100 SXM, which takes
+this table (the same kernels on the same 132 SMs), with --ws-only; their times are the
+H100's (benchmarks/results/2026-12-06-ws-to-64-rows-h100.md)."""
 
 TABLE: dict = {
     "device": "NVIDIA H200",
@@ -19,28 +22,28 @@ TABLE: dict = {
         "6144x2048:m4:bfloat16": ("ws", 64, 256, 1, 4, 5, 8.08, 10.15),
         "6144x2048:m8:bfloat16": ("ws", 64, 256, 1, 4, 5, 7.81, 10.14),
         "6144x2048:m16:bfloat16": ("ws", 64, 256, 1, 4, 3, 8.88, 10.26),
-        "6144x2048:m32:bfloat16": ("triton", 64, 128, 1, 4, 4, 9.49, 10.49),
+        "6144x2048:m32:bfloat16": ("ws", 64, 128, 1, 4, 8, 10.9, 13.22),
         "6144x2048:m64:bfloat16": ("triton", 64, 128, 1, 4, 4, 9.93, 10.3),
         "2048x2048:m1:bfloat16": ("ws", 64, 256, 4, 4, 2, 4.28, 6.31),
         "2048x2048:m2:bfloat16": ("ws", 128, 256, 8, 4, 2, 4.35, 6.33),
         "2048x2048:m4:bfloat16": ("ws", 64, 256, 4, 4, 2, 4.39, 6.31),
         "2048x2048:m8:bfloat16": ("ws", 64, 256, 4, 4, 2, 4.39, 6.33),
         "2048x2048:m16:bfloat16": ("ws", 64, 256, 4, 4, 5, 4.59, 6.37),
-        "2048x2048:m32:bfloat16": ("cublas", 64, 128, 4, 4, 4, 6.31, 6.42),
+        "2048x2048:m32:bfloat16": ("ws", 64, 128, 4, 4, 8, 6.2, 6.8),
         "2048x2048:m64:bfloat16": ("cublas", 64, 128, 4, 4, 4, 7.38, 6.49),
         "11264x2048:m1:bfloat16": ("ws", 128, 256, 1, 4, 2, 16.35, 17.47),
         "11264x2048:m2:bfloat16": ("ws", 128, 256, 1, 4, 2, 16.18, 17.54),
         "11264x2048:m4:bfloat16": ("ws", 128, 256, 1, 4, 2, 16.37, 17.59),
         "11264x2048:m8:bfloat16": ("ws", 128, 128, 1, 4, 6, 0.0, 17.66),
         "11264x2048:m16:bfloat16": ("ws", 128, 128, 1, 4, 5, 0.0, 17.81),
-        "11264x2048:m32:bfloat16": ("triton", 128, 128, 1, 4, 4, 16.77, 18.08),
+        "11264x2048:m32:bfloat16": ("ws", 128, 128, 1, 4, 5, 20.01, 23.37),
         "11264x2048:m64:bfloat16": ("triton", 128, 128, 1, 4, 4, 17.49, 19.65),
         "2048x5632:m1:bfloat16": ("ws", 64, 128, 4, 4, 8, 0.0, 11.84),
         "2048x5632:m2:bfloat16": ("ws", 64, 128, 4, 4, 4, 8.54, 11.81),
         "2048x5632:m4:bfloat16": ("ws", 64, 128, 4, 4, 4, 8.57, 11.87),
         "2048x5632:m8:bfloat16": ("ws", 64, 128, 4, 4, 4, 8.55, 11.88),
         "2048x5632:m16:bfloat16": ("ws", 64, 128, 4, 4, 4, 8.93, 12.07),
-        "2048x5632:m32:bfloat16": ("triton", 64, 256, 4, 4, 3, 10.74, 12.28),
+        "2048x5632:m32:bfloat16": ("ws", 64, 128, 4, 4, 8, 11.88, 14.09),
         "2048x5632:m64:bfloat16": ("triton", 64, 128, 4, 4, 4, 11.35, 12.35),
         "49152x2048:m1:bfloat16": ("triton", 64, 128, 1, 4, 4, 52.86, 54.85),
         "49152x2048:m2:bfloat16": ("triton", 64, 128, 1, 4, 4, 53.03, 54.85),
