@@ -25,20 +25,19 @@ where the table runs a kernel of ours) and decode in place (as below); a runner-
 tuned choice only if it decodes RANK_MARGIN faster, and again in a second, alternated
 measurement (the best of K noisy rates is biased up). Applied before --confirm-in-place.
 
---confirm-in-place: isolated times do not always rank configs as decode does (a kernel's
-shared memory decides whether the next kernel's programs start under it with PDL: the ws
-SwiGLU form on Nanbeige's gate/up won alone and lost 4% in decode,
-results/2026-12-02-added-times-h200.md). So after
-tuning, per model, decode tok/s in place (dummy weights, 64/32, c = 1 and 8, engines with one
-table each) with the new table, and with each shape whose rows changed reverted to the old
-table's rows alone; a shape keeps its new rows unless decode is IN_PLACE_MARGIN faster without
-them. The old table is the one this GPU takes now (its own, or one of its layout, on this
-Triton), else none (cuBLAS). Writes <out>/small_gemm.json and, with --write-table,
-rlt_engine/kernels/small_gemm_tables/<this GPU>.py (and a copy in <out>; the tables of other
-GPUs stay as they are): the best config's kernel ("triton" or "ws") where its graph time beats
-cuBLAS's by more than MARGIN, else "cublas"; with --only (shapes) or --ms (M values), the tuned
-rows replace theirs in the table and the others stay. Only bf16 is tuned (the models' dtype);
-other dtypes stay on cuBLAS.
+--confirm-in-place: isolated times do not always rank configs as decode does (a kernel's shared
+memory decides whether the next kernel's programs start under it with PDL: the ws SwiGLU form on
+Nanbeige's gate/up won alone and lost 4% in decode, results/2026-12-02-added-times-h200.md). So
+after tuning, per model, decode tok/s in place (dummy weights, 64/32, c = 1 and 8 where M <= 16 is
+tuned and c = M for each tuned M above (`in_place_cs`), engines with one table each) with the new
+table, and with each shape whose rows changed reverted to the old table's rows alone; a shape keeps
+its new rows unless decode is IN_PLACE_MARGIN faster without them. The old table is the one this GPU
+takes now (its own, or one of its layout, on this Triton), else none (cuBLAS). Writes
+<out>/small_gemm.json and, with --write-table, rlt_engine/kernels/small_gemm_tables/<this GPU>.py
+(and a copy in <out>; the tables of other GPUs stay as they are): the best config's kernel ("triton"
+or "ws") where its graph time beats cuBLAS's by more than MARGIN, else "cublas"; with --only
+(shapes) or --ms (M values), the tuned rows replace theirs in the table and the others stay. Only
+bf16 is tuned (the models' dtype); other dtypes stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ MODELS = {
     "nanbeige4.2-3b": "tests/fixtures/nanbeige4.2-3b",
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
-IN_PLACE_CS = (1, 8)  # concurrencies --confirm-in-place decodes at
+IN_PLACE_CS = (1, 8)  # concurrencies --confirm-in-place decodes at (and each tuned M above 16)
 IN_PLACE_MARGIN = 0.01  # what the old rows must gain in place to come back (drift: ~0.6%)
 RANK_MARGIN = 0.005  # what a runner-up must gain in place, twice, to replace the tuned choice
 DECODE_MS = (1, 2, 4, 8, 16)  # the M buckets decode batches of up to 16 rows use
@@ -396,15 +395,24 @@ def _config_fields(row: tuple) -> tuple:
     return bn, bk, split, warps, stages, backend
 
 
-def decode_rates(model: str, entries: dict) -> dict[int, float]:
-    """Committed decode tok/s of `model` (dummy bf16 weights) with the table `entries`."""
+def in_place_cs(ms: list[int]) -> tuple[int, ...]:
+    """The concurrencies decode in place is measured at for rows of these M buckets:
+    IN_PLACE_CS where a decode bucket (DECODE_MS) is tuned, and c = M for each larger M (a
+    batch of M sequences decodes M rows)."""
+    small = IN_PLACE_CS if set(ms) & set(DECODE_MS) else ()
+    return tuple(sorted({*small, *(m for m in ms if m > max(DECODE_MS))}))
+
+
+def decode_rates(model: str, entries: dict, cs: tuple[int, ...] = IN_PLACE_CS) -> dict[int, float]:
+    """Committed decode tok/s of `model` (dummy bf16 weights) with the table `entries`, at each
+    concurrency of `cs` (as many slots as the largest)."""
     from h200_decode import _engine, _median_rate
 
     small_gemm._TABLES.clear()
     small_gemm._TABLES[torch.cuda.current_device()] = entries
     try:
-        llm = _engine(ROOT / MODELS[model])
-        rates = {c: _median_rate(llm, c)["decode_tok_s_median"] for c in IN_PLACE_CS}
+        llm = _engine(ROOT / MODELS[model], max_num_seqs=max(8, *cs))
+        rates = {c: _median_rate(llm, c)["decode_tok_s_median"] for c in cs}
         print(model, {c: round(r, 1) for c, r in rates.items()}, flush=True)
         del llm
         return rates
@@ -519,7 +527,10 @@ def main() -> None:
         meta["in_place_rank"] = ranked
         save(entries)
     if args.confirm_in_place:
-        entries, report = confirm_in_place(old, entries, shapes_by_model, decode_rates)
+        cs = in_place_cs(args.ms)
+        entries, report = confirm_in_place(
+            old, entries, shapes_by_model, lambda model, rows: decode_rates(model, rows, cs)
+        )
         meta["in_place"] = report
         save(entries)
     small_gemm._TABLES.clear()
