@@ -132,12 +132,9 @@ def candidates(n: int, k: int, m: int, form: str, rope: bool = False) -> list[Ge
             (t, s) for t in WS_TILES for s in WS_SPLITS
         ]  # fmt: skip
         for (bn, bk, stages), s in tiles_splits:
-            shared = ws_gemm.shared_bytes(k, m, bn, bk, s, stages, rope=rope)
             n_tiles = n // bn * s
-            if (
-                ws_gemm.check(n, k, m, bn, bk, s, swiglu=swiglu) is None
-                and shared <= ws_gemm.SHARED_LIMIT
-                and (sms // 2 <= n_tiles <= 2 * sms or swiglu)
+            if ws_gemm.check(n, k, m, bn, bk, s, swiglu, stages, rope) is None and (
+                sms // 2 <= n_tiles <= 2 * sms or swiglu
             ):
                 out.append(GemmConfig(bn, bk, s, 4, stages, kernel="ws"))
     return out

@@ -263,13 +263,11 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
         return None
     from rlt_engine.kernels import ws_gemm as _ws
 
-    if _ws.check_rope(w.shape[0], config.block_n, rope, x) is not None:
+    (n, k), c = w.shape, config  # a row tuned without the epilogue's exchange may not fit it
+    rows = x.numel() // k
+    if _ws.check(n, k, rows, c.block_n, c.block_k, c.split_k, False, c.num_stages, rope=True):
         return None
-    shared = _ws.shared_bytes(
-        w.shape[1], x.numel() // w.shape[1], config.block_n, config.block_k, config.split_k,
-        config.num_stages, rope=True,
-    )  # fmt: skip
-    if shared > _ws.SHARED_LIMIT:  # a row tuned without the epilogue's exchange
+    if _ws.check_rope(n, c.block_n, rope, x) is not None:
         return None
     return _ws.ws_gemm(x, w, config, rope=rope)
 

@@ -144,10 +144,12 @@ def check(
     split_k: int,
     swiglu: bool = False,
     stages: int | None = None,
+    rope: bool = False,
 ) -> str | None:
     """Why the kernel cannot take this shape and config, or None. `swiglu`: n counts the
     packed gate and up rows; a program takes block_n / 2 rows of each. `stages` (the ring's):
-    also whether the ring and the x rows fit a block's shared memory."""
+    also whether the ring, the x rows and (`rope`) the RoPE epilogue's exchange fit a block's
+    shared memory."""
     if m > MAX_M:
         return f"at most {MAX_M} rows, got {m}"
     rows, n_out = (block_n // 2, n // 2) if swiglu else (block_n, n)
@@ -161,13 +163,14 @@ def check(
     if k % (split_k * block_k):
         return f"K = {k} must be a multiple of split_k * block_k = {split_k * block_k}"
     if stages is not None:
-        need = shared_bytes(k, m, block_n, block_k, split_k, stages)
+        need = shared_bytes(k, m, block_n, block_k, split_k, stages, rope)
         if need > SHARED_LIMIT:
-            tiles = x_tiles(k, m, block_n, block_k, split_k, stages)
+            tiles = x_tiles(k, m, block_n, block_k, split_k, stages, rope)
+            epilogue = " and the RoPE exchange" if rope else ""
             return (
                 f"{stages} stages of [{block_n}, {block_k}] beside {tiles} tiles of "
-                f"{rows_tile(m)} rows need {need >> 10} KiB of shared memory, more than "
-                f"{SHARED_LIMIT >> 10} KiB: fewer stages or a smaller tile"
+                f"{rows_tile(m)} rows{epilogue} need {need >> 10} KiB of shared memory, more "
+                f"than {SHARED_LIMIT >> 10} KiB: fewer stages or a smaller tile"
             )
     return None
 
@@ -254,17 +257,9 @@ def ws_gemm(
         x2 = x2.contiguous()
     m = x2.shape[0]
     bk, splits = config.block_k, config.split_k
-    why = check(n, k, m, config.block_n, bk, splits, swiglu)
+    why = check(n, k, m, config.block_n, bk, splits, swiglu, config.num_stages, rope is not None)
     if why is None and rope is not None:
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
-    need = shared_bytes(k, m, config.block_n, bk, splits, config.num_stages, rope is not None)
-    if why is None and need > SHARED_LIMIT:
-        tiles = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, rope is not None)
-        why = (
-            f"the ring ({config.num_stages} stages of [{config.block_n}, {bk}]), {tiles} tiles "
-            f"of {rows_tile(m)} rows and the epilogue need {need >> 10} KiB of shared memory, "
-            f"more than {SHARED_LIMIT >> 10} KiB"
-        )
     unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
     if why is None and unreduced and rope is not None:
         why = "unreduced partials are for the plain GEMM, not the RoPE epilogue"

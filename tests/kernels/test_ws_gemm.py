@@ -96,7 +96,7 @@ def test_a_ws_row_that_does_not_fit_is_refused_with_the_reason(monkeypatch):
     from rlt_engine.kernels.small_gemm import linear_rope
 
     x, w = make(64, 6144, 2048, torch.bfloat16)
-    with pytest.raises(ValueError, match="4 tiles of 8 rows and the epilogue need 273 KiB"):
+    with pytest.raises(ValueError, match="beside 4 tiles of 8 rows need 273 KiB of shared"):
         gemm(x[:8], w, ws(128, 256, 1, 4))
     calls = []
     monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 256, 2, 2))
