@@ -216,7 +216,7 @@ def _phase_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def _top_table(report: dict[str, Any], width: int | None = None) -> Table:
+def _top_table(report: dict[str, Any]) -> Table:
     top = report["top"]
     kind = "kernels by device time" if top["kind"] == "cuda_kernels" else "CPU ops by self time"
     table = Table(
@@ -249,7 +249,7 @@ def _top_table(report: dict[str, Any], width: int | None = None) -> Table:
             "overlap under PDL; the added times sum to the busy time)"
         )
         table.caption_justify = "left"
-    return _fit_names(table, 1, 100, width)
+    return _fit_names(table, 1, 100)
 
 
 def _chain_table(chain: dict[str, Any], width: int | None = None) -> Table:
@@ -308,7 +308,7 @@ def _cadence_line(report: dict[str, Any]) -> str | None:
     return text
 
 
-def _sync_table(sites: list[dict[str, Any]], width: int | None = None) -> Table:
+def _sync_table(sites: list[dict[str, Any]]) -> Table:
     table = Table(
         title="host syncs by phase and op (ms: the host waiting)",
         title_justify="left",
@@ -320,15 +320,15 @@ def _sync_table(sites: list[dict[str, Any]], width: int | None = None) -> Table:
     table.add_column("innermost op", overflow="ellipsis", no_wrap=True, max_width=60)
     for site in sites:
         table.add_row(f"{site['ms']:.2f}", str(site["syncs"]), site["phase"], escape(site["op"]))
-    return _fit_names(table, 1, 60, width)
+    return _fit_names(table, 1, 60)
 
 
-def _fit_names(table: Table, names: int, cap: int, width: int | None) -> Table:
+def _fit_names(table: Table, names: int, cap: int) -> Table:
     """Give the table's last `names` columns (names cut with an ellipsis) what the terminal
     leaves beside its other columns (`_name_width`)."""
     others = table.columns[: len(table.columns) - names]
     cells = list(zip(*(list(c.cells) for c in others), strict=True))
-    share = _name_width([c.header for c in others], cells, names, cap, width)
+    share = _name_width([c.header for c in others], cells, names, cap, None)
     for column in table.columns[len(table.columns) - names :]:
         column.max_width = share
     return table
