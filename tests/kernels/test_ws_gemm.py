@@ -216,7 +216,7 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (64, 64, 128, 4, 4, 1, "bf16", False, 0, True),
            (64, 64, 128, 3, 1, 2, "bf16", False, 0, False),
            (64, 64, 256, 3, 1, 1, "bf16", False, 128, False))
-shared = {}
+shared, inits = {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
     xload, ahead = more or (False, 0)
@@ -249,7 +249,9 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     out[name] = kernel.asm["ptx"]
     estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, rope=rope > 0)
     shared[name] = [kernel.metadata.shared, estimate]
-print(json.dumps({"ptx": out, "shared": shared}))
+    inits[name] = [kernel.asm["ptx"].count("mbarrier.init"), 2 * stages + (xt if xt < kt else 1),
+                   xt < kt]
+print(json.dumps({"ptx": out, "shared": shared, "inits": inits}))
 """
 
 
@@ -273,6 +275,15 @@ def test_shared_bytes_is_what_the_compiler_allocates(compiled):
     )
     for name, (allocated, estimate) in compiled["shared"].items():
         assert estimate - SHARED_SLACK < allocated <= estimate, name
+
+
+def test_a_barrier_per_ring_stage_and_one_for_the_whole_rows_or_one_per_window_tile(compiled):
+    """Each mbarrier init costs the prologue a block-wide sync (the compiler orders writes to
+    one allocation), and the prologue is on the decode's critical path: a barrier per x tile
+    in the whole-range path cost c=8 1.6% (results/2026-12-06-nanbeige-m32-h100.md)."""
+    assert any(windowed for *_, windowed in compiled["inits"].values())
+    for name, (inits, want, _) in compiled["inits"].items():
+        assert inits == want, name
 
 
 def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):

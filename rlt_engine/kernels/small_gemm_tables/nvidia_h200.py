@@ -5,10 +5,11 @@ times (do_bench medians) the choice was made by; in the last run
 decode in place ranked the configs of (--rank-in-place): 2048x2048;
 the shapes checked in decode (--confirm-in-place): 2048x2048. Rows with "us" 0.0 were set
 by hand from decode A/Bs in place (deeper rings than the tuner then allowed,
-benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them. Ouro's
-m32 rows (the warp-specialised kernel at 17-32 rows) were tuned on an H100 SXM, which takes
-this table (the same kernels on the same 132 SMs), with --ws-only; their times are the
-H100's (benchmarks/results/2026-12-06-ws-to-64-rows-h100.md)."""
+benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them. The m32
+rows of the warp-specialised kernel (17-32 rows: Ouro's four GEMMs, Nanbeige's qkv, o_proj
+and down) were tuned on an H100 SXM, which takes this table (the same kernels on the same 132
+SMs), with --ws-only; their times are the H100's (benchmarks/results/
+2026-12-06-ws-to-64-rows-h100.md, 2026-12-06-nanbeige-m32-h100.md)."""
 
 TABLE: dict = {
     "device": "NVIDIA H200",
@@ -57,21 +58,21 @@ TABLE: dict = {
         "8192x3072:m4:bfloat16": ("triton", 64, 256, 1, 4, 3, 14.95, 16.42),
         "8192x3072:m8:bfloat16": ("triton", 64, 256, 1, 4, 3, 14.99, 16.49),
         "8192x3072:m16:bfloat16": ("triton", 64, 256, 1, 4, 3, 15.08, 16.61),
-        "8192x3072:m32:bfloat16": ("triton", 64, 256, 1, 4, 3, 15.82, 16.83),
+        "8192x3072:m32:bfloat16": ("ws", 64, 128, 1, 4, 8, 19.95, 21.69),
         "8192x3072:m64:bfloat16": ("triton", 64, 128, 1, 4, 4, 16.49, 17.26),
         "3072x6144:m1:bfloat16": ("ws", 128, 128, 4, 4, 3, 13.47, 15.62),
         "3072x6144:m2:bfloat16": ("ws", 128, 128, 4, 4, 3, 13.34, 15.76),
         "3072x6144:m4:bfloat16": ("ws", 128, 256, 4, 4, 2, 13.37, 15.56),
         "3072x6144:m8:bfloat16": ("ws", 64, 256, 2, 4, 3, 13.28, 15.73),
         "3072x6144:m16:bfloat16": ("ws", 64, 256, 2, 4, 3, 13.51, 15.97),
-        "3072x6144:m32:bfloat16": ("triton", 64, 128, 2, 4, 4, 15.42, 16.39),
+        "3072x6144:m32:bfloat16": ("ws", 64, 128, 2, 4, 8, 17.3, 20.52),
         "3072x6144:m64:bfloat16": ("cublas", 64, 128, 2, 4, 4, 16.53, 16.53),
         "3072x10752:m1:bfloat16": ("ws", 128, 128, 4, 4, 3, 21.53, 24.28),
         "3072x10752:m2:bfloat16": ("ws", 128, 128, 4, 4, 3, 21.5, 22.94),
         "3072x10752:m4:bfloat16": ("ws", 128, 128, 4, 4, 3, 21.47, 23.99),
         "3072x10752:m8:bfloat16": ("ws", 64, 128, 2, 4, 4, 21.32, 23.26),
         "3072x10752:m16:bfloat16": ("triton", 64, 256, 2, 4, 3, 22.41, 23.71),
-        "3072x10752:m32:bfloat16": ("cublas", 64, 256, 2, 4, 3, 23.85, 24.14),
+        "3072x10752:m32:bfloat16": ("ws", 64, 128, 2, 4, 4, 28.34, 30.94),
         "3072x10752:m64:bfloat16": ("cublas", 64, 128, 2, 4, 4, 25.86, 24.33),
         "166144x3072:m1:bfloat16": ("triton", 64, 128, 1, 4, 4, 228.38, 236.29),
         "166144x3072:m2:bfloat16": ("triton", 64, 128, 1, 4, 4, 228.86, 238.37),
