@@ -498,6 +498,8 @@ ROPE_CASES = [
     (16, 16, 2048, ws(64, 256, 2, 2)),  # 32-64 rows: split-K to fit the rows
     (48, 8, 3072, ws(64, 256, 1, 4)),  # Nanbeige (GQA)
     (48, 8, 3072, ws(64, 256, 4, 2)),
+    (16, 16, 2048, ws(64, 128, 1, 8)),  # both qkv rows the table runs at 17-32 rows (windowed)
+    (48, 8, 3072, ws(64, 128, 1, 8)),
 ]
 
 
