@@ -565,7 +565,8 @@ def _build():
             if XT < KT:
                 mbarrier.wait(xbar.index(i % XT), (i // XT) & 1)
                 xt = xs.index(i % XT).permute([1, 0])
-            else:  # the whole range's code as it was before the window (c=8 ran 1.6% slower)
+            else:  # the whole range (the window's code here cost c=8 1.4%: results/
+                # 2026-12-06-nanbeige-m32-h100.md)
                 xt = xs.index(i).permute([1, 0])
             mbarrier.wait(full.index(s), (i // STAGES) & 1)
             acc = warpgroup_mma(ring.index(s * PARTS), xt, acc, is_async=True)
