@@ -318,15 +318,18 @@ def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple
         changed = [nk for nk in shapes if shape_rows(old, *nk) != shape_rows(new, *nk)]
         if not changed:
             continue
+        print(f"{model} in place: the new table", flush=True)
         base = rate(model, new)
         report[model] = {"new": base}
         for n, k in changed:
+            print(f"{model} in place: the new table, {n}x{k}'s old rows back", flush=True)
             trial = rate(model, with_rows(new, old, n, k))
             gain = mean_speedup(trial, base)
             kept = "new" if gain <= 1 + IN_PLACE_MARGIN else "old"
             report[model][f"{n}x{k}"] = {"old_rows": trial, "old_rows_speedup": gain, "kept": kept}
             if kept == "old":
                 entries = with_rows(entries, old, n, k)
+        print(f"{model} in place: the final table, then the old", flush=True)
         report[model]["final"] = rate(model, entries)
         report[model]["old"] = rate(model, old)
     return entries, report
