@@ -265,6 +265,46 @@ def test_table_keys_and_entries():
     assert lookup(TABLE["entries"], 6144, 2048, 3, torch.float16) is None  # not tuned: cuBLAS
 
 
+def _fixture_shapes() -> tuple[dict, set]:
+    """The packed qkv (with their head dim) and gate/up weight shapes (N, K) of the models
+    under tests/fixtures."""
+    import json
+    from pathlib import Path
+
+    qkv, gate_up = {}, set()
+    for name in ("ouro-1.4b", "nanbeige4.2-3b"):
+        path = Path(__file__).parents[1] / "fixtures" / name / "config.json"
+        c = json.loads(path.read_text())
+        d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+        qkv[((heads + 2 * kv) * d, c["hidden_size"])] = d
+        gate_up.add((2 * c["intermediate_size"], c["hidden_size"]))
+    return qkv, gate_up
+
+
+def test_every_ws_row_launches_in_the_form_its_model_calls_it():
+    """A shipped "ws" row fits a block's shared memory with its ring (else the launch raises
+    during capture, found only on a GPU), in the SwiGLU form for a packed gate/up, and with
+    the RoPE epilogue's exchange for a packed qkv (else `linear_rope` declines it and decode
+    silently takes the separate RoPE launch)."""
+    qkv, gate_up = _fixture_shapes()
+    assert (6144, 2048) in qkv and (21504, 3072) in gate_up
+    seen = set()
+    for key, row in TABLE["entries"].items():
+        if row[0] != "ws":
+            continue
+        shape, bucket, _ = key.split(":")
+        n, k, m = *map(int, shape.split("x")), int(bucket[1:])
+        _, block_n, block_k, split, _, stages = row[:6]
+        swiglu, rope = (n, k) in gate_up, (n, k) in qkv
+        why = ws_check(n, k, m, block_n, block_k, split, swiglu, stages, rope)
+        assert why is None, f"{key}: {why}"
+        if rope:  # the epilogue's tiles hold whole RoPE pairs (as ws_gemm.check_rope)
+            assert qkv[n, k] % block_n == 0 and block_n % 16 == 0, key
+        seen.add((swiglu, rope))
+    assert seen >= {(True, False), (False, True), (False, False)}
+
+
 # -- GPU -----------------------------------------------------------------------------------------
 
 OURO = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
