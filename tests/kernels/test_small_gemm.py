@@ -15,6 +15,8 @@ of the split-K ticket reduction): pytest tests/kernels/test_small_gemm.py -m gpu
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,9 +270,6 @@ def test_table_keys_and_entries():
 def _fixture_shapes() -> tuple[dict, set]:
     """The packed qkv (with their head dim) and gate/up weight shapes (N, K) of the models
     under tests/fixtures."""
-    import json
-    from pathlib import Path
-
     qkv, gate_up = {}, set()
     for name in ("ouro-1.4b", "nanbeige4.2-3b"):
         path = Path(__file__).parents[1] / "fixtures" / name / "config.json"
