@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import importlib
 import json
-from pathlib import Path
 
+import benchmark_scripts
 import pytest
 import torch
 import torch.nn.functional as F
@@ -267,17 +267,16 @@ def test_table_keys_and_entries():
     assert lookup(TABLE["entries"], 6144, 2048, 3, torch.float16) is None  # not tuned: cuBLAS
 
 
-def _fixture_shapes() -> tuple[dict, set]:
-    """The packed qkv (with their head dim) and gate/up weight shapes (N, K) of the models
-    under tests/fixtures."""
+def _model_forms() -> tuple[dict, set]:
+    """The packed qkv (with their head dim) and gate/up weight shapes (N, K) of the models the
+    table is tuned for, as the tuner derives them (bench_small_gemm.model_shapes)."""
+    bench = benchmark_scripts.load("bench_small_gemm")
+    shapes = bench.model_shapes()
     qkv, gate_up = {}, set()
-    for name in ("ouro-1.4b", "nanbeige4.2-3b"):
-        path = Path(__file__).parents[1] / "fixtures" / name / "config.json"
-        c = json.loads(path.read_text())
-        d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
-        qkv[((heads + 2 * kv) * d, c["hidden_size"])] = d
-        gate_up.add((2 * c["intermediate_size"], c["hidden_size"]))
+    for model, path in bench.MODELS.items():
+        head_dim = json.loads((bench.ROOT / path / "config.json").read_text())["head_dim"]
+        qkv[shapes[f"{model}/qkv"]] = head_dim
+        gate_up.add(shapes[f"{model}/gate_up"])
     return qkv, gate_up
 
 
@@ -286,7 +285,7 @@ def test_every_ws_row_launches_in_the_form_its_model_calls_it():
     during capture, found only on a GPU), in the SwiGLU form for a packed gate/up, and with
     the RoPE epilogue's exchange for a packed qkv (else `linear_rope` declines it and decode
     silently takes the separate RoPE launch)."""
-    qkv, gate_up = _fixture_shapes()
+    qkv, gate_up = _model_forms()
     assert (6144, 2048) in qkv and (21504, 3072) in gate_up
     seen = set()
     for key, row in TABLE["entries"].items():
