@@ -5,7 +5,9 @@ times (do_bench medians) the choice was made by; in the last run
 decode in place ranked the configs of (--rank-in-place): 2048x2048;
 the shapes checked in decode (--confirm-in-place): 2048x2048. Rows with "us" 0.0 were set
 by hand from decode A/Bs in place (deeper rings than the tuner then allowed,
-benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them. The m32
+benchmarks/results/2026-12-04-tail-h200.md; Nanbeige's 1-16-row qkv, slower alone than the
+Triton kernel but whose RoPE epilogue saves a launch, 2026-12-06-nanbeige-qkv-ws-h100.md); a
+re-run of the tuner replaces them. The m32
 rows of the warp-specialised kernel (17-32 rows: Ouro's four GEMMs, Nanbeige's qkv, o_proj
 and down) were tuned on an H100 SXM, which takes this table (the same kernels on the same 132
 SMs), with --ws-only; their times are the H100's (benchmarks/results/
@@ -53,11 +55,11 @@ TABLE: dict = {
         "49152x2048:m16:bfloat16": ("cublas", 64, 128, 1, 4, 4, 54.16, 55.46),
         "49152x2048:m32:bfloat16": ("cublas", 64, 128, 1, 4, 4, 55.44, 56.14),
         "49152x2048:m64:bfloat16": ("cublas", 128, 128, 1, 4, 4, 59.62, 57.39),
-        "8192x3072:m1:bfloat16": ("triton", 64, 256, 1, 4, 3, 14.81, 16.61),
-        "8192x3072:m2:bfloat16": ("triton", 64, 256, 1, 4, 3, 14.85, 16.35),
-        "8192x3072:m4:bfloat16": ("triton", 64, 256, 1, 4, 3, 14.95, 16.42),
-        "8192x3072:m8:bfloat16": ("triton", 64, 256, 1, 4, 3, 14.99, 16.49),
-        "8192x3072:m16:bfloat16": ("triton", 64, 256, 1, 4, 3, 15.08, 16.61),
+        "8192x3072:m1:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.61),
+        "8192x3072:m2:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.35),
+        "8192x3072:m4:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.42),
+        "8192x3072:m8:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.49),
+        "8192x3072:m16:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.61),
         "8192x3072:m32:bfloat16": ("ws", 64, 128, 1, 4, 8, 19.95, 21.69),
         "8192x3072:m64:bfloat16": ("triton", 64, 128, 1, 4, 4, 16.49, 17.26),
         "3072x6144:m1:bfloat16": ("ws", 128, 128, 4, 4, 3, 13.47, 15.62),
