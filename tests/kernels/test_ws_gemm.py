@@ -345,7 +345,8 @@ SHAPES = {  # (N, K) -> configs the table may choose (the last ones fit 64 rows)
     "ouro_down": ((2048, 5632), [ws(64, 128, 4, 4), ws(64, 128, 2, 4), ws(64, 128, 4, 2)]),
     "nanbeige_down": (
         (3072, 10752),
-        [ws(64, 128, 4, 3), ws(64, 128, 6, 2), ws(64, 128, 12, 2)],
+        # the first as the table runs it at 1-16 rows
+        [ws(64, 256, 2, 5), ws(64, 128, 4, 3), ws(64, 128, 6, 2), ws(64, 128, 12, 2)],
     ),
 }
 ROWS = [1, 5, 8, 16, 24, 32, 48, 64]  # every rows_tile, full and partly filled

@@ -9,9 +9,10 @@ benchmarks/results/2026-12-04-tail-h200.md; Nanbeige's 1-16-row qkv, slower alon
 Triton kernel but whose RoPE epilogue saves a launch, 2026-12-06-nanbeige-qkv-ws-h100.md); a
 re-run of the tuner replaces them. The m32
 rows of the warp-specialised kernel (17-32 rows: Ouro's four GEMMs, Nanbeige's qkv, o_proj
-and down) were tuned on an H100 SXM, which takes this table (the same kernels on the same 132
-SMs), with --ws-only; their times are the H100's (benchmarks/results/
-2026-12-06-ws-to-64-rows-h100.md, 2026-12-06-nanbeige-m32-h100.md)."""
+and down) and Nanbeige's 1-16-row down rows were tuned on an H100 SXM, which takes this table
+(the same kernels on the same 132 SMs), with --ws-only --confirm-in-place; their times are the
+H100's (benchmarks/results/2026-12-06-ws-to-64-rows-h100.md, 2026-12-06-nanbeige-m32-h100.md,
+2026-12-06-nanbeige-qkv-ws-h100.md)."""
 
 TABLE: dict = {
     "device": "NVIDIA H200",
@@ -69,11 +70,11 @@ TABLE: dict = {
         "3072x6144:m16:bfloat16": ("ws", 64, 256, 2, 4, 3, 13.51, 15.97),
         "3072x6144:m32:bfloat16": ("ws", 64, 128, 2, 4, 8, 17.3, 20.52),
         "3072x6144:m64:bfloat16": ("cublas", 64, 128, 2, 4, 4, 16.53, 16.53),
-        "3072x10752:m1:bfloat16": ("ws", 128, 128, 4, 4, 3, 21.53, 24.28),
-        "3072x10752:m2:bfloat16": ("ws", 128, 128, 4, 4, 3, 21.5, 22.94),
-        "3072x10752:m4:bfloat16": ("ws", 128, 128, 4, 4, 3, 21.47, 23.99),
-        "3072x10752:m8:bfloat16": ("ws", 64, 128, 2, 4, 4, 21.32, 23.26),
-        "3072x10752:m16:bfloat16": ("triton", 64, 256, 2, 4, 3, 22.41, 23.71),
+        "3072x10752:m1:bfloat16": ("ws", 64, 256, 2, 4, 5, 27.07, 29.26),
+        "3072x10752:m2:bfloat16": ("ws", 64, 256, 2, 4, 5, 26.91, 29.38),
+        "3072x10752:m4:bfloat16": ("ws", 64, 256, 2, 4, 5, 27.0, 29.55),
+        "3072x10752:m8:bfloat16": ("ws", 64, 256, 2, 4, 5, 26.57, 29.74),
+        "3072x10752:m16:bfloat16": ("ws", 64, 256, 2, 4, 5, 26.95, 30.53),
         "3072x10752:m32:bfloat16": ("ws", 64, 128, 2, 4, 4, 28.34, 30.94),
         "3072x10752:m64:bfloat16": ("cublas", 64, 128, 2, 4, 4, 25.86, 24.33),
         "166144x3072:m1:bfloat16": ("triton", 64, 128, 1, 4, 4, 228.38, 236.29),
