@@ -21,15 +21,16 @@ written bytes, measured here).
 
 --rank-in-place K: decode in place ranks the tuned shapes' configs too: per shape, the K
 fastest configs alone at M = 8 (the c=8 bucket) each take the shape's decode rows (M <= 16,
-where the table runs a kernel of ours) and decode in place (as below); a runner-up replaces the
-tuned choice only if it decodes RANK_MARGIN faster, and again in a second, alternated
-measurement (the best of K noisy rates is biased up). Applied before --confirm-in-place.
+where the table runs a kernel of ours) and decode in place at c = 1 and 8 (RANK_CS; otherwise
+as below); a runner-up replaces the tuned choice only if it decodes RANK_MARGIN faster, and again
+in a second, alternated measurement (the best of K noisy rates is biased up). Applied before
+--confirm-in-place.
 
 --confirm-in-place: isolated times do not always rank configs as decode does (a kernel's shared
 memory decides whether the next kernel's programs start under it with PDL: the ws SwiGLU form on
 Nanbeige's gate/up won alone and lost 4% in decode, results/2026-12-02-added-times-h200.md). So
-after tuning, per model, decode tok/s in place (dummy weights, 64/32, c = 1 and 8 where M <= 16 is
-tuned and c = M for each tuned M above (`in_place_cs`), engines with one table each) with the new
+after tuning, per model, decode tok/s in place (dummy weights, 64/32, c = M for each tuned M: the
+batch that fills its bucket (`in_place_cs`), engines with one table each) with the new
 table, and with each shape whose rows changed reverted to the old table's rows alone; a shape keeps
 its new rows unless decode is IN_PLACE_MARGIN faster without them. The old table is the one this GPU
 takes now (its own, or one of its layout, on this Triton), else none (cuBLAS). Writes
@@ -64,7 +65,7 @@ MODELS = {
     "nanbeige4.2-3b": "tests/fixtures/nanbeige4.2-3b",
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
-IN_PLACE_CS = (1, 8)  # concurrencies --confirm-in-place decodes at (and each tuned M above 16)
+RANK_CS = (1, 8)  # concurrencies --rank-in-place decodes at
 IN_PLACE_MARGIN = 0.01  # what the old rows must gain in place to come back (drift: ~0.6%)
 RANK_MARGIN = 0.005  # what a runner-up must gain in place, twice, to replace the tuned choice
 DECODE_MS = (1, 2, 4, 8, 16)  # the M buckets decode batches of up to 16 rows use
@@ -396,14 +397,15 @@ def _config_fields(row: tuple) -> tuple:
 
 
 def in_place_cs(ms: list[int]) -> tuple[int, ...]:
-    """The concurrencies decode in place is measured at for rows of these M buckets:
-    IN_PLACE_CS where a decode bucket (DECODE_MS) is tuned, and c = M for each larger M (a
-    batch of M sequences decodes M rows)."""
-    small = IN_PLACE_CS if set(ms) & set(DECODE_MS) else ()
-    return tuple(sorted({*small, *(m for m in ms if m > max(DECODE_MS))}))
+    """The concurrencies decode in place is measured at for rows of these M buckets: c = M for
+    each (a batch of M sequences decodes M rows). Checking the 1-16-row buckets at c = 1 and 8
+    alone missed what the others see: Nanbeige's qkv on the ws kernel gained 1% at c = 2 / 4
+    and nothing at 8 / 16, its re-tuned down 2.4% at c = 16 (results/
+    2026-12-06-nanbeige-qkv-ws-h100.md)."""
+    return tuple(sorted(set(ms)))
 
 
-def decode_rates(model: str, entries: dict, cs: tuple[int, ...] = IN_PLACE_CS) -> dict[int, float]:
+def decode_rates(model: str, entries: dict, cs: tuple[int, ...] = RANK_CS) -> dict[int, float]:
     """Committed decode tok/s of `model` (dummy bf16 weights) with the table `entries`, at each
     concurrency of `cs` (as many slots as the largest)."""
     from h200_decode import _engine, _median_rate

@@ -82,13 +82,13 @@ def test_the_gate_up_is_tuned_as_the_model_runs_it():
     assert bench.form_of(["ouro-1.4b/lm_head"]) == "plain"
 
 
-def test_rows_above_16_are_confirmed_in_place_at_their_own_batch():
-    """Decode rows of M sequences are what a batch of M decodes: tuning the m32 / m64 rows
-    confirms them at c = 32 / 64, the decode buckets at c = 1 and 8."""
+def test_rows_are_confirmed_in_place_at_their_own_batch():
+    """Decode rows of M sequences are what a batch of M decodes: tuning a bucket's rows
+    confirms them at c = M, each bucket tuned and no other."""
     bench = _module()
-    assert bench.in_place_cs([1, 2, 4, 8, 16, 32, 64]) == (1, 8, 32, 64)
-    assert bench.in_place_cs([32, 64]) == (32, 64)
-    assert bench.in_place_cs([8]) == (1, 8)
+    assert bench.in_place_cs([1, 2, 4, 8, 16, 32, 64]) == (1, 2, 4, 8, 16, 32, 64)
+    assert bench.in_place_cs([64, 32, 32]) == (32, 64)
+    assert bench.in_place_cs([8]) == (8,)
 
 
 def test_the_ws_kernel_is_offered_up_to_64_rows_where_it_fits(monkeypatch):
