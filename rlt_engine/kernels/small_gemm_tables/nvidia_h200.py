@@ -7,11 +7,11 @@ the shapes checked in decode (--confirm-in-place): 2048x2048. Rows with "us" 0.0
 by hand from decode A/Bs in place (deeper rings than the tuner then allowed,
 benchmarks/results/2026-12-04-tail-h200.md; Nanbeige's 1-16-row qkv, slower alone than the
 Triton kernel but whose RoPE epilogue saves a launch, 2026-12-06-nanbeige-qkv-ws-h100.md); a
-re-run of the tuner replaces them. The m32
-rows of the warp-specialised kernel (17-32 rows: Ouro's four GEMMs, Nanbeige's qkv, o_proj
-and down) and Nanbeige's 1-16-row down rows were tuned on an H100 SXM, which takes this table
-(the same kernels on the same 132 SMs), with --ws-only --confirm-in-place; their times are the
-H100's (benchmarks/results/2026-12-06-ws-to-64-rows-h100.md, 2026-12-06-nanbeige-m32-h100.md,
+re-run of the tuner replaces them. The m32 rows of the warp-specialised kernel (17-32 rows:
+Ouro's four GEMMs, Nanbeige's qkv, o_proj and down) and Nanbeige's 1-16-row down rows were
+tuned on an H100 SXM, which takes this table (the same kernels on the same 132 SMs), with
+--ws-only --confirm-in-place; their times are the H100's (benchmarks/results/
+2026-12-06-ws-to-64-rows-h100.md, 2026-12-06-nanbeige-m32-h100.md,
 2026-12-06-nanbeige-qkv-ws-h100.md)."""
 
 TABLE: dict = {
