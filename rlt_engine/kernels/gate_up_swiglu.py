@@ -44,10 +44,7 @@ def gate_up_silu(
     if config.kernel == "ws":  # the warp-specialised kernel's SwiGLU form (kernels/ws_gemm)
         from rlt_engine.kernels import ws_gemm
 
-        m = x.numel() // max(1, x.shape[-1])
-        if not ws_gemm.available(x.device) or ws_gemm.check(
-            *w.shape, m, config.block_n, config.block_k, config.split_k, True, config.num_stages
-        ):
+        if not ws_gemm.available(x.device) or ws_gemm.refusal(x, w, config, swiglu=True):
             return None
         return ws_gemm.ws_gemm(x, w, config, swiglu=True)
     if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1] or not w.is_contiguous():

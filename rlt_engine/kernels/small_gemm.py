@@ -263,11 +263,7 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
         return None
     from rlt_engine.kernels import ws_gemm as _ws
 
-    (n, k), c = w.shape, config  # a row tuned without the epilogue's exchange may not fit it
-    rows = x.numel() // k
-    if _ws.check(n, k, rows, c.block_n, c.block_k, c.split_k, False, c.num_stages, rope=True):
-        return None
-    if _ws.check_rope(n, c.block_n, rope, x) is not None:
+    if _ws.refusal(x, w, config, rope=rope) is not None:
         return None
     return _ws.ws_gemm(x, w, config, rope=rope)
 

@@ -224,6 +224,28 @@ def check_rope(n: int, block_n: int, rope: QkvRope, x: torch.Tensor) -> str | No
     return None
 
 
+def refusal(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config,
+    swiglu: bool = False,
+    rope: QkvRope | None = None,
+    unreduced: bool = False,
+) -> str | None:
+    """Why `ws_gemm` refuses this shape and config (its ValueError), or None: callers with a
+    route of their own (small_gemm.linear_rope, gate_up_swiglu) take it instead. A table row
+    tuned without the RoPE exchange or the SwiGLU halves may not fit in their form."""
+    n, k = w.shape
+    m = x.numel() // max(1, k)
+    c = config
+    why = check(n, k, m, c.block_n, c.block_k, c.split_k, swiglu, c.num_stages, rope is not None)
+    if why is None and rope is not None:
+        why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, c.block_n, rope, x)
+    if why is None and unreduced and c.split_k > 1 and rope is not None:
+        why = "unreduced partials are for the plain GEMM, not the RoPE epilogue"
+    return why
+
+
 def ws_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -257,14 +279,10 @@ def ws_gemm(
         x2 = x2.contiguous()
     m = x2.shape[0]
     bk, splits = config.block_k, config.split_k
-    why = check(n, k, m, config.block_n, bk, splits, swiglu, config.num_stages, rope is not None)
-    if why is None and rope is not None:
-        why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, config.block_n, rope, x)
-    unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
-    if why is None and unreduced and rope is not None:
-        why = "unreduced partials are for the plain GEMM, not the RoPE epilogue"
+    why = refusal(x, w, config, swiglu, rope, unreduced)
     if why is not None:
         raise ValueError(why)
+    unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
     if not available(x.device):
         raise RuntimeError(f"the warp-specialised GEMM does not run on {x.device}")
     parts = 2 if swiglu else 1
