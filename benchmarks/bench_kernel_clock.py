@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python benchmarks/bench_kernel_clock.py --out $OUT
 
-A chain of Ouro-1.4B decode layers (bf16, `rows` sequences at `keys` keys, each layer its own
-weights: norm -> qkv GEMM -> RoPE + K/V write -> attention -> o_proj -> add + norm -> gate/up +
-SwiGLU -> down -> add + norm, the GEMMs as the committed table runs them, PDL on), captured in a
-CUDA graph and replayed. The attention launches of the chain carry a probe
+A chain of Ouro-1.4B decode layers (`--model nanbeige`: Nanbeige4.2-3B's, GQA; bf16, `rows`
+sequences at `keys` keys, each layer its own weights: norm -> qkv GEMM -> RoPE + K/V write ->
+attention -> o_proj -> add + norm -> gate/up + SwiGLU -> down -> add + norm, the GEMMs as the
+committed table runs them, PDL on; both models with Ouro's two norms a sublayer), captured in
+a CUDA graph and replayed. The attention launches of the chain carry a probe
 (`paged_attention._launch(probe=...)`): each program stamps the global ns timer and its SM's
 cycle counter at its start, after its PDL wait and at its end. Per layer and replay:
 
@@ -20,17 +21,17 @@ cycle counter at its start, after its PDL wait and at its end. Per layer and rep
   metadata (its wait to its sequence's metadata landed), first_tile (to its first key tile's
   P @ V done), other_tiles (to its last tile's), store (to its end: the output, a merge).
 
-Reported as medians over layers and replays, at 1 and 8 rows.
+Reported as medians over layers and replays, at 1 and 8 rows (`--rows`).
 
---timeline: the chain's warp-specialised GEMMs (qkv, o_proj, gate/up + SwiGLU, down_proj, as
-the table configures them) carry probes too (`ws_gemm(..., probe=...)`, its PROBE_FIELDS), and
-each kernel of a layer is placed on one time line whose zero is the layer's qkv wait return:
-when its first program started (placed under PDL), when its median program was placed (its
-producer warp's start), when its producers' first ring of weight
-tiles had landed (median over programs), when its waits returned (median), its activation
-rows landed, its last MMA retired, and its last program ended. What it answers: how full each
-GEMM's ring is when its wait returns, what a GEMM does between its wait and its end, and
-where in the layer the weight stream stops.
+--timeline: the chain's warp-specialised GEMMs (those of qkv, o_proj, gate/up + SwiGLU and
+down_proj the table runs on the ws kernel; the others stay off the time line, and the qkv must
+be one) carry probes too (`ws_gemm(..., probe=...)`, its PROBE_FIELDS), and each kernel of a
+layer is placed on one time line whose zero is the layer's qkv wait return: when its first
+program started (placed under PDL), when its median program was placed (its producer warp's
+start), when its producers' first ring of weight tiles had landed (median over programs), when
+its waits returned (median), its activation rows landed, its last MMA retired, and its last
+program ended. What it answers: how full each GEMM's ring is when its wait returns, what a GEMM
+does between its wait and its end, and where in the layer the weight stream stops.
 
 --qkv-rope: RoPE + the K/V write in the qkv GEMM's epilogue (`ws_gemm(..., rope=QkvRope)`,
 what the engine's decode runs), not in their own launch.
@@ -40,7 +41,9 @@ what the engine's decode runs), not in their own launch.
 the GEMM's last split.
 
 --set module.NAME=VALUE: an rlt_engine module constant set first, as in ab_decode.py (e.g.
-kernels.ws_gemm.X_BY_LOADS_ROWS=0: the rows by TMA).
+kernels.ws_gemm.X_BY_LOADS_ROWS=0: the rows by TMA); --row KEY=ROW: a row of the small-GEMM
+table this GPU takes replaced first, as in ab_decode.py (e.g. Nanbeige's gate/up on the ws
+SwiGLU form, to see when the down_proj's ring fills under it).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import json
 import re
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,7 +70,19 @@ from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
 from rlt_engine.kernels.small_gemm import choose, linear, linear_rope  # noqa: E402
 from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, QkvRope, ws_gemm  # noqa: E402
 
-HIDDEN, HEADS, D, INTER, BLOCK = 2048, 16, 128, 5632, 16
+BLOCK = 16  # keys a K/V block
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    inter: int
+    d: int = 128
+
+
+MODELS = {"ouro": Dims(2048, 16, 16, 5632), "nanbeige": Dims(3072, 48, 8, 10752)}
 
 
 GEMMS = ("qkv", "o", "gate_up", "down")
@@ -82,28 +98,31 @@ class Chain:
         gemms: bool = False,
         qkv_rope: bool = False,
         unreduced: bool = False,
+        dims: Dims = MODELS["ouro"],
     ) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
         def rnd(*shape, scale=1.0):
             return (torch.randn(shape, device="cuda", generator=g) * scale).bfloat16()
 
-        self.rows, self.keys, self.tiles = rows, keys, dict(tiles or {})
+        self.rows, self.keys, self.tiles, self.dims = rows, keys, dict(tiles or {}), dims
+        heads, kv_heads, D, inter = dims.heads, dims.kv_heads, dims.d, dims.inter
         if self.tiles.pop("merge", 0):  # split-K merged by the last split (no merge launch)
             self.tiles["split_counters"] = torch.zeros(
-                rows * HEADS, dtype=torch.int32, device="cuda"
+                rows * kv_heads, dtype=torch.int32, device="cuda"
             )
-        h, d = HIDDEN, HEADS * D
+        h, d = dims.hidden, heads * D
         self.layers = [
             {
-                "qkv": rnd(3 * d, h, scale=h**-0.5),
+                "qkv": rnd((heads + 2 * kv_heads) * D, h, scale=h**-0.5),
                 "o": rnd(h, d, scale=d**-0.5),
-                "gate_up": rnd(2 * INTER, h, scale=h**-0.5),
-                "down": rnd(h, INTER, scale=INTER**-0.5),
+                "gate_up": rnd(2 * inter, h, scale=h**-0.5),
+                "down": rnd(h, inter, scale=inter**-0.5),
                 "norms": [1 + rnd(h, scale=0.1) for _ in range(4)],
-                "pool": (rnd(rows * keys, HEADS, D), rnd(rows * keys, HEADS, D)),
+                "pool": (rnd(rows * keys, kv_heads, D), rnd(rows * keys, kv_heads, D)),
+                # the tensor-core kernel's programs: one per (sequence, KV head, split)
                 "probe": torch.full(
-                    (rows * HEADS * self.tiles.get("num_splits", 1), len(ATTENTION_FIELDS)),
+                    (rows * kv_heads * self.tiles.get("num_splits", 1), len(ATTENTION_FIELDS)),
                     -1,
                     dtype=torch.int64,
                     device="cuda",
@@ -111,15 +130,21 @@ class Chain:
             }
             for _ in range(layers)
         ]
-        self.gemm_probes, self.qkv_rope, self.unreduced = gemms, qkv_rope, unreduced
+        self.qkv_rope, self.unreduced = qkv_rope, unreduced
         self.x = rnd(rows, h)
-        if gemms:  # one probe per ws GEMM launch, sized by the table's config for these rows
+        # --timeline: one probe per ws GEMM launch, sized by the table's config for these rows
+        self.probed = () if not gemms else tuple(
+            name for name in GEMMS
+            if (c := choose(self.x.new_empty(rows, self.layers[0][name].shape[1]),
+                            self.layers[0][name])) is not None and c.kernel == "ws"
+        )  # fmt: skip
+        if gemms:
+            if "qkv" not in self.probed:
+                raise SystemExit("--timeline: the table runs no ws kernel for the qkv (zero)")
             for layer in self.layers:
-                for name in GEMMS:
+                for name in self.probed:
                     w = layer[name]
                     config = choose(self.x.new_empty(rows, w.shape[1]), w)
-                    if config is None or config.kernel != "ws":
-                        raise SystemExit(f"--timeline: the table runs no ws kernel for {name}")
                     programs = w.shape[0] // config.block_n  # SwiGLU: half of each a program
                     layer[f"{name}_config"] = config
                     layer[f"{name}_probe"] = torch.full(
@@ -131,11 +156,11 @@ class Chain:
         self.seq_lens = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
         self.query_start = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
         self.slots = torch.arange(rows, device="cuda") * keys + keys - 1
-        angles = rnd(rows, D).float()
+        angles = rnd(rows, dims.d).float()
         self.cos, self.sin = angles.cos().bfloat16(), angles.sin().bfloat16()
 
     def gemm(self, layer: dict, name: str, x: torch.Tensor, rope=None, **kw) -> torch.Tensor:
-        if not self.gemm_probes:
+        if name not in self.probed:
             if name == "gate_up":
                 return gate_up_silu(x, layer[name])
             if rope is not None:
@@ -150,20 +175,22 @@ class Chain:
 
     def run(self) -> torch.Tensor:
         x = self.x
+        heads, kv_heads, D = self.dims.heads, self.dims.kv_heads, self.dims.d
         h = rms_norm(x, self.layers[0]["norms"][0], 1e-6)
         for layer in self.layers:
             k_pool, v_pool = layer["pool"]
-            rope = QkvRope(self.cos, self.sin, k_pool, v_pool, self.slots, HEADS)
+            rope = QkvRope(self.cos, self.sin, k_pool, v_pool, self.slots, heads)
             qkv = self.gemm(layer, "qkv", h, rope=rope if self.qkv_rope else None)
-            qkv = qkv.view(self.rows, 3 * HEADS, D)
-            q, k, v = qkv[:, :HEADS], qkv[:, HEADS : 2 * HEADS], qkv[:, 2 * HEADS :]
+            qkv = qkv.view(self.rows, heads + 2 * kv_heads, D)
+            q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+            v = qkv[:, heads + kv_heads :]
             if not self.qkv_rope:
                 rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
             attn = _launch(
                 q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
                 D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"], **self.tiles,
             )  # fmt: skip
-            o = self.gemm(layer, "o", attn.reshape(self.rows, HEADS * D), prefetch_whole=True)
+            o = self.gemm(layer, "o", attn.reshape(self.rows, heads * D), prefetch_whole=True)
             # (o and down are SplitSums with --unreduced: the add + norm sums them)
             n1, n2, n3, n4 = layer["norms"]
             x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
@@ -173,13 +200,14 @@ class Chain:
         return h
 
 
-def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
+def layer_timeline(layer: dict, probed: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """One layer's kernels on one time line (us), zero at the qkv GEMM's median wait return:
     per kernel its first start, median ring-full (GEMMs), median wait return, median
-    activation rows landed and last MMA (GEMMs), last end. Probes read back to the host."""
+    activation rows landed and last MMA (GEMMs), last end. The GEMMs of `probed` only (those on
+    the ws kernel). Probes read back to the host."""
     marks: dict[str, dict[str, float]] = {}
     fields = {f: i for i, f in enumerate(PROBE_FIELDS)}
-    for name in GEMMS:
+    for name in probed:
         p = layer[f"{name}_probe"].cpu().double()
         marks[name] = {
             "start": float(p[:, [fields["start"], fields["producer_start"]]].min()),
@@ -198,7 +226,7 @@ def layer_timeline(layer: dict) -> dict[str, dict[str, float]]:
         "end": float(a[:, 2].max()),
     }
     zero = marks["qkv"]["waited"]
-    order = ("qkv", "attention", "o", "gate_up", "down")
+    order = [k for k in ("qkv", "attention", "o", "gate_up", "down") if k in marks]
     return {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order}
 
 
@@ -227,8 +255,9 @@ def measure(
     timeline: bool = False,
     qkv_rope: bool = False,
     unreduced: bool = False,
+    dims: Dims = MODELS["ouro"],
 ) -> dict:
-    chain = Chain(rows, keys, layers, tiles, timeline, qkv_rope, unreduced)
+    chain = Chain(rows, keys, layers, tiles, timeline, qkv_rope, unreduced, dims)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -248,7 +277,7 @@ def measure(
         previous_end = None
         for i, layer in enumerate(chain.layers):
             if timeline and i > 0:  # the first layer starts after a plain norm, not a down_proj
-                lines.append(layer_timeline(layer))
+                lines.append(layer_timeline(layer, chain.probed))
             p = layer["probe"].cpu()
             start, waited, end = p[:, 0], p[:, 1], p[:, 2]
             stats["early"].append(float(waited.min() - start.min()) / 1e3)
@@ -267,7 +296,8 @@ def measure(
         for k, v in stats.items()
         if v
     }
-    out = {"rows": rows, "keys": keys, "programs": rows * HEADS, **(tiles or {}), **medians,
+    programs = rows * dims.kv_heads * (tiles or {}).get("num_splits", 1)
+    out = {"rows": rows, "keys": keys, "programs": programs, **(tiles or {}), **medians,
            "own_us_max": max(stats["own"])}  # fmt: skip
     if timeline:
         out["timeline_us"] = {
@@ -280,6 +310,8 @@ def measure(
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", choices=sorted(MODELS), default="ouro")
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 8], help="sequences in decode")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--keys", type=int, nargs="*", default=[96])
@@ -295,17 +327,26 @@ def main() -> None:
         "--set", dest="sets", action="append", default=[],
         help="module.NAME=VALUE of rlt_engine, as benchmarks/ab_decode.py takes it",
     )  # fmt: skip
+    ap.add_argument(
+        "--row", dest="rows_", action="append", default=[], metavar="KEY=ROW",
+        help="KEY=ROW of the small-GEMM table this GPU takes, as benchmarks/ab_decode.py takes it",
+    )  # fmt: skip
     args = ap.parse_args()
-    from ab_decode import apply_sets, parse_set  # a script beside this one
+    from ab_decode import apply_rows, apply_sets, parse_row, parse_set  # scripts beside this
+
+    from rlt_engine.kernels import small_gemm
 
     apply_sets([parse_set(text) for text in args.sets])
+    if args.rows_:
+        table = small_gemm.serving_table(torch.device("cuda", 0))
+        apply_rows([parse_row(t) for t in args.rows_], None if table is None else table["entries"])
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
     results = []
     for spec in args.tiles:
         tiles = {names[k]: int(v) for k, v in re.findall(r"([wnskm])(\d+)", spec)}
         for keys in args.keys:
-            for rows in (1, 8):
+            for rows in args.rows:
                 results.append(
                     measure(
                         rows,
@@ -316,6 +357,7 @@ def main() -> None:
                         args.timeline,
                         args.qkv_rope,
                         args.unreduced,
+                        MODELS[args.model],
                     )
                 )
                 print(json.dumps(results[-1]), flush=True)
