@@ -31,7 +31,7 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
     layer["probe"] = torch.tensor(
         [[7_000, 8_000, 9_000, 0, 0, 0, 8_100, 8_500, 8_800]] * 3, dtype=torch.int64
     )
-    line = bench.layer_timeline(layer)
+    line = bench.layer_timeline(layer, bench.GEMMS)
     assert list(line) == ["qkv", "attention", "o", "gate_up", "down"]
     # the zero: the qkv's median wait return (torch's median: the lower middle value, 2 us)
     assert line["qkv"]["waited"] == 0.0
@@ -41,6 +41,12 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
     assert line["attention"] == pytest.approx(
         {"start": 5.0, "placed": 5.0, "waited": 6.0, "end": 7.0}
     )
+    assert line["down"]["ring_full"] == pytest.approx(29.0)
+    # a GEMM the table runs off the ws kernel (Nanbeige's gate/up) carries no probe: it stays
+    # off the line, and the others keep their places
+    del layer["gate_up_probe"]
+    line = bench.layer_timeline(layer, ("qkv", "o", "down"))
+    assert list(line) == ["qkv", "attention", "o", "down"]
     assert line["down"]["ring_full"] == pytest.approx(29.0)
 
 
