@@ -498,7 +498,7 @@ ROPE_CASES = [
     (16, 16, 2048, ws(64, 256, 2, 3)),  # split-K: the last split stores, then the ticket
     (16, 16, 2048, ws(128, 256, 2, 2)),  # a tile is a head: no ticket
     (16, 16, 2048, ws(64, 256, 2, 2)),  # 32-64 rows: split-K to fit the rows
-    (48, 8, 3072, ws(64, 256, 1, 3)),  # Nanbeige (GQA) as its table runs it at 1-16 rows
+    (48, 8, 3072, ws(64, 256, 1, 5)),  # Nanbeige (GQA) as its table runs it at 1-16 rows
     (48, 8, 3072, ws(64, 256, 1, 4)),
     (48, 8, 3072, ws(64, 256, 4, 2)),
     (16, 16, 2048, ws(64, 128, 1, 8)),  # both qkv rows the table runs at 17-32 rows (windowed)

@@ -5,14 +5,13 @@ times (do_bench medians) the choice was made by; in the last run
 decode in place ranked the configs of (--rank-in-place): 2048x2048;
 the shapes checked in decode (--confirm-in-place): 2048x2048. Rows with "us" 0.0 were set
 by hand from decode A/Bs in place (deeper rings than the tuner then allowed,
-benchmarks/results/2026-12-04-tail-h200.md; Nanbeige's 1-16-row qkv, slower alone than the
-Triton kernel but whose RoPE epilogue saves a launch, 2026-12-06-nanbeige-qkv-ws-h100.md); a
-re-run of the tuner replaces them. The m32 rows of the warp-specialised kernel (17-32 rows:
-Ouro's four GEMMs, Nanbeige's qkv, o_proj and down) and Nanbeige's 1-16-row down rows were
-tuned on an H100 SXM, which takes this table (the same kernels on the same 132 SMs), with
---ws-only --confirm-in-place; their times are the H100's (benchmarks/results/
+benchmarks/results/2026-12-04-tail-h200.md); a re-run of the tuner replaces them. The m32 rows
+of the warp-specialised kernel (17-32 rows: Ouro's four GEMMs, Nanbeige's qkv, o_proj and
+down) and Nanbeige's 1-16-row qkv, o_proj (but its m8 row) and down rows were tuned on an H100
+SXM, which takes this table (the same kernels on the same 132 SMs), with --ws-only
+--confirm-in-place; their times are the H100's (benchmarks/results/
 2026-12-06-ws-to-64-rows-h100.md, 2026-12-06-nanbeige-m32-h100.md,
-2026-12-06-nanbeige-qkv-ws-h100.md)."""
+2026-12-06-nanbeige-qkv-ws-h100.md, 2026-12-06-nanbeige-gate-up-timeline-h100.md)."""
 
 TABLE: dict = {
     "device": "NVIDIA H200",
@@ -56,18 +55,18 @@ TABLE: dict = {
         "49152x2048:m16:bfloat16": ("cublas", 64, 128, 1, 4, 4, 54.16, 55.46),
         "49152x2048:m32:bfloat16": ("cublas", 64, 128, 1, 4, 4, 55.44, 56.14),
         "49152x2048:m64:bfloat16": ("cublas", 128, 128, 1, 4, 4, 59.62, 57.39),
-        "8192x3072:m1:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.61),
-        "8192x3072:m2:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.35),
-        "8192x3072:m4:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.42),
-        "8192x3072:m8:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.49),
-        "8192x3072:m16:bfloat16": ("ws", 64, 256, 1, 4, 3, 0.0, 16.61),
+        "8192x3072:m1:bfloat16": ("ws", 64, 256, 1, 4, 5, 19.48, 21.67),
+        "8192x3072:m2:bfloat16": ("ws", 64, 256, 1, 4, 5, 19.59, 21.7),
+        "8192x3072:m4:bfloat16": ("ws", 64, 256, 1, 4, 5, 19.73, 21.77),
+        "8192x3072:m8:bfloat16": ("ws", 64, 256, 1, 4, 5, 19.65, 21.77),
+        "8192x3072:m16:bfloat16": ("ws", 64, 256, 1, 4, 5, 19.69, 21.97),
         "8192x3072:m32:bfloat16": ("ws", 64, 128, 1, 4, 8, 19.95, 21.69),
         "8192x3072:m64:bfloat16": ("triton", 64, 128, 1, 4, 4, 16.49, 17.26),
-        "3072x6144:m1:bfloat16": ("ws", 128, 128, 4, 4, 3, 13.47, 15.62),
-        "3072x6144:m2:bfloat16": ("ws", 128, 128, 4, 4, 3, 13.34, 15.76),
-        "3072x6144:m4:bfloat16": ("ws", 128, 256, 4, 4, 2, 13.37, 15.56),
+        "3072x6144:m1:bfloat16": ("ws", 64, 256, 2, 4, 5, 16.56, 19.36),
+        "3072x6144:m2:bfloat16": ("ws", 64, 256, 2, 4, 5, 16.7, 19.28),
+        "3072x6144:m4:bfloat16": ("ws", 64, 256, 2, 4, 5, 16.67, 19.52),
         "3072x6144:m8:bfloat16": ("ws", 64, 256, 2, 4, 3, 13.28, 15.73),
-        "3072x6144:m16:bfloat16": ("ws", 64, 256, 2, 4, 3, 13.51, 15.97),
+        "3072x6144:m16:bfloat16": ("ws", 64, 256, 2, 4, 5, 16.59, 20.44),
         "3072x6144:m32:bfloat16": ("ws", 64, 128, 2, 4, 8, 17.3, 20.52),
         "3072x6144:m64:bfloat16": ("cublas", 64, 128, 2, 4, 4, 16.53, 16.53),
         "3072x10752:m1:bfloat16": ("ws", 64, 256, 2, 4, 5, 27.07, 29.26),
