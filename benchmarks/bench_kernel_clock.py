@@ -132,25 +132,24 @@ class Chain:
         ]
         self.qkv_rope, self.unreduced = qkv_rope, unreduced
         self.x = rnd(rows, h)
-        # --timeline: one probe per ws GEMM launch, sized by the table's config for these rows
-        self.probed = () if not gemms else tuple(
-            name for name in GEMMS
-            if (c := choose(self.x.new_empty(rows, self.layers[0][name].shape[1]),
-                            self.layers[0][name])) is not None and c.kernel == "ws"
-        )  # fmt: skip
-        if gemms:
-            if "qkv" not in self.probed:
-                raise SystemExit("--timeline: the table runs no ws kernel for the qkv (zero)")
-            for layer in self.layers:
-                for name in self.probed:
-                    w = layer[name]
-                    config = choose(self.x.new_empty(rows, w.shape[1]), w)
-                    programs = w.shape[0] // config.block_n  # SwiGLU: half of each a program
-                    layer[f"{name}_config"] = config
-                    layer[f"{name}_probe"] = torch.full(
-                        (programs * config.split_k, len(PROBE_FIELDS)), -1,
-                        dtype=torch.int64, device="cuda",
-                    )  # fmt: skip
+        # --timeline: one probe per launch of each GEMM the table runs on the ws kernel, sized
+        # by its config for these rows (every layer's weights have the first layer's shapes)
+        first = self.layers[0]
+        configs = {n: choose(self.x.new_empty(rows, first[n].shape[1]), first[n]) for n in GEMMS}
+        self.probed = tuple(
+            n for n, c in configs.items() if gemms and c is not None and c.kernel == "ws"
+        )
+        if gemms and "qkv" not in self.probed:
+            raise SystemExit("--timeline: the table runs no ws kernel for the qkv (the zero)")
+        for layer in self.layers:
+            for name in self.probed:
+                config = configs[name]
+                programs = layer[name].shape[0] // config.block_n  # SwiGLU: half of each a program
+                layer[f"{name}_config"] = config
+                layer[f"{name}_probe"] = torch.full(
+                    (programs * config.split_k, len(PROBE_FIELDS)), -1,
+                    dtype=torch.int64, device="cuda",
+                )  # fmt: skip
         blocks = keys // BLOCK
         self.tables = torch.arange(rows * blocks, dtype=torch.int32, device="cuda").view(rows, -1)
         self.seq_lens = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
