@@ -122,6 +122,18 @@ def apply_rows(rows: list[tuple[str, tuple]], entries: dict | None) -> None:
         entries[key] = row  # type: ignore[index]
 
 
+def apply_gpu_rows(rows: list[tuple[str, tuple]]) -> None:
+    """`apply_rows` on the table the first GPU takes (kernels/small_gemm.serving_table)."""
+    if not rows:
+        return
+    import torch
+
+    from rlt_engine.kernels import small_gemm
+
+    table = small_gemm.serving_table(torch.device("cuda", 0))
+    apply_rows(rows, None if table is None else table["entries"])
+
+
 def apply_sets(sets: list[tuple[str, str, object]]) -> None:
     """Set each name on its rlt_engine module; a name the module lacks is an error (a typo
     would otherwise measure the base twice)."""
@@ -151,13 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     package = use_tree(args.tree)
     apply_sets(args.sets)
-    if args.rows:
-        import torch
-
-        from rlt_engine.kernels import small_gemm
-
-        table = small_gemm.serving_table(torch.device("cuda", 0))
-        apply_rows(args.rows, None if table is None else table["entries"])
+    apply_gpu_rows(args.rows)
     sys.path.insert(1, str(ROOT / "benchmarks"))
     import h200_decode as hd  # imports torch and the engine: after the tree is chosen
 

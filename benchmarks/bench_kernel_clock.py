@@ -134,11 +134,12 @@ class Chain:
         self.x = rnd(rows, h)
         # --timeline: one probe per launch of each GEMM the table runs on the ws kernel, sized
         # by its config for these rows (every layer's weights have the first layer's shapes)
-        first = self.layers[0]
-        configs = {n: choose(self.x.new_empty(rows, first[n].shape[1]), first[n]) for n in GEMMS}
-        self.probed = tuple(
-            n for n, c in configs.items() if gemms and c is not None and c.kernel == "ws"
-        )
+        first, configs = self.layers[0], {}
+        if gemms:
+            configs = {
+                n: choose(self.x.new_empty(rows, first[n].shape[1]), first[n]) for n in GEMMS
+            }
+        self.probed = tuple(n for n, c in configs.items() if c is not None and c.kernel == "ws")
         if gemms and "qkv" not in self.probed:
             raise SystemExit("--timeline: the table runs no ws kernel for the qkv (the zero)")
         for layer in self.layers:
@@ -326,19 +327,16 @@ def main() -> None:
         "--set", dest="sets", action="append", default=[],
         help="module.NAME=VALUE of rlt_engine, as benchmarks/ab_decode.py takes it",
     )  # fmt: skip
+    from ab_decode import apply_gpu_rows, apply_sets, parse_row, parse_set  # scripts beside this
+
     ap.add_argument(
-        "--row", dest="rows_", action="append", default=[], metavar="KEY=ROW",
-        help="KEY=ROW of the small-GEMM table this GPU takes, as benchmarks/ab_decode.py takes it",
+        "--row", dest="table_rows", action="append", default=[], type=parse_row,
+        metavar="KEY=ROW",
+        help="a row of the small-GEMM table this GPU takes, as benchmarks/ab_decode.py takes it",
     )  # fmt: skip
     args = ap.parse_args()
-    from ab_decode import apply_rows, apply_sets, parse_row, parse_set  # scripts beside this
-
-    from rlt_engine.kernels import small_gemm
-
     apply_sets([parse_set(text) for text in args.sets])
-    if args.rows_:
-        table = small_gemm.serving_table(torch.device("cuda", 0))
-        apply_rows([parse_row(t) for t in args.rows_], None if table is None else table["entries"])
+    apply_gpu_rows(args.table_rows)
     args.out.mkdir(parents=True, exist_ok=True)
     names = {"w": "num_warps", "n": "block_n", "s": "num_stages", "k": "num_splits", "m": "merge"}
     results = []
