@@ -52,8 +52,11 @@ def test_keeps_new_rows_unless_the_old_ones_decode_faster():
     assert bench.shape_rows(entries, 64, 32) == bench.shape_rows(NEW, 64, 32)
     assert bench.shape_rows(entries, 96, 32) == bench.shape_rows(OLD, 96, 32)
     assert bench.shape_rows(entries, 128, 64) == bench.shape_rows(NEW, 128, 64)
-    assert report["model-a"]["64x32"]["kept"] == "new"
-    assert report["model-a"]["96x32"]["kept"] == "old"
+    assert report["model-a"]["64x32"]["kept"] == {"64x32:m1:bfloat16": "new"}
+    assert report["model-a"]["96x32"]["kept"] == {
+        "96x32:m1:bfloat16": "old",  # back to the old row
+        "96x32:m8:bfloat16": "old",  # the old table has none: dropped
+    }
     assert report["model-a"]["96x32"]["old_rows_speedup"] == pytest.approx(110 / 105)
     assert report["model-a"]["final"] == {1: 110.0, 8: 880.0}
     assert "model-b" not in report  # nothing of it changed: never decoded
@@ -70,7 +73,35 @@ def test_a_gain_within_the_margin_keeps_the_new_rows(monkeypatch):
         return {1: 100.0 - 5 * slow}
 
     entries, report = bench.confirm_in_place(OLD, NEW, {"m": [(96, 32)]}, rate)
-    assert entries == NEW and report["m"]["96x32"]["kept"] == "new"
+    assert entries == NEW and set(report["m"]["96x32"]["kept"].values()) == {"new"}
+
+
+def test_each_row_is_decided_at_the_batch_that_runs_it():
+    """A shape's rows reverted together, each bucket kept or reverted by the rate at c = its
+    bucket: the m1 row that loses at c = 1 goes back although the shape's mean gains, the m8
+    row that gains at c = 8 stays."""
+    bench = _module()
+    old = {"96x32:m1:bfloat16": OLD["96x32:m1:bfloat16"],
+           "96x32:m8:bfloat16": ("triton", 32, 32, 4, 4, 2, 5.0, 6.0)}  # fmt: skip
+
+    def rate(model, entries):  # the new m1 row -2% at c=1, the new m8 row +5% at c=8
+        return {1: 100.0 - 2 * (entries["96x32:m1:bfloat16"][0] == "ws"),
+                8: 800.0 + 40 * (entries["96x32:m8:bfloat16"][0] == "ws")}  # fmt: skip
+
+    entries, report = bench.confirm_in_place(old, NEW, {"m": [(96, 32)]}, rate)
+    assert entries["96x32:m1:bfloat16"] == old["96x32:m1:bfloat16"]
+    assert entries["96x32:m8:bfloat16"] == NEW["96x32:m8:bfloat16"]
+    assert report["m"]["96x32"]["kept"] == {"96x32:m1:bfloat16": "old", "96x32:m8:bfloat16": "new"}
+    assert report["m"]["96x32"]["old_rows_speedup"] < 1  # the mean alone would keep both
+
+
+def test_rows_that_differ_only_in_their_times_are_not_measured():
+    bench = _module()
+    retimed = {key: (*row[:6], row[6] + 1.0, row[7]) for key, row in OLD.items()}
+    calls = []
+    entries, report = bench.confirm_in_place(OLD, retimed, {"m": [(96, 32)]},
+                                             lambda *a: calls.append(a) or {1: 1.0})  # fmt: skip
+    assert entries == retimed and report == {} and calls == []
 
 
 def test_the_gate_up_is_tuned_as_the_model_runs_it():
