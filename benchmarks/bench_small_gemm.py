@@ -69,8 +69,9 @@ MODELS = {
 }
 MS = (1, 2, 4, 8, 16, 32, 64)
 RANK_CS = (1, 8)  # concurrencies --rank-in-place decodes at
-# what the old rows must gain in place, at the c of their bucket, to come back: engines run one
-# after another agree to ~0.1% at c = 1-8, ~0.5% at c = 16 (2026-12-06-ouro-retune-h100.md)
+# what the old rows must gain in place, at the c of their bucket, to come back: one table's
+# engines run one after another agree to 0.2% at c = 1, 2, 8, 16, 0.5% at c = 4
+# (results/2026-12-06-ouro-retune-h100.md)
 IN_PLACE_MARGIN = 0.005
 RANK_MARGIN = 0.005  # what a runner-up must gain in place, twice, to replace the tuned choice
 DECODE_MS = (1, 2, 4, 8, 16)  # the M buckets decode batches of up to 16 rows use
