@@ -144,8 +144,10 @@ def apply_sets(sets: list[tuple[str, str, object]]) -> None:
         setattr(mod, attr, value)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    """The command line; `@FILE` stands for FILE's lines, one argument a line (e.g. the
+    `--row=KEY=ROW` lines a tuner's rows are kept in)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], fromfile_prefix_chars="@")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--label", required=True)
     ap.add_argument("--tree", type=Path, default=ROOT, help="a directory holding rlt_engine")
@@ -160,7 +162,11 @@ def main() -> None:
         default="ouro",
         help="Ouro-1.4B (MHA) or Nanbeige4.2-3B (GQA, 8 kv heads for 48) config, dummy weights",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     package = use_tree(args.tree)
     apply_sets(args.sets)
     apply_gpu_rows(args.rows)

@@ -308,7 +308,7 @@ def measure(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(fromfile_prefix_chars="@")  # @FILE: its lines, one argument each
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", choices=sorted(MODELS), default="ouro")
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 8], help="sequences in decode")

@@ -89,3 +89,20 @@ def test_rows_replace_a_table_row_and_refuse_unknown_keys(ab):
     with pytest.raises(ValueError, match="no small-GEMM table serves"):
         ab.apply_rows([(key, row)], None)
     ab.apply_rows([], None)  # nothing asked: no table needed
+
+
+def test_rows_come_from_a_file_of_arguments(ab, tmp_path):
+    """`@FILE` stands for its lines: the `--row=KEY=ROW` lines a tuner's rows are kept in, beside
+    rows given on the command line."""
+    rows = tmp_path / "rows.txt"
+    rows.write_text(
+        "--row=6144x2048:m16:bfloat16=('ws', 64, 256, 1, 4, 5, 10.26, 12.75)\n"
+        "--row=2048x5632:m2:bfloat16=('ws', 64, 128, 4, 4, 8, 10.3, 13.61)\n"
+    )
+    args = ab.parser().parse_args(
+        ["--out", "o", "--label", "l", f"@{rows}", "--row", "1x1:m1:bfloat16=('ws', 1)"]
+    )
+    assert [key for key, _ in args.rows] == [
+        "6144x2048:m16:bfloat16", "2048x5632:m2:bfloat16", "1x1:m1:bfloat16"
+    ]  # fmt: skip
+    assert args.rows[1][1] == ("ws", 64, 128, 4, 4, 8, 10.3, 13.61)
