@@ -36,12 +36,12 @@ row (bucket M) stays new unless decode at c = M is IN_PLACE_MARGIN faster with t
 decision per shape, by the mean over the c, kept Ouro's gate/up rows that lost 0.9% at c = 1 and
 4 while the shape's mean stayed within the margin, results/2026-12-06-ouro-retune-h100.md.) The
 old table is the one this GPU takes now (its own, or one of its layout, on this Triton), else
-none (cuBLAS). Writes
-<out>/small_gemm.json and, with --write-table, rlt_engine/kernels/small_gemm_tables/<this GPU>.py
-(and a copy in <out>; the tables of other GPUs stay as they are): the best config's kernel ("triton"
-or "ws") where its graph time beats cuBLAS's by more than MARGIN, else "cublas"; with --only
-(shapes) or --ms (M values), the tuned rows replace theirs in the table and the others stay. Only
-bf16 is tuned (the models' dtype); other dtypes stay on cuBLAS.
+none (cuBLAS). Writes <out>/small_gemm.json and, with --write-table,
+rlt_engine/kernels/small_gemm_tables/<this GPU>.py (and a copy in <out>; the tables of other GPUs
+stay as they are): the best config's kernel ("triton" or "ws") where its graph time beats
+cuBLAS's by more than MARGIN, else "cublas"; with --only (shapes) or --ms (M values), the tuned
+rows replace theirs in the table and the others stay. Only bf16 is tuned (the models' dtype);
+other dtypes stay on cuBLAS.
 """
 
 from __future__ import annotations
