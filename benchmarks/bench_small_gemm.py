@@ -32,7 +32,9 @@ Nanbeige's gate/up won alone and lost 4% in decode, results/2026-12-02-added-tim
 after tuning, per model, decode tok/s in place (dummy weights, 64/32, c = M for each tuned M: the
 batch that fills its bucket (`in_place_cs`), engines with one table each) with the new
 table, and with each shape whose rows changed reverted to the old table's rows alone; each changed
-row (bucket M) stays new unless decode at c = M is IN_PLACE_MARGIN faster with the old rows. (A
+row (bucket M) stays new unless decode at c = M is IN_PLACE_MARGIN faster with the old rows, and
+a bucket whose c the final table decodes IN_PLACE_MARGIN slower than the old one gets all its
+old rows back (rows each good alone may lose together). (A
 decision per shape, by the mean over the c, kept Ouro's gate/up rows that lost 0.9% at c = 1 and
 4 while the shape's mean stayed within the margin, results/2026-12-06-ouro-retune-h100.md.) The
 old table is the one this GPU takes now (its own, or one of its layout, on this Triton), else
@@ -331,8 +333,9 @@ def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple
     decode at its own batch (c = its bucket) is more than IN_PLACE_MARGIN faster in place with
     the shape's old rows: each changed shape's rows are tried together against `new`, and
     each bucket decided by the rate at the c that runs it (a bucket not measured: by the mean
-    over the measured c). shapes_by_model: model -> [(n, k), ..]; rate(model, entries) ->
-    {c: decode tok/s}."""
+    over the measured c). Then the final table against the old one: at a c where the final
+    decodes more than the margin slower, that bucket's changed rows all go back.
+    shapes_by_model: model -> [(n, k), ..]; rate(model, entries) -> {c: decode tok/s}."""
     entries, report = dict(new), {}
     for model, shapes in shapes_by_model.items():
         changed = [nk for nk in shapes if configs_of(old, *nk) != configs_of(new, *nk)]
@@ -360,8 +363,19 @@ def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple
                         entries[key] = rows_old[key]
             report[model][f"{n}x{k}"] = {"old_rows": trial, "old_rows_speedup": mean, "kept": kept}
         print(f"{model} in place: the final table, then the old", flush=True)
-        report[model]["final"] = rate(model, entries)
-        report[model]["old"] = rate(model, old)
+        final = report[model]["final"] = rate(model, entries)
+        before = report[model]["old"] = rate(model, old)
+        # rows each good alone may lose together: a batch the final table decodes more than
+        # the margin slower than the old one gets the old table's rows of its bucket back
+        back = [c for c in final if before[c] > final[c] * (1 + IN_PLACE_MARGIN)]
+        for c in back:
+            for n, k in changed:
+                for key in set(configs_of(old, n, k)) | set(configs_of(new, n, k)):
+                    if bucket_of(key) == c:
+                        entries.pop(key, None)
+                        if key in old:
+                            entries[key] = old[key]
+        report[model]["buckets_back"] = back
     return entries, report
 
 

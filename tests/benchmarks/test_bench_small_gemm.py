@@ -95,6 +95,30 @@ def test_each_row_is_decided_at_the_batch_that_runs_it():
     assert report["m"]["96x32"]["old_rows_speedup"] < 1  # the mean alone would keep both
 
 
+def test_a_bucket_the_final_table_decodes_slower_gets_its_old_rows_back():
+    """Two shapes' new m1 rows where either one costs c = 1 2%: reverting one shape alone
+    recovers nothing, so each stays; the final table against the old one sends both back. The
+    m8 rows, which gain at c = 8, stay."""
+    bench = _module()
+    old = {"64x32:m1:bfloat16": OLD["64x32:m1:bfloat16"],
+           "64x32:m8:bfloat16": ("triton", 32, 32, 2, 4, 2, 5.0, 6.0),
+           "96x32:m1:bfloat16": OLD["96x32:m1:bfloat16"],
+           "96x32:m8:bfloat16": ("triton", 32, 32, 4, 4, 2, 5.0, 6.0)}  # fmt: skip
+    new = {key: ("ws", 64, 32, 1, 4, 3, 4.0, 6.0) for key in old}
+
+    def rate(model, entries):
+        either = any(entries[f"{n}x32:m1:bfloat16"][0] == "ws" for n in (64, 96))
+        return {1: 100.0 - 2 * either, 8: 800.0 + 8 * (entries["64x32:m8:bfloat16"][0] == "ws")}
+
+    entries, report = bench.confirm_in_place(old, new, {"m": [(64, 32), (96, 32)]}, rate)
+    assert report["m"]["64x32"]["kept"]["64x32:m1:bfloat16"] == "new"  # nothing alone
+    assert report["m"]["96x32"]["kept"]["96x32:m1:bfloat16"] == "new"
+    assert report["m"]["buckets_back"] == [1]
+    assert entries["64x32:m1:bfloat16"] == old["64x32:m1:bfloat16"]
+    assert entries["96x32:m1:bfloat16"] == old["96x32:m1:bfloat16"]
+    assert entries["64x32:m8:bfloat16"] == new["64x32:m8:bfloat16"]
+
+
 def test_rows_that_differ_only_in_their_times_are_not_measured():
     bench = _module()
     retimed = {key: (*row[:6], row[6] + 1.0, row[7]) for key, row in OLD.items()}
