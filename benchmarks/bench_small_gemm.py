@@ -328,6 +328,13 @@ def bucket_of(key: str) -> int:
     return int(key.split(":")[1][1:])
 
 
+def revert(entries: dict, old: dict, key: str) -> None:
+    """`entries[key]` back to `old`'s row, or gone where `old` has none."""
+    entries.pop(key, None)
+    if key in old:
+        entries[key] = old[key]
+
+
 def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple[dict, dict]:
     """`new` with each changed row reverted to `old`'s (or dropped where `old` has none) where
     decode at its own batch (c = its bucket) is more than IN_PLACE_MARGIN faster in place with
@@ -349,8 +356,7 @@ def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple
             trial = rate(model, with_rows(new, old, n, k))
             mean = mean_speedup(trial, base)
             kept = {}
-            rows_old, configs_new = shape_rows(old, n, k), configs_of(new, n, k)
-            configs_old = configs_of(old, n, k)
+            configs_old, configs_new = configs_of(old, n, k), configs_of(new, n, k)
             for key in sorted(set(configs_old) | set(configs_new), key=bucket_of):
                 if configs_old.get(key) == configs_new.get(key):
                     continue
@@ -358,9 +364,7 @@ def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple
                 gain = trial[c] / base[c] if c in base else mean
                 kept[key] = "new" if gain <= 1 + IN_PLACE_MARGIN else "old"
                 if kept[key] == "old":
-                    entries.pop(key, None)
-                    if key in rows_old:
-                        entries[key] = rows_old[key]
+                    revert(entries, old, key)
             report[model][f"{n}x{k}"] = {"old_rows": trial, "old_rows_speedup": mean, "kept": kept}
         print(f"{model} in place: the final table, then the old", flush=True)
         final = report[model]["final"] = rate(model, entries)
@@ -372,9 +376,7 @@ def confirm_in_place(old: dict, new: dict, shapes_by_model: dict, rate) -> tuple
             for n, k in changed:
                 for key in set(configs_of(old, n, k)) | set(configs_of(new, n, k)):
                     if bucket_of(key) == c:
-                        entries.pop(key, None)
-                        if key in old:
-                            entries[key] = old[key]
+                        revert(entries, old, key)
         report[model]["buckets_back"] = back
     return entries, report
 
