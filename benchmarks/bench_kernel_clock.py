@@ -139,14 +139,13 @@ class Chain:
             configs = {
                 n: choose(self.x.new_empty(rows, first[n].shape[1]), first[n]) for n in GEMMS
             }
-        self.probed = tuple(n for n, c in configs.items() if c is not None and c.kernel == "ws")
+        self.ws_configs = {n: c for n, c in configs.items() if c is not None and c.kernel == "ws"}
+        self.probed = tuple(self.ws_configs)
         if gemms and "qkv" not in self.probed:
             raise SystemExit("--timeline: the table runs no ws kernel for the qkv (the zero)")
         for layer in self.layers:
-            for name in self.probed:
-                config = configs[name]
+            for name, config in self.ws_configs.items():
                 programs = layer[name].shape[0] // config.block_n  # SwiGLU: half of each a program
-                layer[f"{name}_config"] = config
                 layer[f"{name}_probe"] = torch.full(
                     (programs * config.split_k, len(PROBE_FIELDS)), -1,
                     dtype=torch.int64, device="cuda",
@@ -169,7 +168,7 @@ class Chain:
                     raise SystemExit("--qkv-rope: the table runs no ws kernel for the qkv")
                 return out
             return linear(x, layer[name], unreduced=self.unreduced and name != "qkv", **kw)
-        return ws_gemm(x, layer[name], layer[f"{name}_config"], swiglu=name == "gate_up",
+        return ws_gemm(x, layer[name], self.ws_configs[name], swiglu=name == "gate_up",
                        probe=layer[f"{name}_probe"], rope=rope,
                        unreduced=self.unreduced and name in ("o", "down"))  # fmt: skip
 
