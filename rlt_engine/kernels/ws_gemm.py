@@ -75,6 +75,15 @@ X_BY_LOADS_ROWS = 4
 # 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
 RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
+# Two SwiGLU programs an SM (off until an A/B in decode says it pays). Nanbeige's gate/up in the
+# ws form takes 168 programs of 128 weight rows; at the whole register file (one program an
+# SM) they run on 132 SMs in two waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-
+# h100.md). Launched at TWO_PER_SM_REGISTERS a thread (8 warps: half the register file) with
+# at most HALF_SM_SHARED of shared memory, two share an SM and all are resident at once. Only
+# where a launch has more programs than SMs: below that one a SM is no slower
+SWIGLU_TWO_PER_SM = False
+TWO_PER_SM_REGISTERS = 128
+HALF_SM_SHARED = 113 << 10  # an SM's 228 KiB, less 1 KiB the hardware reserves a block, / 2
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -114,25 +123,50 @@ def _shared(m: int, block_n: int, block_k: int, stages: int, rope: bool, x_tiles
 
 
 def x_tiles(
-    k: int, m: int, block_n: int, block_k: int, split_k: int, stages: int, rope: bool = False
+    k: int,
+    m: int,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    stages: int,
+    rope: bool = False,
+    limit: int = SHARED_LIMIT,
 ) -> int:
     """The tiles [rows_tile(m), block_k] of x a program holds: its whole K range where that
-    fits beside the ring, else a rolling window of max(2, stages) tiles, each reloaded (from
-    L2: every program reads the same rows) once the MMA that read it is done."""
+    fits beside the ring within `limit`, else a rolling window of max(2, stages) tiles, each
+    reloaded (from L2: every program reads the same rows) once the MMA that read it is done."""
     kt = k // (split_k * block_k)
-    if _shared(m, block_n, block_k, stages, rope, kt) <= SHARED_LIMIT:
+    if _shared(m, block_n, block_k, stages, rope, kt) <= limit:
         return kt
     return min(kt, max(2, stages))
 
 
 def shared_bytes(
-    k: int, m: int, block_n: int, block_k: int, split_k: int, stages: int, rope: bool = False
+    k: int,
+    m: int,
+    block_n: int,
+    block_k: int,
+    split_k: int,
+    stages: int,
+    rope: bool = False,
+    limit: int = SHARED_LIMIT,
 ) -> int:
     """A program's shared memory: its ring of `stages` weight tiles [block_n, block_k] (the
-    SwiGLU form's gate and up halves together), its x rows (`x_tiles` of them), the RoPE
-    epilogue's exchange [block_n, rows_tile(m)] and SHARED_SLACK (16-bit elements)."""
-    tiles = x_tiles(k, m, block_n, block_k, split_k, stages, rope)
+    SwiGLU form's gate and up halves together), its x rows (`x_tiles` of them within
+    `limit`), the RoPE epilogue's exchange [block_n, rows_tile(m)] and SHARED_SLACK (16-bit
+    elements)."""
+    tiles = x_tiles(k, m, block_n, block_k, split_k, stages, rope, limit)
     return _shared(m, block_n, block_k, stages, rope, tiles)
+
+
+def two_per_sm(swiglu: bool, programs: int, sms: int, k: int, m: int, config) -> bool:
+    """Whether a launch runs two programs an SM (SWIGLU_TWO_PER_SM): the SwiGLU form, more
+    programs than SMs, and a program's ring and rows within HALF_SM_SHARED."""
+    if not (SWIGLU_TWO_PER_SM and swiglu and programs > sms):
+        return False
+    c = config
+    need = shared_bytes(k, m, c.block_n, c.block_k, c.split_k, c.num_stages, False, HALF_SM_SHARED)
+    return need <= HALF_SM_SHARED
 
 
 def check(
@@ -317,7 +351,9 @@ def ws_gemm(
         kv_heads = k_pool.shape[1]
     pdl = _pdl.enabled(x.device)
     kt = k // (splits * bk)  # weight tiles a program streams
-    xt = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, rope is not None)
+    two = two_per_sm(swiglu, n_tiles * splits, _sms(x.device), k, m, config)
+    limit = HALF_SM_SHARED if two else SHARED_LIMIT
+    xt = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, rope is not None, limit)
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         x_ptr=x2, K=k,
@@ -336,7 +372,8 @@ def ws_gemm(
         # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
         # programs started beside the gate/up's and streamed under it, c=8 -2.5%
         # (results/2026-12-03-split-sums-h200.md); the o_proj alone at 128, to sit beside
-        # attention, gained nothing (results/2026-12-04-tail-h200.md)
+        # attention, gained nothing (results/2026-12-04-tail-h200.md). `two_per_sm`: half
+        **({"maxnreg": TWO_PER_SM_REGISTERS} if two else {}),
         **_pdl.launch_options(pdl),
     )  # fmt: skip
     if unreduced:  # rows flattened: [splits, rows, N]
@@ -351,6 +388,12 @@ def _ahead(tile_bytes: int, stages: int, m: int) -> int:
         return 0
     ahead = max(1, -(-RING_AHEAD_BYTES // tile_bytes))
     return 0 if ahead >= stages else ahead
+
+
+def _sms(device: torch.device) -> int:
+    """The device's SM count (cached by torch)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _kernel():

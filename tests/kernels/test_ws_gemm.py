@@ -131,6 +131,31 @@ def test_the_ring_bound_applies_from_its_rows_where_it_is_less_than_the_ring():
     assert module._ahead(100 * 1024, 4, 8) == 1  # never less than one tile
 
 
+def test_two_swiglu_programs_an_sm_only_past_one_wave_and_within_half_its_shared(monkeypatch):
+    """SWIGLU_TWO_PER_SM (off by default) launches the SwiGLU form at half the register file
+    where it has more programs than SMs and a program fits half an SM's shared memory; the
+    rows then take a window where the whole K range does not fit beside the ring in half."""
+    from rlt_engine.kernels import ws_gemm as module
+
+    half = module.HALF_SM_SHARED
+    assert 2 * (half + (1 << 10)) <= 228 << 10  # two blocks and their reserved KiB an SM
+    nanbeige = ws(128, 64, 1, 3)  # Nanbeige's gate/up [21504, 3072]: 168 programs
+    assert not module.two_per_sm(True, 168, 132, 3072, 8, nanbeige)  # off by default
+    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", True)
+    for m in (1, 8, 16):
+        assert module.two_per_sm(True, 168, 132, 3072, m, nanbeige)
+    # 8 rows: the whole K range (48 KiB) beside the 48 KiB ring, 97 KiB
+    assert module.shared_bytes(3072, 8, 128, 64, 1, 3, limit=half) == 2 * (
+        3 * 128 * 64 + 48 * 8 * 64
+    ) + (1 << 10)
+    # 16 rows: 96 KiB of rows fit beside the ring in a whole SM, in half a window of 3 tiles
+    assert module.x_tiles(3072, 16, 128, 64, 1, 3) == 48
+    assert module.x_tiles(3072, 16, 128, 64, 1, 3, limit=half) == 3
+    assert not module.two_per_sm(False, 168, 132, 3072, 8, nanbeige)  # the plain GEMM
+    assert not module.two_per_sm(True, 132, 132, 3072, 8, nanbeige)  # one wave already
+    assert not module.two_per_sm(True, 168, 132, 3072, 8, ws(128, 128, 1, 4))  # 128 KiB ring
+
+
 def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
     """A "ws" row for the packed gate/up runs the SwiGLU form; where the kernel cannot run
     (here: CPU) or take the config, the caller's two launches do."""
@@ -215,11 +240,13 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (64, 64, 256, 2, 2, 1, "bf16", False, 128, False),
            (64, 64, 128, 4, 4, 1, "bf16", False, 0, True),
            (64, 64, 128, 3, 1, 2, "bf16", False, 0, False),
-           (64, 64, 256, 3, 1, 1, "bf16", False, 128, False))
+           (64, 64, 256, 3, 1, 1, "bf16", False, 128, False),
+           (8, 64, 64, 3, 1, 2, "bf16", False, 0, False, False, 0, 128))
 shared, inits = {}, {}
-# the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD
+# the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
+# register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
-    xload, ahead = more or (False, 0)
+    xload, ahead, *regs = more or (False, 0)
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
@@ -239,13 +266,15 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
                          attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    options = dict(num_warps=4) | ({"maxnreg": regs[0]} if regs else {})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
     name += f"_rope_bn{bn}" if rope else ""
     name += "_unreduced" if unreduced else ""
     name += "_xload" if xload else ""
     name += f"_ahead{ahead}" if ahead else ""
     name += f"_m{bm}" if bm > 16 else ""
+    name += f"_regs{regs[0]}" if regs else ""
     out[name] = kernel.asm["ptx"]
     estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, rope=rope > 0)
     shared[name] = [kernel.metadata.shared, estimate]
@@ -292,7 +321,8 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
         assert "wgmma.mma_async" in code, name  # both operands from shared memory
         assert "cp.async.bulk.tensor" in code and "mbarrier.try_wait" in code, name  # the ring
         assert "setmaxnreg" in code, name  # two partitions: the producer warp and the MMA warps
-        assert ".maxnreg 256" in code, name  # the whole register file (see the launch)
+        # the whole register file (see the launch), or half of it for two programs an SM
+        assert f".maxnreg {128 if name.endswith('_regs128') else 256}" in code, name
         # one wait, in the consumer partition only: the producer's copies never wait for it
         assert code.count("griddepcontrol.wait") == 1, name
         assert code.count("griddepcontrol.launch_dependents") == 1, name
@@ -491,6 +521,22 @@ def test_gpu_rows_by_loads_and_a_bounded_ring_give_the_same_bits(m, monkeypatch)
         assert torch.equal(run(x, w, config, swiglu, 0, 16 * 1024), plain)  # one tile ahead
         assert torch.equal(run(x, w, config, swiglu, 16, 32 * 1024), plain)
     assert int(small_gemm._counters(x.device).abs().sum()) == 0
+
+
+@gpu
+@needs_ws
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_two_swiglu_programs_an_sm_give_the_same_bits(m, monkeypatch):
+    """SWIGLU_TWO_PER_SM changes the launch (half the registers; at 16 rows a window of x
+    tiles), not the arithmetic: Nanbeige's gate/up gives the whole-register launch's bits."""
+    from rlt_engine.kernels import ws_gemm as module
+
+    config = ws(128, 64, 1, 3)
+    x, w = make(m, 21504, 3072, torch.bfloat16, device="cuda", seed=m)
+    whole = gate_up_silu(x, w, config)
+    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", True)
+    assert module.two_per_sm(True, 168, module._sms(x.device), 3072, m, config)
+    assert torch.equal(gate_up_silu(x, w, config), whole)
 
 
 ROPE_CASES = [
