@@ -31,8 +31,9 @@ Measured on the H200 (benchmarks/results/2026-12-02-ws-gemm-h200.md), Ouro at M 
 back under PDL: qkv 7.8 us (Triton kernel 9.2, cuBLAS 10.1), o_proj 4.4 (5.2, 6.4), down_proj
 8.6 (9.2, 11.9); decode in place +3% at c=1, +5% at c=8. The SwiGLU form (`swiglu`: gate and
 up tiles in one ring stage, two wgmma a stage, the activation in the epilogue) takes Ouro's
-packed gate/up: 15.3 vs 16.7 us alone at M = 8, +1% in place (2026-12-02-added-times-h200.md); it
-lost 4% in place on Nanbeige's, which stays on the Triton kernel.
+packed gate/up: 15.3 vs 16.7 us alone at M = 8, +1% in place (2026-12-02-added-times-h200.md).
+On Nanbeige's it lost 4% in place, in two waves of programs, until two programs shared an SM
+(`two_per_sm`).
 
 The packed qkv projection takes RoPE and the K/V write in its epilogue (`rope`, a QkvRope;
 decode, through small_gemm.linear_rope): each program's weight tile is two half boxes (head
@@ -75,13 +76,15 @@ X_BY_LOADS_ROWS = 4
 # 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
 RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
-# Two SwiGLU programs an SM (off until an A/B in decode says it pays). Nanbeige's gate/up in the
-# ws form takes 168 programs of 128 weight rows; at the whole register file (one program an
-# SM) they run on 132 SMs in two waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-
-# h100.md). Launched at TWO_PER_SM_REGISTERS a thread (8 warps: half the register file) with
-# at most HALF_SM_SHARED of shared memory, two share an SM and all are resident at once. Only
-# where a launch has more programs than SMs: below that one a SM is no slower
-SWIGLU_TWO_PER_SM = False
+# Two SwiGLU programs an SM. Nanbeige's gate/up in the ws form takes 168 programs of 128
+# weight rows; at the whole register file (one program an SM) they ran on 132 SMs in two
+# waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-h100.md). Launched at
+# TWO_PER_SM_REGISTERS a thread (8 warps: half the register file) with at most HALF_SM_SHARED
+# of shared memory, two share an SM and all are resident at once: Nanbeige decode +7% at c=8
+# against the same rows launched whole, and with its table's ws rows +1.2% to +1.9% at c=2-16
+# against the Triton kernel (2026-12-06-gate-up-two-per-sm-h100.md). Only where a launch has
+# more programs than SMs (Ouro's gate/up has 88 or 44)
+SWIGLU_TWO_PER_SM = True
 TWO_PER_SM_REGISTERS = 128
 HALF_SM_SHARED = 113 << 10  # an SM's 228 KiB, less 1 KiB the hardware reserves a block, / 2
 _DTYPES = (torch.bfloat16, torch.float16)

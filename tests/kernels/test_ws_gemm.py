@@ -132,15 +132,16 @@ def test_the_ring_bound_applies_from_its_rows_where_it_is_less_than_the_ring():
 
 
 def test_two_swiglu_programs_an_sm_only_past_one_wave_and_within_half_its_shared(monkeypatch):
-    """SWIGLU_TWO_PER_SM (off by default) launches the SwiGLU form at half the register file
-    where it has more programs than SMs and a program fits half an SM's shared memory; the
-    rows then take a window where the whole K range does not fit beside the ring in half."""
+    """SWIGLU_TWO_PER_SM launches the SwiGLU form at half the register file where it has more
+    programs than SMs and a program fits half an SM's shared memory; the rows then take a
+    window where the whole K range does not fit beside the ring in half."""
     from rlt_engine.kernels import ws_gemm as module
 
     half = module.HALF_SM_SHARED
     assert 2 * (half + (1 << 10)) <= 228 << 10  # two blocks and their reserved KiB an SM
     nanbeige = ws(128, 64, 1, 3)  # Nanbeige's gate/up [21504, 3072]: 168 programs
-    assert not module.two_per_sm(True, 168, 132, 3072, 8, nanbeige)  # off by default
+    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
+    assert not module.two_per_sm(True, 168, 132, 3072, 8, nanbeige)
     monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", True)
     for m in (1, 8, 16):
         assert module.two_per_sm(True, 168, 132, 3072, m, nanbeige)
@@ -154,6 +155,11 @@ def test_two_swiglu_programs_an_sm_only_past_one_wave_and_within_half_its_shared
     assert not module.two_per_sm(False, 168, 132, 3072, 8, nanbeige)  # the plain GEMM
     assert not module.two_per_sm(True, 132, 132, 3072, 8, nanbeige)  # one wave already
     assert not module.two_per_sm(True, 168, 132, 3072, 8, ws(128, 128, 1, 4))  # 128 KiB ring
+    # the table's rows for it: 128x128 tiles, 2 stages (the rows whole) or 3 (a window)
+    assert module.two_per_sm(True, 168, 132, 3072, 1, ws(128, 128, 1, 2))
+    assert module.x_tiles(3072, 8, 128, 128, 1, 2, limit=half) == 24
+    assert module.x_tiles(3072, 8, 128, 128, 1, 3, limit=half) == 3
+    assert module.two_per_sm(True, 168, 132, 3072, 16, ws(128, 128, 1, 3))
 
 
 def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
@@ -526,13 +532,14 @@ def test_gpu_rows_by_loads_and_a_bounded_ring_give_the_same_bits(m, monkeypatch)
 @gpu
 @needs_ws
 @pytest.mark.parametrize("m", [1, 8, 16])
-def test_gpu_two_swiglu_programs_an_sm_give_the_same_bits(m, monkeypatch):
+@pytest.mark.parametrize("config", [ws(128, 64, 1, 3), ws(128, 128, 1, 2), ws(128, 128, 1, 3)])
+def test_gpu_two_swiglu_programs_an_sm_give_the_same_bits(m, config, monkeypatch):
     """SWIGLU_TWO_PER_SM changes the launch (half the registers; at 16 rows a window of x
     tiles), not the arithmetic: Nanbeige's gate/up gives the whole-register launch's bits."""
     from rlt_engine.kernels import ws_gemm as module
 
-    config = ws(128, 64, 1, 3)
     x, w = make(m, 21504, 3072, torch.bfloat16, device="cuda", seed=m)
+    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
     whole = gate_up_silu(x, w, config)
     monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", True)
     assert module.two_per_sm(True, 168, module._sms(x.device), 3072, m, config)
