@@ -41,19 +41,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """GPU tests outside the kernels folder build engines, each of which sizes its KV cache from
-    the GPU memory it finds free: under xdist (`-m gpu -n 8 --dist loadgroup`) they share one
-    worker, so that they run one at a time while the kernel tests spread over the others (eight
-    engines side by side ran each other out of memory on an H100,
-    benchmarks/results/2026-12-06-ouro-retune-h100.md).
-
-    Without triton, the Triton kernels cannot run even interpreted: their tests (the kernels
+    """Without triton, the Triton kernels cannot run even interpreted: their tests (the kernels
     folder, a triton backend parameter, the models' fused fast path) skip, and the end of the
     run counts them."""
-    for item in items:
-        node = item.nodeid.replace("\\", "/")
-        if item.get_closest_marker("gpu") and "tests/kernels/" not in node:
-            item.add_marker(pytest.mark.xdist_group("cuda-engines"))
     if HAS_TRITON:
         return
     skip = pytest.mark.skip(reason=TRITON_SKIP)
