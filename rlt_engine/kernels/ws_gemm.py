@@ -375,7 +375,8 @@ def ws_gemm(
         # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
         # programs started beside the gate/up's and streamed under it, c=8 -2.5%
         # (results/2026-12-03-split-sums-h200.md); the o_proj alone at 128, to sit beside
-        # attention, gained nothing (results/2026-12-04-tail-h200.md). `two_per_sm`: half
+        # attention, gained nothing (results/2026-12-04-tail-h200.md). Where `two_per_sm`,
+        # half of it: two SwiGLU programs an SM
         **({"maxnreg": TWO_PER_SM_REGISTERS} if two else {}),
         **_pdl.launch_options(pdl),
     )  # fmt: skip

@@ -310,7 +310,7 @@ def test_profile_refuses_a_cpu_device():
 # (passing alone; results/2026-12-06-gate-up-two-per-sm-h100.md): the arithmetic under test
 # needs an allocator and a CUDA context no other test has touched
 _PROFILE = """
-import json, sys
+import json
 import torch
 from rlt_engine.checkpoints.resolve import KNOWN_CONFIGS
 from rlt_engine.models.configs import parse_config
