@@ -8,7 +8,8 @@
 #   TESTS_S=0 / TESTS="tests/kernels" bash benchmarks/h200_check.sh  (no GPU tests / only those)
 # Carry the wheels in .whl/ (the run tool's carry=[".whl"]) so the aiohttp tests run too.
 #
-# 1. the GPU tests (the server's need the openai package, which the device image lacks);
+# 1. the GPU tests, kernels then engines (the server's need the openai package, which the device
+#    image lacks);
 # 2. h200_decode.py --only exact (fp32: official code = torch = triton = graphs = CPU);
 # 3. rlt bench, Ouro-1.4B dummy bf16, 64/32, depth 4, c = 1/8/64/256 (with AB: once per value);
 # 4. the same at 2,000-token prompts, c = 1/2/8 (where attention reads more K/V than weights);
@@ -46,14 +47,26 @@ PYEOF
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT_DIR/meta.txt"
-# the whole GPU suite takes over 6 minutes now: TESTS_S=0 leaves it out (run it in a call of its
-# own: `pytest -m gpu`), TESTS="tests/kernels ..." runs only those paths
+# the GPU tests in two runs (benchmarks/README): the kernel tests on 8 workers, then the engine
+# tests in one process, alone on the GPU (each engine sizes its KV cache from the free memory);
+# ~5 minutes on an H100. TESTS_S=0 leaves them out, TESTS="tests/kernels ..." runs only those
+# paths (in one process); TESTS_S bounds each run
+gpu_tests() {  # NAME, then pytest's arguments
+  local name=$1
+  shift
+  timeout "${TESTS_S:-360}" "$PY" -m pytest -q -m gpu -p no:cacheprovider "$@" \
+    > "$OUT_DIR/gpu-tests-$name.txt" 2>&1
+  [ $? = 124 ] && echo "gpu tests ($name): cut at ${TESTS_S:-360} s, unfinished"
+  echo "gpu tests ($name): $(tail -1 "$OUT_DIR/gpu-tests-$name.txt") $(elapsed)"
+  grep -E "^FAILED" "$OUT_DIR/gpu-tests-$name.txt" | head -10
+}
 if [ "${TESTS_S:-360}" != 0 ]; then
-  timeout "${TESTS_S:-360}" "$PY" -m pytest -q -m gpu --ignore=tests/server "${SKIP[@]}" \
-    -p no:cacheprovider ${TESTS:-} > "$OUT_DIR/gpu-tests.txt" 2>&1
-  [ $? = 124 ] && echo "gpu tests: cut at ${TESTS_S:-360} s, unfinished"
-  echo "gpu tests: $(tail -1 "$OUT_DIR/gpu-tests.txt") $(elapsed)"
-  grep -E "^FAILED" "$OUT_DIR/gpu-tests.txt" | head -10
+  if [ -n "${TESTS:-}" ]; then
+    gpu_tests chosen -n 0 --ignore=tests/server "${SKIP[@]}" $TESTS
+  else
+    gpu_tests kernels -n 8 tests/kernels
+    gpu_tests engines -n 0 --ignore=tests/kernels --ignore=tests/server "${SKIP[@]}" tests
+  fi
 fi
 timeout 200 "$PY" benchmarks/h200_decode.py --only exact --out "$OUT_DIR" > "$OUT_DIR/exact.log" 2>&1
 echo "exact: rc=$? $(grep -o '"all_exact": [a-z]*' "$OUT_DIR/exact.log") $(elapsed)"
