@@ -90,9 +90,9 @@ WS_SPLITS = (1, 2, 4, 6, 8)
 WS_GEMMS = ("qkv", "o_proj", "down_proj")
 # the packed gate/up runs fused with SwiGLU (kernels/gate_up_swiglu): timed in that form, the
 # Triton kernel's (block_n split into gate and up halves, no split-K) against the ws kernel's
-# (block_n / 2 rows of each, no split-K) and cuBLAS + silu_mul; (128, 128, 2) and (128, 128, 3)
-# fit half an SM's shared memory, two programs an SM where a launch has more programs than
-# SMs (ws_gemm.two_per_sm: Nanbeige's gate/up)
+# (block_n / 2 rows of each, WS_SWIGLU_SPLITS) and cuBLAS + silu_mul; (128, 128, 2) and
+# (128, 128, 3) fit half an SM's shared memory, two programs an SM where a launch has more
+# programs than SMs (ws_gemm.two_per_sm: Nanbeige's gate/up)
 SWIGLU_GEMMS = ("gate_up",)
 WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3), (128, 128, 5),
                    (128, 128, 6), (128, 128, 2))  # fmt: skip
