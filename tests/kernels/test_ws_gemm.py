@@ -162,6 +162,42 @@ def test_two_swiglu_programs_an_sm_only_past_one_wave_and_within_half_its_shared
     assert module.two_per_sm(True, 168, 132, 3072, 16, ws(128, 128, 1, 3))
 
 
+def test_the_launch_takes_half_the_registers_and_a_window_only_where_two_share_an_sm(monkeypatch):
+    """The launch's wiring of `two_per_sm` (the kernel replaced by a recorder, on the CPU):
+    maxnreg TWO_PER_SM_REGISTERS and the x rows within HALF_SM_SHARED for Nanbeige's gate/up
+    (168 programs), the whole register file and a whole SM's shared memory for Ouro's (88) and
+    for the plain GEMM."""
+    from rlt_engine.kernels import ws_gemm as module
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(module, "_kernel", Recorder)
+    monkeypatch.setattr(module, "available", lambda device: True)
+    monkeypatch.setattr(module, "_sms", lambda device: 132)
+    x = torch.zeros(8, 3072, dtype=torch.bfloat16)
+    config = ws(128, 128, 1, 3)
+    module.ws_gemm(x, torch.zeros(21504, 3072, dtype=torch.bfloat16), config, swiglu=True)
+    grid, launch = launches.pop()
+    assert grid == (168, 1) and launch["maxnreg"] == module.TWO_PER_SM_REGISTERS
+    assert (launch["XT"], launch["KT"]) == (3, 24)  # a window: 24 tiles do not fit in half
+    module.ws_gemm(x[:, :2048], torch.zeros(11264, 2048, dtype=torch.bfloat16), config, True)
+    grid, launch = launches.pop()
+    assert grid == (88, 1) and "maxnreg" not in launch and launch["XT"] == launch["KT"] == 16
+    module.ws_gemm(
+        x[:, :2048], torch.zeros(11264, 2048, dtype=torch.bfloat16), ws(128, 128, 2, 2), True
+    )
+    grid, launch = launches.pop()  # split-K SwiGLU: 176 programs, two an SM
+    assert grid == (88, 2) and launch["maxnreg"] == module.TWO_PER_SM_REGISTERS
+    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
+    module.ws_gemm(x, torch.zeros(21504, 3072, dtype=torch.bfloat16), config, swiglu=True)
+    grid, launch = launches.pop()
+    assert "maxnreg" not in launch and launch["XT"] == launch["KT"] == 24
+
+
 def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
     """A "ws" row for the packed gate/up runs the SwiGLU form; where the kernel cannot run
     (here: CPU) or take the config, the caller's two launches do."""
