@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 from rlt_engine.checkpoints.resolve import KNOWN_CONFIGS
 from rlt_engine.models.configs import LoopedLMConfig, parse_config
@@ -28,7 +25,6 @@ from rlt_engine.worker.memory_plan import (
 )
 
 KNOWN = KNOWN_CONFIGS  # the real configs bundled for every alias
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +306,8 @@ def test_profile_refuses_a_cpu_device():
 # (passing alone; results/2026-12-06-gate-up-two-per-sm-h100.md): the arithmetic under test
 # needs an allocator and a CUDA context no other test has touched
 _PROFILE = """
-import json
+import json, sys
+sys.path.insert(0, sys.argv[1])
 import torch
 from rlt_engine.checkpoints.resolve import KNOWN_CONFIGS
 from rlt_engine.models.configs import parse_config
@@ -344,18 +341,7 @@ print(json.dumps({"budget": budget, "expected": total // 2 - before - outside - 
 def test_profile_on_a_real_gpu():
     """The profiled KV budget is half the GPU less what the process holds (a 1 GiB weight),
     the step's 2 GiB peak, what lies outside PyTorch and the reserve; the plan's pool fits."""
-    run = subprocess.run(
-        [sys.executable, "-c", _PROFILE],
-        capture_output=True,
-        text=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        },
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = run_compile_script(_PROFILE)  # a process of its own, whatever the script runs
     # what the step itself adds outside PyTorch (a kernel module, a workspace): < 256 MiB
     assert got["expected"] - 256 * MiB < got["budget"] <= got["expected"] + MiB
     assert got["blocks"] > 0 and got["pool"] == got["blocks"] * 3 * MiB
