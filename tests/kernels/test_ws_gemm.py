@@ -14,7 +14,7 @@ import weakref
 
 import pytest
 import torch
-from sm90_compile import run_compile_script
+from sm90_compile import TRITON_PTX, run_compile_script
 
 pytest.importorskip("triton")
 
@@ -287,9 +287,11 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (64, 64, 128, 4, 4, 1, "bf16", False, 0, True),
            (64, 64, 128, 3, 1, 2, "bf16", False, 0, False),
            (64, 64, 256, 3, 1, 1, "bf16", False, 128, False),
-           (8, 64, 64, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
-           (8, 64, 128, 3, 2, 2, "bf16", False, 0, False, False, 0, 128))
-shared, inits = {}, {}
+           # two programs an SM (ws_gemm.two_per_sm), as the table runs them: Nanbeige's
+           # gate/up at 16 rows (a window of x tiles) and split 2 at 8 rows
+           (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
+           (8, 64, 128, 2, 2, 2, "bf16", False, 0, False, False, 0, 128))
+shared, inits, usage = {}, {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
 # register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
@@ -300,7 +302,8 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
         f"{gl.NVMMASharedLayout.get_default_for([rows, bk], g)!r}>"
     )
     kt = 2048 // (split * bk)
-    xt = ws_gemm.x_tiles(2048, bm, bn * parts, bk, split, stages, rope=rope > 0)
+    limit = ws_gemm.HALF_SM_SHARED if regs else ws_gemm.SHARED_LIMIT
+    xt = ws_gemm.x_tiles(2048, bm, bn * parts, bk, split, stages, rope > 0, limit)
     const = dict(KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
                  PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0,
                  UNREDUCED=unreduced, XLOAD=xload, AHEAD=ahead)
@@ -323,17 +326,19 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     name += f"_m{bm}" if bm > 16 else ""
     name += f"_regs{regs[0]}" if regs else ""
     out[name] = kernel.asm["ptx"]
-    estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, rope=rope > 0)
+    estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, rope > 0, limit)
     shared[name] = [kernel.metadata.shared, estimate]
     inits[name] = [kernel.asm["ptx"].count("mbarrier.init"), 2 * stages + (xt if xt < kt else 1),
                    xt < kt]
-print(json.dumps({"ptx": out, "shared": shared, "inits": inits}))
+    if regs:  # [registers a thread, spill bytes] as ptxas builds it
+        usage[name] = ptxas_usage(kernel.asm["ptx"])
+print(json.dumps({"ptx": out, "shared": shared, "inits": inits, "usage": usage}))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    return run_compile_script(_COMPILE)
+    return run_compile_script(TRITON_PTX + _COMPILE)
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +356,18 @@ def test_shared_bytes_is_what_the_compiler_allocates(compiled):
     )
     for name, (allocated, estimate) in compiled["shared"].items():
         assert estimate - SHARED_SLACK < allocated <= estimate, name
+
+
+def test_two_programs_an_sm_fit_half_its_registers_and_shared_memory_without_spills(compiled):
+    """The 128-register builds (ws_gemm.two_per_sm) as ptxas makes them: at most
+    TWO_PER_SM_REGISTERS a thread, no spill stores (a spill would put local-memory traffic in
+    the weight stream), and shared memory within HALF_SM_SHARED; so two programs share an SM."""
+    from rlt_engine.kernels.ws_gemm import HALF_SM_SHARED, TWO_PER_SM_REGISTERS
+
+    assert {"split1_swiglu_regs128", "split2_swiglu_regs128"} <= set(compiled["usage"])
+    for name, (registers, spilled) in compiled["usage"].items():
+        assert registers <= TWO_PER_SM_REGISTERS and spilled == 0, (name, registers, spilled)
+        assert compiled["shared"][name][0] <= HALF_SM_SHARED, name
 
 
 def test_a_barrier_per_ring_stage_and_one_for_the_whole_rows_or_one_per_window_tile(compiled):
