@@ -4,6 +4,7 @@ the precedence of the sizing sources, and the CUDA profile (faked on CPU, real o
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 
 import pytest
@@ -318,6 +319,10 @@ torch.cuda.init()
 before = torch.cuda.memory_reserved(device)
 free, total = torch.cuda.mem_get_info(device)
 outside = total - free - before  # the CUDA context, other processes
+# half the GPU, or more where other processes hold much of it (the pytest process that started
+# this one keeps its earlier engine tests' memory: 55 GiB of an H100 once), so that the budget
+# is ~8 GiB whatever else is on the GPU
+utilization = max(0.5, min(0.95, (total - free + 8 * GiB) / total))
 weights = torch.empty(GiB, dtype=torch.uint8, device=device)
 
 def step():
@@ -325,13 +330,14 @@ def step():
     scratch.fill_(1)
 
 budget = profile_kv_budget(
-    device, gpu_memory_utilization=0.5, run_max_step=step, reserve_bytes=GiB // 4
+    device, gpu_memory_utilization=utilization, run_max_step=step, reserve_bytes=GiB // 4
 )
 ouro = parse_config(json.loads((KNOWN_CONFIGS / "ouro-1.4b" / "config.json").read_text()))
 plan = plan_from_budget(ouro, block_size=16, dtype_bytes=2, kv_layout="last_exited",
                         budget_bytes=budget, source="profiled")
 pool = torch.empty(plan.kv_bytes_total, dtype=torch.uint8, device=device)
-print(json.dumps({"budget": budget, "expected": total // 2 - before - outside - 3 * GiB - GiB // 4,
+allowed = int(total * utilization)
+print(json.dumps({"budget": budget, "expected": allowed - before - outside - 3 * GiB - GiB // 4,
                   "blocks": plan.num_blocks, "pool": pool.numel()}))
 """
 
@@ -339,8 +345,11 @@ print(json.dumps({"budget": budget, "expected": total // 2 - before - outside - 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_profile_on_a_real_gpu():
-    """The profiled KV budget is half the GPU less what the process holds (a 1 GiB weight),
-    the step's 2 GiB peak, what lies outside PyTorch and the reserve; the plan's pool fits."""
+    """The profiled KV budget is the allowed share of the GPU less what the process holds (a
+    1 GiB weight), the step's 2 GiB peak, what lies outside PyTorch (other processes included)
+    and the reserve; the plan's pool fits."""
+    gc.collect()
+    torch.cuda.empty_cache()  # what this process caches counts against the one below
     got = run_compile_script(_PROFILE)  # a process of its own, whatever the script runs
     # what the step itself adds outside PyTorch (a kernel module, a workspace): < 256 MiB
     assert got["expected"] - 256 * MiB < got["budget"] <= got["expected"] + MiB
