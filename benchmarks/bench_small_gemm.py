@@ -90,15 +90,12 @@ WS_SPLITS = (1, 2, 4, 6, 8)
 WS_GEMMS = ("qkv", "o_proj", "down_proj")
 # the packed gate/up runs fused with SwiGLU (kernels/gate_up_swiglu): timed in that form, the
 # Triton kernel's (block_n split into gate and up halves, no split-K) against the ws kernel's
-# (block_n / 2 rows of each, WS_SWIGLU_SPLITS) and cuBLAS + silu_mul; (128, 128, 2) and
-# (128, 128, 3) fit half an SM's shared memory, two programs an SM where a launch has more
-# programs than SMs (ws_gemm.two_per_sm: Nanbeige's gate/up)
+# (block_n / 2 rows of each, no split-K) and cuBLAS + silu_mul; (128, 128, 2) and (128, 128, 3)
+# fit half an SM's shared memory, two programs an SM where a launch has more programs than
+# SMs (ws_gemm.two_per_sm: Nanbeige's gate/up)
 SWIGLU_GEMMS = ("gate_up",)
 WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3), (128, 128, 5),
                    (128, 128, 6), (128, 128, 2))  # fmt: skip
-# split-K 2: the last split applies the activation; with two programs an SM, Ouro's gate/up
-# (88 programs of 128 rows) runs 176 on 132 SMs (not yet measured)
-WS_SWIGLU_SPLITS = (1, 2)
 DEVICE = "cuda"
 TABLES_DIR = ROOT / "rlt_engine" / "kernels" / "small_gemm_tables"  # a module per GPU model
 
@@ -130,8 +127,7 @@ def candidates(n: int, k: int, m: int, form: str, rope: bool = False) -> list[Ge
     the warp-specialised kernel's where `form` allows (<= 2 waves, its ring and x rows within a
     block's shared memory: ws_gemm.shared_bytes, with the RoPE epilogue's exchange where
     `rope`, the packed qkv's decode form).
-    "swiglu": the fused forms' configs (the Triton kernel's: no split-K, halves >= 32 rows;
-    the ws kernel's: WS_SWIGLU_SPLITS)."""
+    "swiglu": the fused forms' configs (no split-K; the Triton kernel's halves >= 32 rows)."""
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     swiglu = form == "swiglu"
     out = []
@@ -143,7 +139,7 @@ def candidates(n: int, k: int, m: int, form: str, rope: bool = False) -> list[Ge
             if not swiglu or bn >= 64:
                 out.append(GemmConfig(bn, bk, s, warps, stages))
     if form != "plain" and ws_gemm.available(torch.device(DEVICE)):
-        tiles_splits = [(t, s) for t in WS_SWIGLU_TILES for s in WS_SWIGLU_SPLITS] if swiglu else [
+        tiles_splits = [(t, 1) for t in WS_SWIGLU_TILES] if swiglu else [
             (t, s) for t in WS_TILES for s in WS_SPLITS
         ]  # fmt: skip
         for (bn, bk, stages), s in tiles_splits:

@@ -12,8 +12,7 @@ the GPU to within the tensor cores' accumulation order (tested to an ulp of the 
 
 Used where the small-GEMM table has a config for the packed shape with no split-K (its
 BLOCK_N rows become two halves of BLOCK_N / 2); a config of the warp-specialised kernel runs
-its SwiGLU form (kernels/ws_gemm.py, the same roundings; with split-K, the last split sums the
-gate and up partials and applies the activation); elsewhere `gate_up_silu` returns
+its SwiGLU form (kernels/ws_gemm.py, the same roundings); elsewhere `gate_up_silu` returns
 None and the caller runs the two launches. CUDA-graph capturable; triton imported lazily.
 """
 
@@ -40,7 +39,7 @@ def gate_up_silu(
     benchmark) forces one: its block_n is split into the gate and up halves."""
     if config is None:
         config = _gemm.choose(x, w, gated=True)
-        if config is None or (config.split_k != 1 and config.kernel != "ws"):
+        if config is None or config.split_k != 1:
             return None
     if config.kernel == "ws":  # the warp-specialised kernel's SwiGLU form (kernels/ws_gemm)
         from rlt_engine.kernels import ws_gemm

@@ -33,11 +33,7 @@ back under PDL: qkv 7.8 us (Triton kernel 9.2, cuBLAS 10.1), o_proj 4.4 (5.2, 6.
 up tiles in one ring stage, two wgmma a stage, the activation in the epilogue) takes Ouro's
 packed gate/up: 15.3 vs 16.7 us alone at M = 8, +1% in place (2026-12-02-added-times-h200.md).
 On Nanbeige's it lost 4% in place, in two waves of programs, until two programs shared an SM
-(`two_per_sm`). Split-K in the SwiGLU form (the last split sums the gate and up partials and
-applies the activation) ran 13-42% slower alone on the H200 and 5-14% in decode when a
-program held a whole SM (2026-12-02-added-times-h200.md); two programs an SM let Ouro's
-gate/up (88 programs of 128 rows) run 176 of half its K on 132 SMs: offered to the tuner,
-not yet measured.
+(`two_per_sm`).
 
 The packed qkv projection takes RoPE and the K/V write in its epilogue (`rope`, a QkvRope;
 decode, through small_gemm.linear_rope): each program's weight tile is two half boxes (head
@@ -194,8 +190,13 @@ def check(
     if m > MAX_M:
         return f"at most {MAX_M} rows, got {m}"
     rows, n_out = (block_n // 2, n // 2) if swiglu else (block_n, n)
-    if swiglu and n % 2:
-        return f"SwiGLU needs [gate; up] packed (an even N, got {n})"
+    if swiglu and (n % 2 or split_k != 1):
+        # split-K (the last split applying the activation) ran 13-42% slower on the H200
+        # alone, 5-14% in decode (results/2026-12-02-added-times-h200.md); its second form
+        # (dc7a1eb, reverted) gave outputs that differed between launches and lay far outside
+        # the rounding bound in the tuner on an H100, though its GPU test of one config passed
+        # (results/2026-12-07-split-k-swiglu-reverted-h100.md): not offered
+        return f"SwiGLU needs [gate; up] packed (an even N, got {n}) and no split-K"
     if rows not in (64, 128) or n_out % rows:
         part = " a part" if swiglu else ""
         return f"N = {n} must be a multiple of block_n (64 or 128 rows{part}), got {block_n}"
@@ -297,9 +298,8 @@ def ws_gemm(
     """`x @ w.T` for x [..., K] with at most MAX_M rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
     num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
-    [..., I] with kernels/gate_up_swiglu's roundings (block_n / 2 rows of each a program;
-    with split-K the last split of a tile sums both halves' partials and applies the
-    activation). `probe` (benchmarks): int64 [programs, len(PROBE_FIELDS)], programs in grid
+    [..., I] with kernels/gate_up_swiglu's roundings (block_n / 2 rows of each a program, no
+    split-K). `probe` (benchmarks): int64 [programs, len(PROBE_FIELDS)], programs in grid
     order (N tile major, then split): a PROBE build stamps each program's PROBE_FIELDS.
     `unreduced`: with split-K, each split stores its fp32 partial and the launch returns them
     as a SplitSums for the next kernel to sum (no ticket, no sum here: kernels/split_sums);
@@ -322,7 +322,7 @@ def ws_gemm(
     why = refusal(x, w, config, swiglu, rope, unreduced)
     if why is not None:
         raise ValueError(why)
-    unreduced = unreduced and splits > 1 and not swiglu  # the activation needs the sums
+    unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
     if not available(x.device):
         raise RuntimeError(f"the warp-specialised GEMM does not run on {x.device}")
     parts = 2 if swiglu else 1
@@ -348,7 +348,7 @@ def ws_gemm(
         partials = torch.empty((splits, m, n_out), dtype=torch.float32, device=x.device)
         counters = out
     else:
-        partials, counters = split_buffers(n_tiles, splits, parts * bn * bm, out)
+        partials, counters = split_buffers(n_tiles, splits, bn * bm, out)
     if rope is None:
         cos = sin = k_pool = v_pool = slots = out
         num_heads = kv_heads = 0
@@ -668,28 +668,19 @@ def _build():
         elif UNREDUCED:  # partials [split, M, N], summed by the next kernel (split_sums.py)
             gl.store(part_ptr + gl.program_id(1) * M * N + cols[None, :] * N
                      + (gl.program_id(0) * BN + rows)[:, None], acc, mask=keep)  # fmt: skip
-        else:  # partials [tile, split, PARTS, BN, BM]; the last split of a tile sums them
+        else:  # partials [tile, split, BN, BM]; the last split of a tile sums them
             tile = gl.program_id(0)
             offs = rows[:, None] * BM + cols[None, :]
-            PART: gl.constexpr = BN * BM
-            mine = part_ptr + (tile * SPLIT + gl.program_id(1)) * (PARTS * PART) + offs
-            gl.store(mine, acc)
-            if PARTS == 2:  # SwiGLU: the up rows' partial beside the gate rows'
-                gl.store(mine + PART, acc_up)
+            gl.store(part_ptr + (tile * SPLIT + gl.program_id(1)) * (BN * BM) + offs, acc)
             gl.thread_barrier()  # every thread's partial is written before the ticket is drawn
             ticket = gl.atomic_add(tick_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLIT - 1:
                 total = gl.zeros([BN, BM], gl.float32, mma)
-                total_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's (else unused)
                 for j in gl.static_range(SPLIT):  # fixed order: deterministic
                     # .cg: read at L2, where the other SMs' partials are (L1 is not coherent)
-                    theirs = part_ptr + (tile * SPLIT + j) * (PARTS * PART) + offs
-                    total += gl.load(theirs, cache_modifier=".cg")
-                    if PARTS == 2:
-                        total_up += gl.load(theirs + PART, cache_modifier=".cg")
-                if PARTS == 2:
-                    gl.store(out, swiglu(total, total_up, dtype), mask=keep)
-                elif ROPE:
+                    total += gl.load(part_ptr + (tile * SPLIT + j) * (BN * BM) + offs,
+                                     cache_modifier=".cg")  # fmt: skip
+                if ROPE:
                     rope_tile(total, scratch, out_ptr, N, M, operands, kpool_ptr, vpool_ptr, H,
                               KVH, BM, BN, D)  # fmt: skip
                 else:

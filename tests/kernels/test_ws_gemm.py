@@ -53,7 +53,7 @@ def test_shape_checks_name_the_constraint():
     assert "multiple of block_n" in check(6100, 2048, 8, 64, 256, 1)
     assert "split_k * block_k = 1024" in check(2048, 5632, 8, 64, 256, 4)
     assert check(11264, 2048, 8, 128, 256, 1, swiglu=True) is None  # 64 gate + 64 up rows
-    assert check(11264, 2048, 8, 128, 128, 4, swiglu=True) is None  # split-K: see the epilogue
+    assert "no split-K" in check(11264, 2048, 8, 128, 128, 4, swiglu=True)
     assert "128 rows a part" in check(11264, 2048, 8, 64, 256, 1, swiglu=True)
     assert "even N" in check(11265, 2048, 8, 128, 256, 1, swiglu=True)
     x, w = make(65, 64, 128, torch.bfloat16)
@@ -187,11 +187,6 @@ def test_the_launch_takes_half_the_registers_and_a_window_only_where_two_share_a
     module.ws_gemm(x[:, :2048], torch.zeros(11264, 2048, dtype=torch.bfloat16), config, True)
     grid, launch = launches.pop()
     assert grid == (88, 1) and "maxnreg" not in launch and launch["XT"] == launch["KT"] == 16
-    module.ws_gemm(
-        x[:, :2048], torch.zeros(11264, 2048, dtype=torch.bfloat16), ws(128, 128, 2, 2), True
-    )
-    grid, launch = launches.pop()  # split-K SwiGLU: 176 programs, two an SM
-    assert grid == (88, 2) and launch["maxnreg"] == module.TWO_PER_SM_REGISTERS
     monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
     module.ws_gemm(x, torch.zeros(21504, 3072, dtype=torch.bfloat16), config, swiglu=True)
     grid, launch = launches.pop()
@@ -213,11 +208,7 @@ def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
     monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 64, 1, 2))
     assert gate_up_silu(x, w) is None  # 32 rows a part: the SwiGLU form cannot take it
     monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(128, 64, 2, 2))
-    assert gate_up_silu(x, w) == "ran"  # split-K: the last split applies the activation
-    triton_split = GemmConfig(128, 64, 2, 4, 2)
-    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: triton_split)
-    assert gate_up_silu(x, w) is None  # the Triton kernel's form takes no split-K
-    assert len(calls) == 2
+    assert gate_up_silu(x, w) is None  # nor split-K
 
 
 def test_rope_checks_name_the_constraint():
@@ -287,10 +278,9 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (64, 64, 128, 4, 4, 1, "bf16", False, 0, True),
            (64, 64, 128, 3, 1, 2, "bf16", False, 0, False),
            (64, 64, 256, 3, 1, 1, "bf16", False, 128, False),
-           # two programs an SM (ws_gemm.two_per_sm), as the table runs them: Nanbeige's
-           # gate/up at 16 rows (a window of x tiles) and split 2 at 8 rows
-           (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
-           (8, 64, 128, 2, 2, 2, "bf16", False, 0, False, False, 0, 128))
+           # two programs an SM (ws_gemm.two_per_sm), as the table runs Nanbeige's gate/up at
+           # 16 rows: a window of x tiles within half an SM's shared memory
+           (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128))
 shared, inits, usage = {}, {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
 # register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
@@ -364,7 +354,7 @@ def test_two_programs_an_sm_fit_half_its_registers_and_shared_memory_without_spi
     the weight stream), and shared memory within HALF_SM_SHARED; so two programs share an SM."""
     from rlt_engine.kernels.ws_gemm import HALF_SM_SHARED, TWO_PER_SM_REGISTERS
 
-    assert {"split1_swiglu_regs128", "split2_swiglu_regs128"} <= set(compiled["usage"])
+    assert set(compiled["usage"]) == {"split1_swiglu_regs128"}
     for name, (registers, spilled) in compiled["usage"].items():
         assert registers <= TWO_PER_SM_REGISTERS and spilled == 0, (name, registers, spilled)
         assert compiled["shared"][name][0] <= HALF_SM_SHARED, name
@@ -411,10 +401,6 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     assert not any("ld.global" in line for line in rope[first_mma:])
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
-    # split-K SwiGLU: a ticket; the last split sums gate and up partials, then the activation
-    split_swiglu = ptx["split2_swiglu_regs128"]
-    assert split_swiglu.count("atom.global.gpu.acq_rel.add") == 1
-    assert "div.rn.f32" in split_swiglu and split_swiglu.count("ld.global.cg") >= 2
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
     # up to X_BY_LOADS_ROWS rows the consumers copy the rows by cp.async, after the PDL wait
     # (they are the kernel before's output); TMA builds copy none that way
@@ -549,14 +535,13 @@ def test_gpu_keeps_no_reference_to_its_operands():
 def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hidden):
     """The SwiGLU form within an ulp of the unfused path on the same kernel (its GEMM, then
     silu_mul): the same accumulations, so only the activation's last rounding may differ;
-    deterministic. (From 48 rows of K = 2048 a window of the rows, `x_tiles`.)"""
+    deterministic. (No split-K: from 48 rows of K = 2048 a window of the rows, `x_tiles`.)"""
     x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
-    # split-K: the partials summed in the same order as the plain GEMM's split-K
-    tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3), ws(128, 128, 2, 2)]
+    tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3)]
     for config in fitting(2 * inter, hidden, m, tiles, swiglu=True):
-        c = config
+        block_n, block_k, stages = config.block_n, config.block_k, config.num_stages
         fused = gate_up_silu(x, w, config)
-        plain = silu_mul(gemm(x, w, ws(c.block_n // 2, c.block_k, c.split_k, c.num_stages)))
+        plain = silu_mul(gemm(x, w, ws(block_n // 2, block_k, 1, stages)))
         torch.testing.assert_close(fused, plain, rtol=2**-7, atol=1e-6)
         assert torch.equal(gate_up_silu(x, w, config), fused)
 
