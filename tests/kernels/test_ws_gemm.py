@@ -579,10 +579,17 @@ def test_gpu_rows_by_loads_and_a_bounded_ring_give_the_same_bits(m, monkeypatch)
 
 @gpu
 @needs_ws
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize("config", [ws(128, 64, 1, 3), ws(128, 128, 1, 2), ws(128, 128, 1, 3)])
+@pytest.mark.parametrize(
+    ("m", "config"),
+    [
+        (m, c)
+        for m in (1, 8, 16)
+        for c in (ws(128, 64, 1, 3), ws(128, 128, 1, 2), ws(128, 128, 1, 3))
+    ]
+    + [(32, ws(128, 64, 1, 3)), (32, ws(128, 128, 1, 2))],  # the table's m32 row: the second
+)
 def test_gpu_two_swiglu_programs_an_sm_give_the_same_bits(m, config, monkeypatch):
-    """SWIGLU_TWO_PER_SM changes the launch (half the registers; at 16 rows a window of x
+    """SWIGLU_TWO_PER_SM changes the launch (half the registers; from 16 rows a window of x
     tiles), not the arithmetic: Nanbeige's gate/up gives the whole-register launch's bits."""
     from rlt_engine.kernels import ws_gemm as module
 

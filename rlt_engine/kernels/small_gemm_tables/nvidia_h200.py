@@ -15,7 +15,8 @@ SXM, which takes this table (the same kernels on the same 132 SMs), with --ws-on
 Ouro's qkv m16, o_proj m2, gate/up m2 and m16 and down m2-m16 rows (a re-tune whose rows the
 in-place check kept bucket by bucket, 2026-12-06-ouro-retune-h100.md) and Nanbeige's 1-16-row
 gate/up rows (set by hand from decode A/Bs with two programs an SM, us 0.0,
-2026-12-06-gate-up-two-per-sm-h100.md)."""
+2026-12-06-gate-up-two-per-sm-h100.md) and its m32 gate/up row (--ws-only --confirm-in-place,
+2026-12-07-split-k-swiglu-reverted-h100.md)."""
 
 TABLE: dict = {
     "device": "NVIDIA H200",
@@ -92,7 +93,7 @@ TABLE: dict = {
         "21504x3072:m4:bfloat16": ("ws", 128, 128, 1, 4, 2, 0.0, 38.97),
         "21504x3072:m8:bfloat16": ("ws", 128, 128, 1, 4, 3, 0.0, 39.02),
         "21504x3072:m16:bfloat16": ("ws", 128, 128, 1, 4, 3, 0.0, 39.78),
-        "21504x3072:m32:bfloat16": ("cublas", 64, 128, 1, 4, 4, 39.38, 40.13),
+        "21504x3072:m32:bfloat16": ("ws", 128, 128, 1, 4, 2, 52.65, 57.5),
         "21504x3072:m64:bfloat16": ("cublas", 128, 64, 1, 8, 4, 40.67, 38.54),
     },
 }
