@@ -8,8 +8,8 @@
 #   TESTS_S=0 / TESTS="tests/kernels" bash benchmarks/h200_check.sh  (no GPU tests / only those)
 # Carry the wheels in .whl/ (the run tool's carry=[".whl"]) so the aiohttp tests run too.
 #
-# 1. the GPU tests, kernels then engines (the server's need the openai package, which the device
-#    image lacks);
+# 1. the GPU tests, kernels then engines (tests/server has none: the server is tested on the
+#    CPU);
 # 2. h200_decode.py --only exact (fp32: official code = torch = triton = graphs = CPU);
 # 3. rlt bench, Ouro-1.4B dummy bf16, 64/32, depth 4, c = 1/8/64/256 (with AB: once per value);
 # 4. the same at 2,000-token prompts, c = 1/2/8 (where attention reads more K/V than weights);
