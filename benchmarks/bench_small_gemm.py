@@ -230,8 +230,14 @@ def tune(
             continue
         same = all(torch.equal(o, outs[0]) for o in outs)
         excess = float(((outs[0].float() - ref).abs() - bound).max())
-        if not same or excess > 0:
+        # split-K's tickets are zero between launches; a config that leaves one set would
+        # break every later split-K launch in this process, so it is named and the counters reset
+        counters = small_gemm._counters(x.device)
+        left = int(torch.count_nonzero(counters))
+        if not same or excess > 0 or left:
             why = f"deterministic={same}, excess over the rounding bound {excess:.3g}"
+            why += f", {left} ticket counters left non-zero" if left else ""
+            counters.zero_()
             rejected.append({"config": config.as_dict(), "why": why})
             continue
         us = graph_us(lambda a, b, c=config: run(a, b, c), x, weights, args)
