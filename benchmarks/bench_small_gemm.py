@@ -92,10 +92,12 @@ WS_GEMMS = ("qkv", "o_proj", "down_proj")
 # Triton kernel's (block_n split into gate and up halves, no split-K) against the ws kernel's
 # (block_n / 2 rows of each, no split-K) and cuBLAS + silu_mul; (128, 128, 2) and (128, 128, 3)
 # fit half an SM's shared memory, two programs an SM where a launch has more programs than
-# SMs (ws_gemm.two_per_sm: Nanbeige's gate/up)
+# SMs (ws_gemm.two_per_sm: Nanbeige's gate/up); block_n 64 is ws_gemm.halves (32 gate + 32 up
+# rows in one MMA: Ouro's gate/up in 176 programs, two an SM)
 SWIGLU_GEMMS = ("gate_up",)
 WS_SWIGLU_TILES = ((128, 128, 3), (128, 256, 2), (128, 64, 4), (256, 64, 3), (128, 128, 5),
-                   (128, 128, 6), (128, 128, 2))  # fmt: skip
+                   (128, 128, 6), (128, 128, 2), (64, 128, 4), (64, 128, 6),
+                   (64, 256, 3))  # fmt: skip
 DEVICE = "cuda"
 TABLES_DIR = ROOT / "rlt_engine" / "kernels" / "small_gemm_tables"  # a module per GPU model
 

@@ -33,7 +33,9 @@ back under PDL: qkv 7.8 us (Triton kernel 9.2, cuBLAS 10.1), o_proj 4.4 (5.2, 6.
 up tiles in one ring stage, two wgmma a stage, the activation in the epilogue) takes Ouro's
 packed gate/up: 15.3 vs 16.7 us alone at M = 8, +1% in place (2026-12-02-added-times-h200.md).
 On Nanbeige's it lost 4% in place, in two waves of programs, until two programs shared an SM
-(`two_per_sm`).
+(`two_per_sm`). Its 64-row tile (`halves`: 32 gate and 32 up rows in one MMA, met in shared
+memory for the activation) gives Ouro's gate/up 176 programs where 128-row tiles give 88 on
+132 SMs; offered to the tuner, not yet run on a GPU.
 
 The packed qkv projection takes RoPE and the K/V write in its epilogue (`rope`, a QkvRope;
 decode, through small_gemm.linear_rope): each program's weight tile is two half boxes (head
@@ -119,10 +121,10 @@ def rows_tile(m: int) -> int:
     return 8 if m <= 8 else 1 << (m - 1).bit_length()
 
 
-def _shared(m: int, block_n: int, block_k: int, stages: int, rope: bool, x_tiles: int) -> int:
+def _shared(m: int, block_n: int, block_k: int, stages: int, exchange: bool, x_tiles: int) -> int:
     bm = rows_tile(m)
-    exchange = block_n * bm if rope else 0
-    return 2 * (stages * block_n * block_k + x_tiles * bm * block_k + exchange) + SHARED_SLACK
+    scratch = block_n * bm if exchange else 0
+    return 2 * (stages * block_n * block_k + x_tiles * bm * block_k + scratch) + SHARED_SLACK
 
 
 def x_tiles(
@@ -132,14 +134,14 @@ def x_tiles(
     block_k: int,
     split_k: int,
     stages: int,
-    rope: bool = False,
+    exchange: bool = False,
     limit: int = SHARED_LIMIT,
 ) -> int:
     """The tiles [rows_tile(m), block_k] of x a program holds: its whole K range where that
     fits beside the ring within `limit`, else a rolling window of max(2, stages) tiles, each
     reloaded (from L2: every program reads the same rows) once the MMA that read it is done."""
     kt = k // (split_k * block_k)
-    if _shared(m, block_n, block_k, stages, rope, kt) <= limit:
+    if _shared(m, block_n, block_k, stages, exchange, kt) <= limit:
         return kt
     return min(kt, max(2, stages))
 
@@ -151,15 +153,23 @@ def shared_bytes(
     block_k: int,
     split_k: int,
     stages: int,
-    rope: bool = False,
+    exchange: bool = False,
     limit: int = SHARED_LIMIT,
 ) -> int:
     """A program's shared memory: its ring of `stages` weight tiles [block_n, block_k] (the
     SwiGLU form's gate and up halves together), its x rows (`x_tiles` of them within
-    `limit`), the RoPE epilogue's exchange [block_n, rows_tile(m)] and SHARED_SLACK (16-bit
-    elements)."""
-    tiles = x_tiles(k, m, block_n, block_k, split_k, stages, rope, limit)
-    return _shared(m, block_n, block_k, stages, rope, tiles)
+    `limit`), the epilogue's exchange [block_n, rows_tile(m)] where its tile's halves meet (the
+    RoPE epilogue's, and `halves`') and SHARED_SLACK (16-bit elements)."""
+    tiles = x_tiles(k, m, block_n, block_k, split_k, stages, exchange, limit)
+    return _shared(m, block_n, block_k, stages, exchange, tiles)
+
+
+def halves(swiglu: bool, block_n: int) -> bool:
+    """The SwiGLU form's 64-row tile: 32 gate and the same 32 up rows in one MMA (two half
+    boxes, as the RoPE form loads a head's halves), which meet in shared memory for the
+    activation. Ouro's gate/up then has 176 programs, two an SM (`two_per_sm`), where its
+    128-row tiles (64 of each) leave 44 of an H100's 132 SMs idle at 88 programs."""
+    return swiglu and block_n == 64
 
 
 def two_per_sm(swiglu: bool, programs: int, sms: int, k: int, m: int, config) -> bool:
@@ -167,8 +177,10 @@ def two_per_sm(swiglu: bool, programs: int, sms: int, k: int, m: int, config) ->
     programs than SMs, and a program's ring and rows within HALF_SM_SHARED."""
     if not (SWIGLU_TWO_PER_SM and swiglu and programs > sms):
         return False
-    c = config
-    need = shared_bytes(k, m, c.block_n, c.block_k, c.split_k, c.num_stages, False, HALF_SM_SHARED)
+    c, exchange = config, halves(swiglu, config.block_n)
+    need = shared_bytes(
+        k, m, c.block_n, c.block_k, c.split_k, c.num_stages, exchange, HALF_SM_SHARED
+    )
     return need <= HALF_SM_SHARED
 
 
@@ -184,7 +196,8 @@ def check(
     rope: bool = False,
 ) -> str | None:
     """Why the kernel cannot take this shape and config, or None. `swiglu`: n counts the
-    packed gate and up rows; a program takes block_n / 2 rows of each. `stages` (the ring's):
+    packed gate and up rows; a program takes block_n / 2 rows of each (32 of each in one MMA
+    tile where block_n is 64: `halves`). `stages` (the ring's):
     also whether the ring, the x rows and (`rope`) the RoPE epilogue's exchange fit a block's
     shared memory."""
     if m > MAX_M:
@@ -197,16 +210,17 @@ def check(
         # the rounding bound in the tuner on an H100, though its GPU test of one config passed
         # (results/2026-12-07-split-k-swiglu-reverted-h100.md): not offered
         return f"SwiGLU needs [gate; up] packed (an even N, got {n}) and no split-K"
-    if rows not in (64, 128) or n_out % rows:
-        part = " a part" if swiglu else ""
-        return f"N = {n} must be a multiple of block_n (64 or 128 rows{part}), got {block_n}"
+    if rows not in ((32, 64, 128) if swiglu else (64, 128)) or n_out % rows:
+        sizes = "32, 64 or 128 rows a part" if swiglu else "64 or 128 rows"
+        return f"N = {n} must be a multiple of block_n ({sizes}), got {block_n}"
     if k % (split_k * block_k):
         return f"K = {k} must be a multiple of split_k * block_k = {split_k * block_k}"
     if stages is not None:
-        need = shared_bytes(k, m, block_n, block_k, split_k, stages, rope)
+        exchange = rope or halves(swiglu, block_n)
+        need = shared_bytes(k, m, block_n, block_k, split_k, stages, exchange)
         if need > SHARED_LIMIT:
-            tiles = x_tiles(k, m, block_n, block_k, split_k, stages, rope)
-            epilogue = " and the RoPE exchange" if rope else ""
+            tiles = x_tiles(k, m, block_n, block_k, split_k, stages, exchange)
+            epilogue = " and the epilogue's exchange" if exchange else ""
             return (
                 f"{stages} stages of [{block_n}, {block_k}] beside {tiles} tiles of "
                 f"{rows_tile(m)} rows{epilogue} need {need >> 10} KiB of shared memory, more "
@@ -326,7 +340,8 @@ def ws_gemm(
     if not available(x.device):
         raise RuntimeError(f"the warp-specialised GEMM does not run on {x.device}")
     parts = 2 if swiglu else 1
-    n_out, bn = n // parts, config.block_n // parts
+    pair = halves(swiglu, config.block_n)  # one MMA of both halves: its rows are block_n
+    n_out, bn = n // parts, config.block_n // (1 if pair else parts)
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n_out)
@@ -334,14 +349,15 @@ def ws_gemm(
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
-    box = bn // 2 if rope is not None else bn  # RoPE: a tile's two halves of head dims
+    # two half boxes a tile: RoPE's halves of head dims, or `halves`' gate and up rows
+    box = bn // 2 if rope is not None or pair else bn
     w_desc = TensorDescriptor.from_tensor(w, [box, bk], w_layout)
     bm = rows_tile(m)
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
     from rlt_engine.kernels.small_gemm import split_buffers
 
-    n_tiles = n_out // bn
+    n_tiles = n_out // (bn // 2 if pair else bn)  # output columns / those a program writes
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     if unreduced:
@@ -359,7 +375,8 @@ def ws_gemm(
     kt = k // (splits * bk)  # weight tiles a program streams
     two = two_per_sm(swiglu, n_tiles * splits, _sms(x.device), k, m, config)
     limit = HALF_SM_SHARED if two else SHARED_LIMIT
-    xt = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, rope is not None, limit)
+    exchange = rope is not None or pair
+    xt = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, exchange, limit)
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         x_ptr=x2, K=k,
@@ -370,7 +387,8 @@ def ws_gemm(
         # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
         LATE=rope is not None and m > 1,
         KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=parts, PDL=pdl, PROBE=probe is not None, UNREDUCED=unreduced,
+        PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe is not None,
+        UNREDUCED=unreduced,
         XLOAD=m <= X_BY_LOADS_ROWS and xt == kt,
         AHEAD=_ahead(parts * config.block_n * bk * x.element_size(), config.num_stages, m),
         num_warps=4,
@@ -531,9 +549,26 @@ def _build():
             gl.store(at + HALF, x2, mask=ok)
 
     @gluon.jit
+    def halves_tile(val, scratch, out_ptr, N, M, BM: gl.constexpr, BN: gl.constexpr):
+        """The `halves` epilogue of one tile (fp32 [BN, BM]): its first BN / 2 rows are gate
+        rows j*BN/2.. and the others the same up rows (the producer's two half boxes); each
+        rounded as stored, they meet in shared memory for `swiglu`."""
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        HB: gl.constexpr = BN // 2
+        scratch.store(val.to(dtype))
+        gl.thread_barrier()  # a row's gate and up lie in different warps
+        lay: gl.constexpr = ROPE_LAYOUT
+        gate = scratch.slice(0, HB).load(lay)
+        up = scratch.slice(HB, HB).load(lay)
+        i = gl.arange(0, HB, layout=gl.SliceLayout(1, lay))[:, None]
+        r = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))[None, :]
+        at = out_ptr + r * N + gl.program_id(0) * HB + i
+        gl.store(at, swiglu(gate, up, dtype), mask=(r < M) & (i >= 0))
+
+    @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr,
-                 PROBE: gl.constexpr, ROPE: gl.constexpr, D: gl.constexpr,
+                 HALVES: gl.constexpr, PROBE: gl.constexpr, ROPE: gl.constexpr, D: gl.constexpr,
                  AHEAD: gl.constexpr):  # fmt: skip
         if PROBE:
             stamp(probe_ptr, 5, now())
@@ -562,6 +597,16 @@ def _build():
                 tma.async_copy_global_to_shared(
                     w_desc, [lo + D // 2, k0 + i * BK], full.index(s), ring.index(s).slice(HB, HB)
                 )
+            elif HALVES:  # two half boxes: gate rows j*BN/2.., then the same up rows
+                HB: gl.constexpr = BN // 2
+                gate = gl.program_id(0) * HB
+                mbarrier.expect(full.index(s), 2 * w_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    w_desc, [gate, k0 + i * BK], full.index(s), ring.index(s).slice(0, HB)
+                )
+                tma.async_copy_global_to_shared(
+                    w_desc, [N + gate, k0 + i * BK], full.index(s), ring.index(s).slice(HB, HB)
+                )
             else:
                 mbarrier.expect(full.index(s), PARTS * w_desc.block_type.nbytes)
                 for p in gl.static_range(PARTS):  # SwiGLU: the gate rows, then the up rows
@@ -579,7 +624,8 @@ def _build():
                  empty, xbar, KT: gl.constexpr, XT: gl.constexpr, BM: gl.constexpr,
                  BN: gl.constexpr,
                  BK: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                 PARTS: gl.constexpr, PDL: gl.constexpr, PROBE: gl.constexpr,
+                 PARTS: gl.constexpr, HALVES: gl.constexpr, PDL: gl.constexpr,
+                 PROBE: gl.constexpr,
                  scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
                  ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr,
@@ -660,6 +706,8 @@ def _build():
         if SPLIT == 1:
             if PARTS == 2:
                 gl.store(out, swiglu(acc, acc_up, dtype), mask=keep)
+            elif HALVES:
+                halves_tile(acc, scratch, out_ptr, N, M, BM, BN)
             elif ROPE:
                 rope_tile(acc, scratch, out_ptr, N, M, operands, kpool_ptr, vpool_ptr, H, KVH,
                           BM, BN, D)  # fmt: skip
@@ -696,6 +744,7 @@ def _build():
                        KT: gl.constexpr, XT: gl.constexpr, BM: gl.constexpr,
                        BN: gl.constexpr, BK: gl.constexpr,
                        STAGES: gl.constexpr, SPLIT: gl.constexpr, PARTS: gl.constexpr,
+                       HALVES: gl.constexpr,
                        PDL: gl.constexpr, PROBE: gl.constexpr, cos_ptr, sin_ptr, stride_cos,
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
                        D: gl.constexpr, LATE: gl.constexpr,
@@ -707,7 +756,7 @@ def _build():
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        if ROPE:  # the epilogue's exchange of RoPE halves between warps
+        if ROPE or HALVES:  # the epilogue's exchange of a tile's halves between warps
             scratch = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BN, BM], plain)
         else:
             scratch = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [1, 1], plain)
@@ -725,13 +774,13 @@ def _build():
         gl.warp_specialize(
             [
                 (consumer, (x_desc, out_ptr, part_ptr, tick_ptr, M, N, probe_ptr, ring, xs,
-                            full, empty, xbar, KT, XT, BM, BN, BK, STAGES, SPLIT, PARTS, PDL,
-                            PROBE,
+                            full, empty, xbar, KT, XT, BM, BN, BK, STAGES, SPLIT, PARTS, HALVES,
+                            PDL, PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE,
                             UNREDUCED, x_ptr, K, XLOAD)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
-                            PROBE, ROPE, D, AHEAD)),
+                            HALVES, PROBE, ROPE, D, AHEAD)),
             ],
             [1],  # one producer warp
             [40],  # its registers: it only issues copies

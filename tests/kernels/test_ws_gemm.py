@@ -54,7 +54,9 @@ def test_shape_checks_name_the_constraint():
     assert "split_k * block_k = 1024" in check(2048, 5632, 8, 64, 256, 4)
     assert check(11264, 2048, 8, 128, 256, 1, swiglu=True) is None  # 64 gate + 64 up rows
     assert "no split-K" in check(11264, 2048, 8, 128, 128, 4, swiglu=True)
-    assert "128 rows a part" in check(11264, 2048, 8, 64, 256, 1, swiglu=True)
+    assert check(11264, 2048, 8, 64, 256, 1, swiglu=True) is None  # halves: 32 + 32 rows
+    assert "32, 64 or 128 rows a part" in check(11264, 2048, 8, 32, 256, 1, swiglu=True)
+    assert "64 or 128 rows" in check(11264, 2048, 8, 32, 256, 1)
     assert "even N" in check(11265, 2048, 8, 128, 256, 1, swiglu=True)
     x, w = make(65, 64, 128, torch.bfloat16)
     with pytest.raises(ValueError, match="at most 64 rows"):
@@ -71,10 +73,10 @@ def test_rows_and_ring_must_fit_a_blocks_shared_memory():
 
     assert [rows_tile(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
     # Ouro's qkv at 8 rows, 5 stages of [64, 256] and the RoPE exchange: as the table runs it
-    assert shared_bytes(2048, 8, 64, 256, 1, 5, rope=True) == 2 * (
+    assert shared_bytes(2048, 8, 64, 256, 1, 5, exchange=True) == 2 * (
         5 * 64 * 256 + 8 * 2048 + 64 * 8
     ) + (1 << 10)
-    assert x_tiles(2048, 8, 64, 256, 1, 5, rope=True) == 8  # the whole K range
+    assert x_tiles(2048, 8, 64, 256, 1, 5, exchange=True) == 8  # the whole K range
     assert x_tiles(2048, 32, 64, 256, 1, 2) == 8  # 128 KiB of rows beside 64 of ring
     assert x_tiles(2048, 64, 64, 256, 1, 3) == 3  # 256 KiB of rows: a window of 3 tiles
     assert shared_bytes(2048, 64, 64, 256, 1, 3) == 2 * (3 * 64 * 256 * 2) + (1 << 10)
@@ -187,6 +189,14 @@ def test_the_launch_takes_half_the_registers_and_a_window_only_where_two_share_a
     module.ws_gemm(x[:, :2048], torch.zeros(11264, 2048, dtype=torch.bfloat16), config, True)
     grid, launch = launches.pop()
     assert grid == (88, 1) and "maxnreg" not in launch and launch["XT"] == launch["KT"] == 16
+    # `halves`: 32 gate + 32 up rows a program, one 64-row MMA: 176 programs, two an SM
+    module.ws_gemm(
+        x[:, :2048], torch.zeros(11264, 2048, dtype=torch.bfloat16), ws(64, 128, 1, 4), True
+    )
+    grid, launch = launches.pop()
+    assert grid == (176, 1) and launch["maxnreg"] == module.TWO_PER_SM_REGISTERS
+    assert launch["HALVES"] and (launch["PARTS"], launch["BN"]) == (1, 64)
+    assert launch["XT"] == launch["KT"] == 16  # 8 rows of K = 2048 fit beside a 64 KiB ring
     monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
     module.ws_gemm(x, torch.zeros(21504, 3072, dtype=torch.bfloat16), config, swiglu=True)
     grid, launch = launches.pop()
@@ -206,7 +216,9 @@ def test_gate_up_silu_takes_a_ws_row_where_the_kernel_runs(monkeypatch):
     monkeypatch.setattr(ws_gemm, "ws_gemm", lambda *a, **kw: calls.append(kw) or "ran")
     assert gate_up_silu(x, w) == "ran" and calls == [{"swiglu": True}]
     monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(64, 64, 1, 2))
-    assert gate_up_silu(x, w) is None  # 32 rows a part: the SwiGLU form cannot take it
+    assert gate_up_silu(x, w) == "ran"  # 32 rows a part: `halves`, one MMA tile
+    monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(32, 64, 1, 2))
+    assert gate_up_silu(x, w) is None  # 16 rows a part: the SwiGLU form cannot take it
     monkeypatch.setattr(small_gemm, "choose", lambda x, w, gated=False: ws(128, 64, 2, 2))
     assert gate_up_silu(x, w) is None  # nor split-K
 
@@ -279,13 +291,17 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (64, 64, 128, 3, 1, 2, "bf16", False, 0, False),
            (64, 64, 256, 3, 1, 1, "bf16", False, 128, False),
            # two programs an SM (ws_gemm.two_per_sm), as the table runs Nanbeige's gate/up at
-           # 16 rows: a window of x tiles within half an SM's shared memory
-           (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128))
+           # 16 rows: a window of x tiles within half an SM's shared memory; and `halves`
+           # (parts "h": 32 gate + 32 up rows in one MMA) as Ouro's gate/up would run it
+           (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
+           (8, 64, 128, 4, 1, "h", "bf16", False, 0, False, False, 0, 128))
 shared, inits, usage = {}, {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
 # register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
     xload, ahead, *regs = more or (False, 0)
+    halves, parts = parts == "h", 2 if parts == 2 else 1
+    exchange = rope > 0 or halves
     g = gl.bfloat16 if dt == "bf16" else gl.float16
     desc = lambda rows: (
         f"tensordesc<{dt}[{rows}, {bk}],"
@@ -293,13 +309,14 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     )
     kt = 2048 // (split * bk)
     limit = ws_gemm.HALF_SM_SHARED if regs else ws_gemm.SHARED_LIMIT
-    xt = ws_gemm.x_tiles(2048, bm, bn * parts, bk, split, stages, rope > 0, limit)
+    xt = ws_gemm.x_tiles(2048, bm, bn * parts, bk, split, stages, exchange, limit)
     const = dict(KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
-                 PARTS=parts, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1, LATE=rope > 0,
-                 UNREDUCED=unreduced, XLOAD=xload, AHEAD=ahead)
+                 PARTS=parts, HALVES=halves, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1,
+                 LATE=rope > 0, UNREDUCED=unreduced, XLOAD=xload, AHEAD=ahead)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_ptr": f"*{dt}",
-        "x_desc": desc(bm), "w_desc": desc(bn), "out_ptr": f"*{dt}", "part_ptr": "*fp32",
+        "x_desc": desc(bm), "w_desc": desc(bn // 2 if halves else bn), "out_ptr": f"*{dt}",
+        "part_ptr": "*fp32",
         "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
         "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64"}
     aligned = [a for a in names if a.endswith("_ptr") or a == "K"]
@@ -308,7 +325,8 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
                          attrs=attrs)
     options = dict(num_warps=4) | ({"maxnreg": regs[0]} if regs else {})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_probe" if probe else "")
+    name = f"split{split}" + ("_swiglu" if parts == 2 else "") + ("_halves" if halves else "")
+    name += "_probe" if probe else ""
     name += f"_rope_bn{bn}" if rope else ""
     name += "_unreduced" if unreduced else ""
     name += "_xload" if xload else ""
@@ -316,7 +334,7 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     name += f"_m{bm}" if bm > 16 else ""
     name += f"_regs{regs[0]}" if regs else ""
     out[name] = kernel.asm["ptx"]
-    estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, rope > 0, limit)
+    estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, exchange, limit)
     shared[name] = [kernel.metadata.shared, estimate]
     inits[name] = [kernel.asm["ptx"].count("mbarrier.init"), 2 * stages + (xt if xt < kt else 1),
                    xt < kt]
@@ -354,7 +372,7 @@ def test_two_programs_an_sm_fit_half_its_registers_and_shared_memory_without_spi
     the weight stream), and shared memory within HALF_SM_SHARED; so two programs share an SM."""
     from rlt_engine.kernels.ws_gemm import HALF_SM_SHARED, TWO_PER_SM_REGISTERS
 
-    assert set(compiled["usage"]) == {"split1_swiglu_regs128"}
+    assert set(compiled["usage"]) == {"split1_swiglu_regs128", "split1_halves_regs128"}
     for name, (registers, spilled) in compiled["usage"].items():
         assert registers <= TWO_PER_SM_REGISTERS and spilled == 0, (name, registers, spilled)
         assert compiled["shared"][name][0] <= HALF_SM_SHARED, name
@@ -401,6 +419,13 @@ def test_compiles_for_sm90_with_the_weight_stream_ahead_of_the_pdl_wait(ptx):
     assert not any("ld.global" in line for line in rope[first_mma:])
     swiglu = ptx["split1_swiglu"]  # silu with an IEEE division, no tickets
     assert "div.rn.f32" in swiglu and "ex2.approx" in swiglu and "atom.global" not in swiglu
+    # `halves`: one MMA a stage where the two-part form has two, two copies (half boxes) a
+    # stage, and the halves exchanged in shared memory before the same activation
+    pair = ptx["split1_halves_regs128"]
+    assert pair.count("wgmma.mma_async") * 2 == ptx["split1_swiglu_regs128"].count(
+        "wgmma.mma_async"
+    )
+    assert "div.rn.f32" in pair and "atom.global" not in pair and "ld.shared" in pair
     assert "div.rn.f32" not in ptx["split1"] and "div.rn.f32" not in ptx["split4"]
     # up to X_BY_LOADS_ROWS rows the consumers copy the rows by cp.async, after the PDL wait
     # (they are the kernel before's output); TMA builds copy none that way
@@ -438,13 +463,13 @@ ROWS = [1, 5, 8, 16, 24, 32, 48, 64]  # every rows_tile, full and partly filled
 
 def fitting(n: int, k: int, m: int, configs, swiglu: bool = False, rope: bool = False):
     """The configs whose ring and rows fit a block's shared memory at m rows (at least one)."""
-    from rlt_engine.kernels.ws_gemm import SHARED_LIMIT, shared_bytes
+    from rlt_engine.kernels.ws_gemm import SHARED_LIMIT, halves, shared_bytes
 
     fit = [
         c for c in configs
         if check(n, k, m, c.block_n, c.block_k, c.split_k, swiglu, c.num_stages) is None
-        and shared_bytes(k, m, c.block_n, c.block_k, c.split_k, c.num_stages, rope)
-        <= SHARED_LIMIT
+        and shared_bytes(k, m, c.block_n, c.block_k, c.split_k, c.num_stages,
+                         rope or halves(swiglu, c.block_n)) <= SHARED_LIMIT
     ]  # fmt: skip
     assert fit, (n, k, m)
     return fit
@@ -537,11 +562,12 @@ def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hi
     silu_mul): the same accumulations, so only the activation's last rounding may differ;
     deterministic. (No split-K: from 48 rows of K = 2048 a window of the rows, `x_tiles`.)"""
     x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
-    tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3)]
+    # ws(64, ...): `halves` (32 gate + 32 up rows in one MMA); its GEMM's tiles are 64 rows
+    tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3), ws(64, 128, 1, 4)]
     for config in fitting(2 * inter, hidden, m, tiles, swiglu=True):
         block_n, block_k, stages = config.block_n, config.block_k, config.num_stages
         fused = gate_up_silu(x, w, config)
-        plain = silu_mul(gemm(x, w, ws(block_n // 2, block_k, 1, stages)))
+        plain = silu_mul(gemm(x, w, ws(max(64, block_n // 2), block_k, 1, stages)))
         torch.testing.assert_close(fused, plain, rtol=2**-7, atol=1e-6)
         assert torch.equal(gate_up_silu(x, w, config), fused)
 
