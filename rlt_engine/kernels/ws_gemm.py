@@ -504,6 +504,21 @@ def _build():
         return c1, c2, s1, s2, slot
 
     @gluon.jit
+    def tile_halves(val, scratch, dtype: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        """A tile's (fp32 [BN, BM]) two halves [BN / 2, BM] in ROPE_LAYOUT, each rounded as the
+        plain GEMM stores it, and their row (i) and column (r) indices. A pair's halves live in
+        different warps: they meet in shared memory."""
+        HB: gl.constexpr = BN // 2
+        scratch.store(val.to(dtype))
+        gl.thread_barrier()
+        lay: gl.constexpr = ROPE_LAYOUT
+        first = scratch.slice(0, HB).load(lay)
+        second = scratch.slice(HB, HB).load(lay)
+        i = gl.arange(0, HB, layout=gl.SliceLayout(1, lay))[:, None]
+        r = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))[None, :]
+        return first, second, i, r
+
+    @gluon.jit
     def rope_tile(val, scratch, out_ptr, N, M, operands, kpool_ptr, vpool_ptr, H, KVH,
                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):  # fmt: skip
         """The qkv epilogue of one tile (fp32 [BN, BM], all M rows): its first BN / 2 weight
@@ -515,13 +530,7 @@ def _build():
         HB: gl.constexpr = BN // 2
         HALF: gl.constexpr = D // 2
         c1, c2, s1, s2, slot = operands
-        scratch.store(val.to(dtype))  # rounded as the plain GEMM stores it
-        gl.thread_barrier()  # a pair's halves live in different warps: meet in shared memory
-        lay: gl.constexpr = ROPE_LAYOUT
-        x1 = scratch.slice(0, HB).load(lay)
-        x2 = scratch.slice(HB, HB).load(lay)
-        i = gl.arange(0, HB, layout=gl.SliceLayout(1, lay))[:, None]
-        r = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))[None, :]
+        x1, x2, i, r = tile_halves(val, scratch, dtype, BM, BN)
         tile = gl.program_id(0)
         head = tile // (D // BN)
         d = (tile % (D // BN)) * HB + i  # the dim of x1 within its head; x2's is d + HALF
@@ -555,13 +564,7 @@ def _build():
         rounded as stored, they meet in shared memory for `swiglu`."""
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         HB: gl.constexpr = BN // 2
-        scratch.store(val.to(dtype))
-        gl.thread_barrier()  # a row's gate and up lie in different warps
-        lay: gl.constexpr = ROPE_LAYOUT
-        gate = scratch.slice(0, HB).load(lay)
-        up = scratch.slice(HB, HB).load(lay)
-        i = gl.arange(0, HB, layout=gl.SliceLayout(1, lay))[:, None]
-        r = gl.arange(0, BM, layout=gl.SliceLayout(0, lay))[None, :]
+        gate, up, i, r = tile_halves(val, scratch, dtype, BM, BN)
         at = out_ptr + r * N + gl.program_id(0) * HB + i
         gl.store(at, swiglu(gate, up, dtype), mask=(r < M) & (i >= 0))
 
@@ -587,25 +590,20 @@ def _build():
                 if i >= AHEAD:
                     j = i - AHEAD
                     mbarrier.wait(full.index(j % STAGES), (j // STAGES) & 1)
-            if ROPE:  # two half boxes: dims j*BN/2.. of a head, then the same dims + D/2
+            if ROPE or HALVES:  # two half boxes a tile
                 HB: gl.constexpr = BN // 2
-                lo = (n0 // D) * D + (n0 % D) // 2
+                if ROPE:  # dims j*BN/2.. of a head, then the same dims + D/2
+                    lo = (n0 // D) * D + (n0 % D) // 2
+                    hi = lo + D // 2
+                else:  # `halves`: gate rows j*BN/2.., then the same up rows
+                    lo = gl.program_id(0) * HB
+                    hi = N + lo
                 mbarrier.expect(full.index(s), 2 * w_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(
                     w_desc, [lo, k0 + i * BK], full.index(s), ring.index(s).slice(0, HB)
                 )
                 tma.async_copy_global_to_shared(
-                    w_desc, [lo + D // 2, k0 + i * BK], full.index(s), ring.index(s).slice(HB, HB)
-                )
-            elif HALVES:  # two half boxes: gate rows j*BN/2.., then the same up rows
-                HB: gl.constexpr = BN // 2
-                gate = gl.program_id(0) * HB
-                mbarrier.expect(full.index(s), 2 * w_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    w_desc, [gate, k0 + i * BK], full.index(s), ring.index(s).slice(0, HB)
-                )
-                tma.async_copy_global_to_shared(
-                    w_desc, [N + gate, k0 + i * BK], full.index(s), ring.index(s).slice(HB, HB)
+                    w_desc, [hi, k0 + i * BK], full.index(s), ring.index(s).slice(HB, HB)
                 )
             else:
                 mbarrier.expect(full.index(s), PARTS * w_desc.block_type.nbytes)
