@@ -198,8 +198,8 @@ def check(
     """Why the kernel cannot take this shape and config, or None. `swiglu`: n counts the
     packed gate and up rows; a program takes block_n / 2 rows of each (32 of each in one MMA
     tile where block_n is 64: `halves`). `stages` (the ring's):
-    also whether the ring, the x rows and (`rope`) the RoPE epilogue's exchange fit a block's
-    shared memory."""
+    also whether the ring, the x rows and the epilogue's exchange (`rope`'s, or `halves`')
+    fit a block's shared memory."""
     if m > MAX_M:
         return f"at most {MAX_M} rows, got {m}"
     rows, n_out = (block_n // 2, n // 2) if swiglu else (block_n, n)
