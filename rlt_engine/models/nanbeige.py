@@ -8,7 +8,7 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, pending_norm
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -44,8 +44,8 @@ class NanbeigeDecoderLayer(nn.Module):
         if exit_gate is not None:
             raise ValueError("Nanbeige has no exit gate")
         attn = self.self_attn(h, rope, meta, backend, unreduced=True)  # summed by add_norm
-        x, h = add_norm(attn, x, self.post_attention_layernorm)
-        out = self.mlp(h, unreduced=next_norm is not None)
+        pending = pending_norm(attn, x, self.post_attention_layernorm)
+        out, x = self.mlp.after(pending, unreduced=next_norm is not None)
         if next_norm is None:
             return x + out, None, None
         return *add_norm(out, x, next_norm), None

@@ -8,7 +8,14 @@ from torch import nn
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, add_norm_hazard
+from rlt_engine.models.layers import (
+    Attention,
+    RMSNorm,
+    SwiGLU,
+    add_norm,
+    add_norm_hazard,
+    pending_norm,
+)
 
 
 class OuroDecoderLayer(nn.Module):
@@ -51,9 +58,10 @@ class OuroDecoderLayer(nn.Module):
         `forward` with fused norms. `exit_gate` (fp32 weight and bias, with next_norm): the
         last launch also computes the exit hazard of next_norm's output, returned third."""
         # the o_proj's and the down_proj's split-K partials are summed by the add + norm launch
+        # (or the gate/up GEMM's chain prologue, which runs that add + norm itself)
         attn = self.self_attn(h, rope, meta, backend, unreduced=True)
-        x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
-        out = self.mlp(h, unreduced=next_norm is not None)
+        pending = pending_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
+        out, x = self.mlp.after(pending, unreduced=next_norm is not None)
         if next_norm is None:
             return self.post_attention_layernorm_2(out, residual=x), None, None
         if exit_gate is not None:
