@@ -259,6 +259,28 @@ class Attention(nn.Module):
             out = backend.attend(self.layer, q, k, v, meta)
         return self._o_proj(out.reshape(rows, self.num_heads * d), unreduced)
 
+    def after(
+        self,
+        pending: PendingNorm,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        unreduced: bool = False,
+    ) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
+        """(`forward` of h, x) for the add + norm `pending` = (x, h): where the qkv GEMM's
+        kernel takes decode rows with its RoPE epilogue, its programs form h themselves
+        (kernels/ws_gemm's chain prologue: the add + norm launch is gone), else that launch
+        runs first."""
+        project_attend = getattr(backend, "project_attend", None)
+        if self.qkv is not None and self.small_gemm and self.fused_rope and project_attend:
+            done = project_attend(self.layer, pending, self.qkv, rope, meta)
+            if done is not None:
+                out, x = done
+                flat = out.reshape(x.shape[0], self.num_heads * self.head_dim)
+                return self._o_proj(flat, unreduced), x
+        x, h = pending.run()
+        return self.forward(h, rope, meta, backend, unreduced), x
+
     def _o_proj(self, out: torch.Tensor, unreduced: bool) -> torch.Tensor | SplitSums:
         if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile
             return project(out, self.o_proj.weight, True, prefetch_whole=True, unreduced=unreduced)

@@ -296,10 +296,10 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
            (8, 64, 128, 4, 1, "h", "bf16", False, 0, False, False, 0, 128),
            # the chain prologue (CHAIN 2: Ouro's sandwich from 4 split partials; 1: a plain
-           # add of y) as Ouro's gate/up rows and qkv would run it
+           # add of y) as Ouro's gate/up and its qkv (the RoPE epilogue) would run it
            (8, 64, 256, 2, 1, 2, "bf16", False, 0, False, False, 0, 0, (2, 4)),
            (8, 64, 128, 6, 1, 2, "bf16", False, 0, False, False, 0, 0, (1, 0)),
-           (8, 64, 256, 5, 1, 1, "bf16", False, 0, False, False, 0, 0, (2, 4)))
+           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, False, 0, 0, (2, 4)))
 shared, inits, usage = {}, {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
 # register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
@@ -397,7 +397,11 @@ def test_the_chain_prologue_reads_after_the_wait_without_spills(compiled):
     the norms' weights (no running kernel writes them), the partials loaded after it; the
     rows' barrier is never waited for (the rows are stored by the consumer warps)."""
     chains = {n: u for n, u in compiled["usage"].items() if "_chain" in n}
-    assert set(chains) == {"split1_swiglu_chain2_s4", "split1_swiglu_chain1_s0", "split1_chain2_s4"}
+    assert set(chains) == {
+        "split1_swiglu_chain2_s4",
+        "split1_swiglu_chain1_s0",
+        "split1_rope_bn64_chain2_s4",
+    }
     for name, (registers, spilled) in chains.items():
         assert spilled == 0, (name, registers, spilled)
         code = compiled["ptx"][name]
