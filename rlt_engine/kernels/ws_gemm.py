@@ -304,6 +304,8 @@ def check_chain(chain: PendingNorm, k: int, config, exchange: bool) -> str | Non
         return f"the chain prologue takes 1 to {most} rows (CHAIN_ROWS, CHAIN_MAX_ROWS), got {m}"
     if config.split_k != 1:
         return "the chain prologue normalises whole rows: no split-K"
+    if config.block_k < 128:
+        return "the chain prologue's layout takes block_k of 128 or more"
     if x_tiles(k, m, config.block_n, config.block_k, 1, config.num_stages, exchange) != (
         k // config.block_k
     ):
@@ -675,15 +677,16 @@ def _build():
         x = residual + norm(y; wy) (or + y), y the SPLITS partials' sum (or y itself), with
         norm_chain's roundings; the first program also stores x. Three passes over the rows:
         y (and its sum of squares), x (and its), h; a thread reads back only the elements it
-        stored, so the passes need no barrier, only the MMA after them."""
+        stored, so the passes need no barrier, only the MMA after them. Every warp takes a
+        part of every row (a row's loads in flight at once at 1 row, decode's c=1); a
+        thread sums its squares over the tiles, then one reduction a pass across them."""
         dtype: gl.constexpr = xs.dtype
         H: gl.constexpr = KT * BK
-        TK: gl.constexpr = 32 if BK >= 256 else BK // 8
-        lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [4, 1], [1, 0])
+        lay: gl.constexpr = gl.BlockedLayout([1, BK // 128], [1, 32], [1, 4], [1, 0])
         r = gl.arange(0, BM, layout=gl.SliceLayout(1, lay))[:, None]
         c = gl.arange(0, BK, layout=gl.SliceLayout(0, lay))[None, :]
         ok = (r < M) & (c >= 0)  # rows >= M: zeros throughout (their columns are not stored)
-        ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, lay))
+        sq = gl.zeros([BM, BK], gl.float32, lay)
         for i in gl.static_range(KT):  # y: 0.0 + p0 + p1 + ... in fp32, rounded once
             at = r * H + i * BK + c
             if SPLITS > 0:
@@ -695,12 +698,12 @@ def _build():
                 y = gl.load(y_ptr + at, mask=ok, other=0.0)
             if NORM_Y:  # squares rounded before they are summed (norm.py's)
                 y32 = y.to(gl.float32)
-                ss += gl.sum(mul_rn(y32, y32), axis=1)
+                sq += mul_rn(y32, y32)
             xs.index(i).store(y)
         inv_h = gl.full([BM], INV_H, gl.float32, gl.SliceLayout(1, lay))
         if NORM_Y:  # the mean rounded before eps is added (norm.py's)
-            rs_y = gl.rsqrt(mul_rn(ss, inv_h) + eps_y)[:, None]
-        ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, lay))
+            rs_y = gl.rsqrt(mul_rn(gl.sum(sq, axis=1), inv_h) + eps_y)[:, None]
+        sq = gl.zeros([BM, BK], gl.float32, lay)
         first = gl.program_id(0) == 0
         for i in gl.static_range(KT):  # x = residual + norm(y) (or + y), rounded once
             y = xs.index(i).load(lay)
@@ -712,11 +715,11 @@ def _build():
             else:
                 x = (res + y.to(gl.float32)).to(dtype)
             x32 = x.to(gl.float32)
-            ss += gl.sum(mul_rn(x32, x32), axis=1)
+            sq += mul_rn(x32, x32)
             xs.index(i).store(x)
             if first:
                 gl.store(xout_ptr + r * H + i * BK + c, x, mask=ok)
-        rs = gl.rsqrt(mul_rn(ss, inv_h) + eps)[:, None]
+        rs = gl.rsqrt(mul_rn(gl.sum(sq, axis=1), inv_h) + eps)[:, None]
         for i in gl.static_range(KT):  # h = norm(x)
             x = xs.index(i).load(lay)
             wn = gl.load(wn_ptr + i * BK + c).to(gl.float32)
