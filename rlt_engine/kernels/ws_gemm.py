@@ -792,9 +792,9 @@ def _build():
                  CHAIN_SPLITS: gl.constexpr, INV_H: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
-        if CHAIN and PDL:
-            chain_lines(res_ptr, wy_ptr, wn_ptr, M, KT * BK, BM, CHAIN == 2)
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
+            if CHAIN:
+                chain_lines(res_ptr, wy_ptr, wn_ptr, M, KT * BK, BM, CHAIN == 2)
             gdc_wait()
             if not LATE:
                 gdc_launch_dependents()
