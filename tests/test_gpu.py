@@ -221,34 +221,6 @@ def test_cuda_qkv_rope_epilogue_equals_its_own_launch(monkeypatch):
     assert ouro_decode_at(prompts) == fused
 
 
-def test_cuda_chain_prologue_gives_the_add_norm_launchs_tokens(monkeypatch):
-    """Ouro-1.4B's shapes (dummy bf16 weights, CUDA graphs), decode at 1, 2 and 8 sequences:
-    the gate/up GEMM taking the attention's add + norm as its prologue (kernels/ws_gemm's
-    chain, CHAIN_ROWS rows) gives the tokens and exit depths of the add + norm launch."""
-    from rlt_engine.kernels import gate_up_swiglu, small_gemm
-    from rlt_engine.kernels import ws_gemm as module
-    from rlt_engine.kernels.norm_chain import PendingNorm
-
-    taken: list[bool] = []
-    real = gate_up_swiglu.gate_up_silu
-
-    def spy(x, w, config=None):
-        out = real(x, w, config)
-        if isinstance(x, PendingNorm):
-            taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(gate_up_swiglu, "gate_up_silu", spy)
-    monkeypatch.setattr(module, "CHAIN_ROWS", 8)
-    prompts = [[(29 * i + 7 * j) % 49000 + 3 for j in range(44 + i)] for i in range(8)]
-    chained = ouro_decode_at(prompts, counts=(1, 2, 8))
-    cuda = torch.device("cuda")
-    if module.available(cuda) and small_gemm.tuned_for(cuda):  # an H200 or H100 SXM
-        assert any(taken)
-    monkeypatch.setattr(module, "CHAIN_ROWS", 0)
-    assert ouro_decode_at(prompts, counts=(1, 2, 8)) == chained
-
-
 def test_cuda_long_context_mha_decode_on_the_rows_kernel_matches_cpu(
     ouro_real_dir, tmp_path, monkeypatch
 ):

@@ -24,7 +24,6 @@ from rlt_engine.kernels import paged_attention as _pa
 from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels import small_gemm as _gemm
 from rlt_engine.kernels import swiglu as _swiglu
-from rlt_engine.kernels.norm_chain import PendingNorm
 
 __all__ = ["gate_up_silu"]
 
@@ -33,28 +32,21 @@ triton = tl = libdevice = round_bf16 = prefetch_l2 = None
 
 
 def gate_up_silu(
-    x: torch.Tensor | PendingNorm, w: torch.Tensor, config: _gemm.GemmConfig | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    x: torch.Tensor, w: torch.Tensor, config: _gemm.GemmConfig | None = None
+) -> torch.Tensor | None:
     """silu(x @ gate.T) * (x @ up.T) for w = [gate; up] [2I, K]; None where the fused kernel
     has no config (the caller then runs the GEMM and `silu_mul`). `config` (tests, the
-    benchmark) forces one: its block_n is split into the gate and up halves. x a PendingNorm
-    (an add + norm not yet run, whose h is the GEMM's rows): (the activation, its x) where the
-    table's config is the warp-specialised kernel's and it takes the add + norm as its
-    prologue (kernels/ws_gemm's `chain`), else None."""
-    chain = x if isinstance(x, PendingNorm) else None
-    rows = x if chain is None else chain.residual
+    benchmark) forces one: its block_n is split into the gate and up halves."""
     if config is None:
-        config = _gemm.choose(rows, w, gated=True)
+        config = _gemm.choose(x, w, gated=True)
         if config is None or config.split_k != 1:
             return None
     if config.kernel == "ws":  # the warp-specialised kernel's SwiGLU form (kernels/ws_gemm)
         from rlt_engine.kernels import ws_gemm
 
-        if not ws_gemm.available(rows.device) or ws_gemm.refusal(x, w, config, swiglu=True):
+        if not ws_gemm.available(x.device) or ws_gemm.refusal(x, w, config, swiglu=True):
             return None
         return ws_gemm.ws_gemm(x, w, config, swiglu=True)
-    if chain is not None:  # only the warp-specialised kernel takes the add + norm
-        return None
     if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1] or not w.is_contiguous():
         raise ValueError(f"need x [..., K] and w [2I, K] contiguous, got {x.shape}, {w.shape}")
     if x.dtype != w.dtype or x.device != w.device or config.block_n % 32:

@@ -25,17 +25,11 @@ y may also be a split-K GEMM's unsummed partials (kernels/split_sums.SplitSums, 
 rounds once, as the GEMM would have, so x, h and the hazard are the same bits as from the
 summed y, and the GEMM's tail loses its ticket and reload.
 
-A `PendingNorm` is such an add + norm described but not yet run: the warp-specialised GEMM
-that reads h next may take it instead of h (kernels/ws_gemm's chain prologue: each program
-forms its rows of h itself, one launch and one PDL hop fewer); `run()` is this module's launch.
-
 Rows are independent (batch invariant). CUDA-graph capturable: no host synchronisation, the
 grid depends only on the shapes. triton is imported lazily (see paged_attention).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -45,37 +39,11 @@ from rlt_engine.kernels import pdl as _pdl
 from rlt_engine.kernels.norm import rms_norm_reference, supported
 from rlt_engine.kernels.split_sums import SplitSums
 
-__all__ = [
-    "PendingNorm",
-    "add_rms_norm",
-    "add_rms_norm_hazard",
-    "add_rms_norm_reference",
-    "supported",
-]
+__all__ = ["add_rms_norm", "add_rms_norm_hazard", "add_rms_norm_reference", "supported"]
 
 # set by _import_triton(); the kernel's body reads `tl`, `libdevice`, `round_bf16`, `normed_row`,
 # `prefetch_lines`
 triton = tl = libdevice = round_bf16 = normed_row = prefetch_lines = None
-
-
-class PendingNorm(NamedTuple):
-    """`add_rms_norm`'s arguments, not yet run: x = residual + norm(y; y_weight, y_eps) (or
-    residual + y without y_weight) and h = norm(x; weight, eps)."""
-
-    y: torch.Tensor | SplitSums
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    y_weight: torch.Tensor | None = None
-    y_eps: float | None = None
-
-    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, h) by `add_rms_norm`."""
-        return add_rms_norm(*self)
-
-    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, h) by `add_rms_norm_reference`."""
-        return add_rms_norm_reference(*self)
 
 
 def add_rms_norm_reference(

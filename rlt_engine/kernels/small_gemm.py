@@ -253,15 +253,12 @@ def linear_argmax(
     return _argmax.argmax_partials(linear(x, w, gate), gate)
 
 
-def linear_rope(x, w: torch.Tensor, rope):
+def linear_rope(x: torch.Tensor, w: torch.Tensor, rope) -> torch.Tensor | None:
     """`linear` of a packed qkv weight with kernels/ws_gemm's RoPE + K/V write epilogue
     (`rope`: a ws_gemm.QkvRope), or None where the table picks no warp-specialised config
     for it or the epilogue cannot take that config's tiles: the caller then projects and
-    rotates as before. x a norm_chain.PendingNorm: (the projection, its x) where the kernel
-    also takes that add + norm as its prologue (ws_gemm's `chain`), else None."""
-    from rlt_engine.kernels.norm_chain import PendingNorm
-
-    config = choose(x.residual if isinstance(x, PendingNorm) else x, w)
+    rotates as before."""
+    config = choose(x, w)
     if config is None or config.kernel != "ws" or not _ws_available(x.device):
         return None
     from rlt_engine.kernels import ws_gemm as _ws

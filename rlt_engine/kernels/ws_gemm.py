@@ -44,16 +44,6 @@ kernels/rope_kv_write does, bit for bit, and writes the new K / V rows into the 
 one launch and one PDL hop fewer between the GEMM and attention (c=1 +4%, c=8 +1.4%,
 results/2026-12-03-qkv-rope-epilogue-h200.md).
 
-A GEMM whose rows are the output of an add + norm (norm_chain.PendingNorm: the o_proj's split
-partials, the residual and the two norms of Ouro's sandwich) may take that chain instead of its
-rows (`chain`, up to CHAIN_ROWS rows): each program, after its PDL wait, sums the partials,
-adds and normalises its rows into its shared-memory x tiles itself (three passes over the
-rows, each thread reading back only what it wrote), and the first program also writes x, the
-new residual. The add + norm launch and its PDL hop are gone from the chain of dependent
-launches; every program reads the partials (L2-resident) once more. The roundings are
-norm_chain's step by step; only the sums of squares are reduced in another order (four warps,
-not that kernel's eight), so h agrees with `add_rms_norm`'s to an ulp of the dtype.
-
 Runs only on compute capability 9.0 (wgmma is sm_90a's), with Triton's Gluon, never under the
 interpreter: `available` says whether. Chosen per shape by small_gemm's table (backend "ws");
 no gate (the lm_head's skip stays on the Triton kernel). Kernel built on first use.
@@ -66,7 +56,6 @@ from typing import NamedTuple
 import torch
 
 from rlt_engine.kernels import pdl as _pdl
-from rlt_engine.kernels.norm_chain import PendingNorm
 from rlt_engine.kernels.split_sums import SplitSums
 
 __all__ = ["QkvRope", "available", "check", "ws_gemm"]
@@ -100,12 +89,6 @@ RING_AHEAD_ROWS = 8
 SWIGLU_TWO_PER_SM = True
 TWO_PER_SM_REGISTERS = 128
 HALF_SM_SHARED = 113 << 10  # an SM's 228 KiB, less 1 KiB the hardware reserves a block, / 2
-# A GEMM takes the add + norm before it (`chain`) up to this many rows: every program reads
-# each row's split partials and residual (~44 KB a row for Ouro's o_proj at 4 splits), so
-# the prologue grows with the rows while the launch it saves does not. Not yet measured on a
-# GPU: 0 keeps every chain on norm_chain's launch
-CHAIN_ROWS = 0
-CHAIN_MAX_ROWS = 8  # one 8-row tile: from 16 rows its unrolled passes spill (ptxas)
 _DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL: list = []  # the @gluon.jit kernel, built on first use
 _AVAILABLE: dict[int, bool] = {}
@@ -295,39 +278,8 @@ def check_rope(n: int, block_n: int, rope: QkvRope, x: torch.Tensor) -> str | No
     return None
 
 
-def check_chain(chain: PendingNorm, k: int, config, exchange: bool) -> str | None:
-    """Why a GEMM cannot take this add + norm as its prologue (`chain`), or None."""
-    y, res = chain.y, chain.residual
-    m = res.shape[0] if res.dim() == 2 else -1
-    most = min(CHAIN_ROWS, CHAIN_MAX_ROWS)
-    if not 1 <= m <= most:
-        return f"the chain prologue takes 1 to {most} rows (CHAIN_ROWS, CHAIN_MAX_ROWS), got {m}"
-    if config.split_k != 1:
-        return "the chain prologue normalises whole rows: no split-K"
-    if config.block_k < 128:
-        return "the chain prologue's layout takes block_k of 128 or more"
-    if x_tiles(k, m, config.block_n, config.block_k, 1, config.num_stages, exchange) != (
-        k // config.block_k
-    ):
-        return "the chain prologue needs the whole rows in shared memory beside the ring"
-    if res.shape != (m, k) or not res.is_contiguous() or res.dtype not in _DTYPES:
-        return f"the residual must be [{m}, {k}] contiguous in {_DTYPES}"
-    if isinstance(y, SplitSums):
-        p = y.parts
-        if p.dim() != 3 or p.shape[1:] != (m, k) or p.dtype != torch.float32:
-            return f"split sums must be fp32 [splits, {m}, {k}]"
-        if not p.is_contiguous() or y.dtype != res.dtype:
-            return "split sums must be contiguous, of the residual's dtype"
-    elif y.shape != (m, k) or not y.is_contiguous() or y.dtype != res.dtype:
-        return f"y must be [{m}, {k}] contiguous in the residual's dtype"
-    for w in (chain.weight, chain.y_weight):
-        if w is not None and not (w.shape == (k,) and w.is_contiguous() and w.is_floating_point()):
-            return f"the norms' weights must be [{k}] contiguous floats"
-    return None
-
-
 def refusal(
-    x: torch.Tensor | PendingNorm,
+    x: torch.Tensor,
     w: torch.Tensor,
     config,
     swiglu: bool = False,
@@ -336,11 +288,7 @@ def refusal(
 ) -> str | None:
     """Why `ws_gemm` refuses this shape and config (its ValueError), or None: callers with a
     route of their own (small_gemm.linear_rope, gate_up_swiglu) take it instead. A table row
-    tuned without the RoPE exchange or the SwiGLU halves may not fit in their form; a
-    PendingNorm x needs `check_chain`'s conditions."""
-    chain = x if isinstance(x, PendingNorm) else None
-    if chain is not None:
-        x = chain.residual
+    tuned without the RoPE exchange or the SwiGLU halves may not fit in their form."""
     n, k = w.shape
     m = x.numel() // max(1, k)
     c = config
@@ -349,26 +297,18 @@ def refusal(
         why = "no SwiGLU form with RoPE" if swiglu else check_rope(n, c.block_n, rope, x)
     if why is None and unreduced and c.split_k > 1 and rope is not None:
         why = "unreduced partials are for the plain GEMM, not the RoPE epilogue"
-    if why is None and chain is not None:
-        exchange = rope is not None or halves(swiglu, c.block_n)
-        why = check_chain(chain, k, c, exchange)
-        programs = n // c.block_n  # (split 1; the SwiGLU form's n counts gate and up rows)
-        if why is None and x.is_cuda and two_per_sm(swiglu, programs, _sms(x.device), k, m, c):
-            # its three passes are unrolled: 255 registers a thread, no spills; at half the
-            # register file (two programs an SM) they would spill
-            why = "the chain prologue needs a program's whole register file, not half"
     return why
 
 
 def ws_gemm(
-    x: torch.Tensor | PendingNorm,
+    x: torch.Tensor,
     w: torch.Tensor,
     config,
     swiglu: bool = False,
     probe: torch.Tensor | None = None,
     rope: QkvRope | None = None,
     unreduced: bool = False,
-) -> torch.Tensor | SplitSums | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | SplitSums:
     """`x @ w.T` for x [..., K] with at most MAX_M rows, w [N, K] contiguous, one 16-bit dtype, on
     a device where `available`; config (a GemmConfig): block_n / block_k / split_k /
     num_stages. `swiglu`: w = [gate; up] packed [2I, K]; returns silu(x @ gate.T) * (x @ up.T)
@@ -377,14 +317,10 @@ def ws_gemm(
     order (N tile major, then split): a PROBE build stamps each program's PROBE_FIELDS.
     `unreduced`: with split-K, each split stores its fp32 partial and the launch returns them
     as a SplitSums for the next kernel to sum (no ticket, no sum here: kernels/split_sums);
-    without split-K the output as always. x a PendingNorm (`check_chain`): the GEMM of its h,
-    formed in every program (the module docstring); returns (output, its x)."""
+    without split-K the output as always."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    chain = x if isinstance(x, PendingNorm) else None
-    if chain is not None:
-        x = chain.residual
     n, k = w.shape
     if x.dtype not in _DTYPES or w.dtype != x.dtype or x.shape[-1] != k or not w.is_contiguous():
         raise ValueError(
@@ -397,7 +333,7 @@ def ws_gemm(
         x2 = x2.contiguous()
     m = x2.shape[0]
     bk, splits = config.block_k, config.split_k
-    why = refusal(x if chain is None else chain, w, config, swiglu, rope, unreduced)
+    why = refusal(x, w, config, swiglu, rope, unreduced)
     if why is not None:
         raise ValueError(why)
     unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
@@ -409,16 +345,6 @@ def ws_gemm(
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n_out)
-    if chain is None:
-        y = res = wy = wn = x_out = out
-        chain_splits, eps_y, eps = 0, 0.0, 0.0
-    else:
-        x_out = torch.empty_like(x2)
-        y, res, wn, eps, wy, eps_y = chain
-        chain_splits = y.parts.shape[0] if isinstance(y, SplitSums) else 0
-        y = y.parts if isinstance(y, SplitSums) else y
-        wy = wn if wy is None else wy
-        eps_y = eps if eps_y is None else eps_y
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
@@ -454,9 +380,6 @@ def ws_gemm(
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         x_ptr=x2, K=k,
-        y_ptr=y, res_ptr=res, wy_ptr=wy, wn_ptr=wn, xout_ptr=x_out, eps_y=float(eps_y),
-        eps=float(eps), CHAIN=0 if chain is None else 1 + (chain.y_weight is not None),
-        CHAIN_SPLITS=chain_splits, INV_H=1.0 / k,
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
@@ -466,7 +389,7 @@ def ws_gemm(
         KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe is not None,
         UNREDUCED=unreduced,
-        XLOAD=chain is None and m <= X_BY_LOADS_ROWS and xt == kt,
+        XLOAD=m <= X_BY_LOADS_ROWS and xt == kt,
         AHEAD=_ahead(parts * config.block_n * bk * x.element_size(), config.num_stages, m),
         num_warps=4,
         # launched with the whole register file (Triton's default here), so no other kernel's
@@ -480,8 +403,6 @@ def ws_gemm(
     )  # fmt: skip
     if unreduced:  # rows flattened: [splits, rows, N]
         return SplitSums(partials, x.dtype)
-    if chain is not None:
-        return out, x_out
     return out.view(*lead, n_out)
 
 
@@ -553,7 +474,7 @@ def _build():
         return (silu.to(dtype).to(gl.float32) * up.to(dtype).to(gl.float32)).to(dtype)
 
     @gluon.jit
-    def mul_rn(a, b):  # fp32 product by mul.rn: never contracted into an FMA (rope.py's)
+    def rope_mul(a, b):  # fp32 product by mul.rn: never contracted into an FMA (rope.py's)
         return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
                                          dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
 
@@ -617,10 +538,10 @@ def _build():
         x_at = out_ptr + r * N + head * D + d
         if head < H + KVH:  # q or k: (x1*c1 - x2*s1, x2*c2 + x1*s2), products rounded
             f1, f2 = x1.to(gl.float32), x2.to(gl.float32)
-            a1 = mul_rn(f1, c1).to(dtype).to(gl.float32)
-            b1 = mul_rn(f2, s1).to(dtype).to(gl.float32)
-            a2 = mul_rn(f2, c2).to(dtype).to(gl.float32)
-            b2 = mul_rn(f1, s2).to(dtype).to(gl.float32)
+            a1 = rope_mul(f1, c1).to(dtype).to(gl.float32)
+            b1 = rope_mul(f2, s1).to(dtype).to(gl.float32)
+            a2 = rope_mul(f2, c2).to(dtype).to(gl.float32)
+            b2 = rope_mul(f1, s2).to(dtype).to(gl.float32)
             o1 = (a1 - b1).to(dtype)
             o2 = (a2 + b2).to(dtype)
             gl.store(x_at, o1, mask=ok)
@@ -646,87 +567,6 @@ def _build():
         gate, up, i, r = tile_halves(val, scratch, dtype, BM, BN)
         at = out_ptr + r * N + gl.program_id(0) * HB + i
         gl.store(at, swiglu(gate, up, dtype), mask=(r < M) & (i >= 0))
-
-    @gluon.jit
-    def prefetch_l2(ptrs):  # a fire-and-forget L2 request a pointer (pdl.prefetch_lines)
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
-                                  dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-    @gluon.jit
-    def chain_lines(res_ptr, wy_ptr, wn_ptr, M, H: gl.constexpr, BM: gl.constexpr,
-                    NORM_Y: gl.constexpr):  # fmt: skip
-        """Before the PDL wait: ask L2 for what the chain reads that no running kernel
-        writes, the residual rows (final two launches back) and the norms' weights, which
-        the layer's weight stream has evicted (norm_chain's prefetch)."""
-        LINE: gl.constexpr = 64  # 16-bit elements a 128-byte line (the weights: read as such)
-        LINES: gl.constexpr = H // LINE
-        lay: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
-        r = gl.arange(0, BM, layout=gl.SliceLayout(1, lay))[:, None]
-        line = gl.arange(0, LINES, layout=gl.SliceLayout(0, lay))[None, :] * LINE
-        prefetch_l2(res_ptr + gl.where(r < M, r, 0) * H + line)
-        first = r == 0
-        prefetch_l2(gl.where(first, wn_ptr + line, wn_ptr))
-        if NORM_Y:
-            prefetch_l2(gl.where(first, wy_ptr + line, wy_ptr))
-
-    @gluon.jit
-    def chain_rows(xs, y_ptr, res_ptr, wy_ptr, wn_ptr, xout_ptr, M, eps_y, eps,
-                   KT: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-                   SPLITS: gl.constexpr, NORM_Y: gl.constexpr, INV_H: gl.constexpr):  # fmt: skip
-        """The chain prologue: the program's x tiles (its whole rows) get h = norm(x; wn),
-        x = residual + norm(y; wy) (or + y), y the SPLITS partials' sum (or y itself), with
-        norm_chain's roundings; the first program also stores x. Three passes over the rows:
-        y (and its sum of squares), x (and its), h; a thread reads back only the elements it
-        stored, so the passes need no barrier, only the MMA after them. Every warp takes a
-        part of every row (a row's loads in flight at once at 1 row, decode's c=1); a
-        thread sums its squares over the tiles, then one reduction a pass across them."""
-        dtype: gl.constexpr = xs.dtype
-        H: gl.constexpr = KT * BK
-        lay: gl.constexpr = gl.BlockedLayout([1, BK // 128], [1, 32], [1, 4], [1, 0])
-        r = gl.arange(0, BM, layout=gl.SliceLayout(1, lay))[:, None]
-        c = gl.arange(0, BK, layout=gl.SliceLayout(0, lay))[None, :]
-        ok = (r < M) & (c >= 0)  # rows >= M: zeros throughout (their columns are not stored)
-        sq = gl.zeros([BM, BK], gl.float32, lay)
-        for i in gl.static_range(KT):  # y: 0.0 + p0 + p1 + ... in fp32, rounded once
-            at = r * H + i * BK + c
-            if SPLITS > 0:
-                total = gl.zeros([BM, BK], gl.float32, lay)
-                for s in gl.static_range(SPLITS):
-                    total += gl.load(y_ptr + s * M * H + at, mask=ok, other=0.0)
-                y = total.to(dtype)
-            else:
-                y = gl.load(y_ptr + at, mask=ok, other=0.0)
-            if NORM_Y:  # squares rounded before they are summed (norm.py's)
-                y32 = y.to(gl.float32)
-                sq += mul_rn(y32, y32)
-            xs.index(i).store(y)
-        inv_h = gl.full([BM], INV_H, gl.float32, gl.SliceLayout(1, lay))
-        if NORM_Y:  # the mean rounded before eps is added (norm.py's)
-            rs_y = gl.rsqrt(mul_rn(gl.sum(sq, axis=1), inv_h) + eps_y)[:, None]
-        sq = gl.zeros([BM, BK], gl.float32, lay)
-        first = gl.program_id(0) == 0
-        for i in gl.static_range(KT):  # x = residual + norm(y) (or + y), rounded once
-            y = xs.index(i).load(lay)
-            res = gl.load(res_ptr + r * H + i * BK + c, mask=ok, other=0.0).to(gl.float32)
-            if NORM_Y:
-                wy = gl.load(wy_ptr + i * BK + c).to(gl.float32)
-                t = (y.to(gl.float32) * rs_y).to(dtype).to(gl.float32)
-                x = (res + mul_rn(wy, t).to(dtype).to(gl.float32)).to(dtype)
-            else:
-                x = (res + y.to(gl.float32)).to(dtype)
-            x32 = x.to(gl.float32)
-            sq += mul_rn(x32, x32)
-            xs.index(i).store(x)
-            if first:
-                gl.store(xout_ptr + r * H + i * BK + c, x, mask=ok)
-        rs = gl.rsqrt(mul_rn(gl.sum(sq, axis=1), inv_h) + eps)[:, None]
-        for i in gl.static_range(KT):  # h = norm(x)
-            x = xs.index(i).load(lay)
-            wn = gl.load(wn_ptr + i * BK + c).to(gl.float32)
-            t = (x.to(gl.float32) * rs).to(dtype).to(gl.float32)
-            xs.index(i).store(mul_rn(wn, t).to(dtype))
-        fence_async_shared()  # the MMA (the async proxy) reads what every thread stored
-        gl.thread_barrier()
 
     @gluon.jit
     def producer(w_desc, ring, full, empty, N, probe_ptr, KT: gl.constexpr, BN: gl.constexpr,
@@ -787,14 +627,10 @@ def _build():
                  scratch, cos_ptr, sin_ptr,
                  stride_cos, stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH,
                  ROPE: gl.constexpr, D: gl.constexpr, LATE: gl.constexpr,
-                 UNREDUCED: gl.constexpr, x_ptr, K, XLOAD: gl.constexpr,
-                 y_ptr, res_ptr, wy_ptr, wn_ptr, xout_ptr, eps_y, eps, CHAIN: gl.constexpr,
-                 CHAIN_SPLITS: gl.constexpr, INV_H: gl.constexpr):  # fmt: skip
+                 UNREDUCED: gl.constexpr, x_ptr, K, XLOAD: gl.constexpr):  # fmt: skip
         if PROBE:  # the start is stored after the wait: nothing is written before it
             started = now()
         if PDL:  # the activations come from the kernel before (kernels/pdl.py's protocol)
-            if CHAIN:
-                chain_lines(res_ptr, wy_ptr, wn_ptr, M, KT * BK, BM, CHAIN == 2)
             gdc_wait()
             if not LATE:
                 gdc_launch_dependents()
@@ -802,10 +638,7 @@ def _build():
             stamp(probe_ptr, 0, started)
             stamp(probe_ptr, 1, now())
         k0 = gl.program_id(1) * (KT * BK)
-        if CHAIN:  # the rows formed here from the add + norm before (split 1: k0 is 0)
-            chain_rows(xs, y_ptr, res_ptr, wy_ptr, wn_ptr, xout_ptr, M, eps_y, eps, KT, BM, BK,
-                       CHAIN_SPLITS, CHAIN == 2, INV_H)  # fmt: skip
-        elif XLOAD:  # few rows: by cp.async, 16 bytes a thread (rows >= M filled with zeros)
+        if XLOAD:  # few rows: by cp.async, 16 bytes a thread (rows >= M filled with zeros)
             TK: gl.constexpr = 32 if BK >= 256 else BK // 8
             xl: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [4, 1], [1, 0])
             r = gl.arange(0, BM, layout=gl.SliceLayout(1, xl))[:, None]
@@ -835,7 +668,7 @@ def _build():
         )
         acc = gl.zeros([BN, BM], gl.float32, mma)
         acc_up = gl.zeros([BN, BM], gl.float32, mma)  # SwiGLU's up rows (else unused)
-        if not (XLOAD or CHAIN) and XT == KT:
+        if not XLOAD and XT == KT:
             mbarrier.wait(xbar, 0)
         if PROBE:
             stamp(probe_ptr, 2, now())
@@ -914,9 +747,7 @@ def _build():
                        stride_sin, kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE: gl.constexpr,
                        D: gl.constexpr, LATE: gl.constexpr,
                        UNREDUCED: gl.constexpr, x_ptr, K, XLOAD: gl.constexpr,
-                       AHEAD: gl.constexpr, y_ptr, res_ptr, wy_ptr, wn_ptr, xout_ptr, eps_y,
-                       eps, CHAIN: gl.constexpr, CHAIN_SPLITS: gl.constexpr,
-                       INV_H: gl.constexpr):  # fmt: skip
+                       AHEAD: gl.constexpr):  # fmt: skip
         # N: output columns (SwiGLU, PARTS 2: the up rows start at N in the weight)
         ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES * PARTS, BN, BK], w_desc.layout)
         xs = gl.allocate_shared_memory(x_desc.dtype, [XT, BM, BK], x_desc.layout)
@@ -945,8 +776,7 @@ def _build():
                             PDL, PROBE,
                             scratch, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             kpool_ptr, vpool_ptr, slot_ptr, H, KVH, ROPE, D, LATE,
-                            UNREDUCED, x_ptr, K, XLOAD, y_ptr, res_ptr, wy_ptr, wn_ptr,
-                            xout_ptr, eps_y, eps, CHAIN, CHAIN_SPLITS, INV_H)),
+                            UNREDUCED, x_ptr, K, XLOAD)),
                 (producer, (w_desc, ring, full, empty, N, probe_ptr, KT, BN, BK, STAGES, PARTS,
                             HALVES, PROBE, ROPE, D, AHEAD)),
             ],

@@ -153,10 +153,8 @@ class LoopedCausalLM(nn.Module):
             else:
                 next_norm = self.model.norm if self.config.norm_every_loop else None
                 gate = self.exit_gate_fp32 if next_norm is not None else None
-            # each add + norm between layers is left to the next layer's qkv GEMM, which may
-            # run it as its prologue (kernels/ws_gemm's chain)
             hidden, h, hazard = layer.forward_chained(
-                hidden, h, next_norm, rope, meta, backend, exit_gate=gate, defer=i + 1 < len(layers)
+                hidden, h, next_norm, rope, meta, backend, exit_gate=gate
             )
         return (hidden, None) if h is None else (h, hazard)
 

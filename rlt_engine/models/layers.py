@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlt_engine.kernels.norm_chain import PendingNorm
 from rlt_engine.kernels.split_sums import SplitSums
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.configs import LoopedLMConfig
@@ -42,20 +41,11 @@ def add_norm(
     add and the next norm in one launch (kernels/norm_chain; fast path only), bit-identical to
     `y_norm(y, residual=residual)` (or `residual + y`) followed by `norm(x)` with fused norms.
     y may be a split-K GEMM's unsummed partials (`project(..., unreduced=True)`)."""
-    return pending_norm(y, residual, norm, y_norm).run()
+    from rlt_engine.kernels.norm_chain import add_rms_norm
 
-
-def pending_norm(
-    y: torch.Tensor | SplitSums,
-    residual: torch.Tensor,
-    norm: RMSNorm,
-    y_norm: RMSNorm | None = None,
-) -> PendingNorm:
-    """`add_norm`'s launch described, not run: the GEMM that reads norm(x) next may form it
-    itself (SwiGLU.after)."""
     if y_norm is None:
-        return PendingNorm(y, residual, norm.weight, norm.eps)
-    return PendingNorm(y, residual, norm.weight, norm.eps, y_norm.weight, y_norm.eps)
+        return add_rms_norm(y, residual, norm.weight, norm.eps)
+    return add_rms_norm(y, residual, norm.weight, norm.eps, y_norm.weight, y_norm.eps)
 
 
 def add_norm_hazard(
@@ -185,22 +175,6 @@ class SwiGLU(nn.Module):
             act = F.silu(gate) * up
         return project(act, self.down_proj.weight, self.small_gemm, unreduced=unreduced)
 
-    def after(
-        self, pending: PendingNorm, unreduced: bool = False
-    ) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
-        """(`forward` of h, x) for the add + norm `pending` = (x, h): where the gate/up GEMM's
-        kernel can, its programs form h themselves (kernels/ws_gemm's chain prologue: the
-        add + norm launch is gone), else that launch runs first."""
-        if self.gate_up is not None and self.fused_act and self.small_gemm:
-            from rlt_engine.kernels.gate_up_swiglu import gate_up_silu
-
-            done = gate_up_silu(pending, self.gate_up)
-            if done is not None:
-                act, x = done
-                return project(act, self.down_proj.weight, True, unreduced=unreduced), x
-        x, h = pending.run()
-        return self.forward(h, unreduced=unreduced), x
-
 
 class Attention(nn.Module):
     def __init__(self, cfg: LoopedLMConfig, layer: int) -> None:
@@ -258,28 +232,6 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             out = backend.attend(self.layer, q, k, v, meta)
         return self._o_proj(out.reshape(rows, self.num_heads * d), unreduced)
-
-    def after(
-        self,
-        pending: PendingNorm,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        unreduced: bool = False,
-    ) -> tuple[torch.Tensor | SplitSums, torch.Tensor]:
-        """(`forward` of h, x) for the add + norm `pending` = (x, h): where the qkv GEMM's
-        kernel takes decode rows with its RoPE epilogue, its programs form h themselves
-        (kernels/ws_gemm's chain prologue: the add + norm launch is gone), else that launch
-        runs first."""
-        project_attend = getattr(backend, "project_attend", None)
-        if self.qkv is not None and self.small_gemm and self.fused_rope and project_attend:
-            done = project_attend(self.layer, pending, self.qkv, rope, meta)
-            if done is not None:
-                out, x = done
-                flat = out.reshape(x.shape[0], self.num_heads * self.head_dim)
-                return self._o_proj(flat, unreduced), x
-        x, h = pending.run()
-        return self.forward(h, rope, meta, backend, unreduced), x
 
     def _o_proj(self, out: torch.Tensor, unreduced: bool) -> torch.Tensor | SplitSums:
         if self.small_gemm:  # attention reads little of HBM: the o_proj's weight streams meanwhile

@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlt_engine.kernels.norm_chain import PendingNorm
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, pending_norm
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm
 
 
 class NanbeigeDecoderLayer(nn.Module):
@@ -39,22 +38,17 @@ class NanbeigeDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         exit_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
-        defer: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | PendingNorm | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The fast path's form of `forward` (see OuroDecoderLayer.forward_chained): each
-        residual add and the norm after it in one launch, or in the next GEMM's prologue."""
+        residual add and the norm after it in one launch."""
         if exit_gate is not None:
             raise ValueError("Nanbeige has no exit gate")
-        if isinstance(h, PendingNorm):  # (summed by the add + norm, wherever it runs)
-            attn, x = self.self_attn.after(h, rope, meta, backend, unreduced=True)
-        else:
-            attn = self.self_attn(h, rope, meta, backend, unreduced=True)
-        pending = pending_norm(attn, x, self.post_attention_layernorm)
-        out, x = self.mlp.after(pending, unreduced=next_norm is not None)
+        attn = self.self_attn(h, rope, meta, backend, unreduced=True)  # summed by add_norm
+        x, h = add_norm(attn, x, self.post_attention_layernorm)
+        out = self.mlp(h, unreduced=next_norm is not None)
         if next_norm is None:
             return x + out, None, None
-        last = pending_norm(out, x, next_norm)
-        return (None, last, None) if defer else (*last.run(), None)
+        return *add_norm(out, x, next_norm), None
 
 
 class NanbeigeForCausalLM(LoopedCausalLM):

@@ -5,17 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlt_engine.kernels.norm_chain import PendingNorm
 from rlt_engine.models.attention import AttentionBackend, AttentionMetadata
 from rlt_engine.models.base import LoopedCausalLM
 from rlt_engine.models.configs import LoopedLMConfig
-from rlt_engine.models.layers import (
-    Attention,
-    RMSNorm,
-    SwiGLU,
-    add_norm_hazard,
-    pending_norm,
-)
+from rlt_engine.models.layers import Attention, RMSNorm, SwiGLU, add_norm, add_norm_hazard
 
 
 class OuroDecoderLayer(nn.Module):
@@ -51,30 +44,21 @@ class OuroDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         exit_gate: tuple[torch.Tensor, torch.Tensor] | None = None,
-        defer: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | PendingNorm | None, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The fast path's form of `forward`: h = input_layernorm(x) comes in already computed;
         returns (the layer's output, next_norm of it, None) with every add-and-norm pair in one
         launch (layers.add_norm), or (output, None, None) without next_norm. Bit-identical to
         `forward` with fused norms. `exit_gate` (fp32 weight and bias, with next_norm): the
-        last launch also computes the exit hazard of next_norm's output, returned third.
-        `defer` (with next_norm, a layer follows): the last add + norm is returned unrun, as
-        (None, a PendingNorm, None), and h may come in so (x None): the GEMM that reads h
-        next may run it as its prologue (kernels/ws_gemm's chain), else it runs first."""
+        last launch also computes the exit hazard of next_norm's output, returned third."""
         # the o_proj's and the down_proj's split-K partials are summed by the add + norm launch
-        # (or the next GEMM's chain prologue, which runs that add + norm itself)
-        if isinstance(h, PendingNorm):
-            attn, x = self.self_attn.after(h, rope, meta, backend, unreduced=True)
-        else:
-            attn = self.self_attn(h, rope, meta, backend, unreduced=True)
-        pending = pending_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
-        out, x = self.mlp.after(pending, unreduced=next_norm is not None)
+        attn = self.self_attn(h, rope, meta, backend, unreduced=True)
+        x, h = add_norm(attn, x, self.post_attention_layernorm, self.input_layernorm_2)
+        out = self.mlp(h, unreduced=next_norm is not None)
         if next_norm is None:
             return self.post_attention_layernorm_2(out, residual=x), None, None
         if exit_gate is not None:
             return add_norm_hazard(out, x, next_norm, self.post_attention_layernorm_2, exit_gate)
-        last = pending_norm(out, x, next_norm, self.post_attention_layernorm_2)
-        return (None, last, None) if defer else (*last.run(), None)
+        return *add_norm(out, x, next_norm, self.post_attention_layernorm_2), None
 
 
 class OuroForCausalLM(LoopedCausalLM):

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlt_engine.kernels import kv_copy
-from rlt_engine.kernels.norm_chain import PendingNorm
 from rlt_engine.models.attention import AttentionMetadata
 
 if TYPE_CHECKING:  # the kernels are imported where they are used
@@ -217,18 +216,16 @@ class TritonPagedAttention(PagedKVCache):
     def project_attend(
         self,
         layer: int,
-        x: torch.Tensor | PendingNorm,
+        x: torch.Tensor,
         w_qkv: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> torch.Tensor | None:
         """The packed qkv projection of decode rows x with RoPE and the K/V write in the
         GEMM's epilogue (kernels/ws_gemm.QkvRope: one launch and one PDL hop fewer), then
         attention: `attend_rope`'s values bit for bit. None where the small-GEMM table picks
         no warp-specialised kernel for the projection (prefill, larger batches, other
-        devices): the caller projects and calls `attend_rope`. x a PendingNorm (the add + norm
-        whose h the rows are, not yet run): (the attention, its x) where the GEMM also takes
-        that add + norm as its prologue (kernels/ws_gemm's `chain`), else None."""
+        devices): the caller projects and calls `attend_rope`."""
         from rlt_engine.kernels.small_gemm import linear_rope
         from rlt_engine.kernels.ws_gemm import QkvRope
 
@@ -238,13 +235,11 @@ class TritonPagedAttention(PagedKVCache):
         kv_heads, head_dim = k_pool.shape[1:]
         num_heads = w_qkv.shape[0] // head_dim - 2 * kv_heads
         epilogue = QkvRope(*rope, k_pool, v_pool, meta.slot_mapping, num_heads)
-        done = linear_rope(x, w_qkv, epilogue)
-        if done is None:
+        qkv = linear_rope(x, w_qkv, epilogue)
+        if qkv is None:
             return None
-        qkv, x = done if isinstance(x, PendingNorm) else (done, None)
-        q = qkv.view(qkv.shape[0], num_heads + 2 * kv_heads, head_dim)[:, :num_heads]
-        out = self._read(layer, q, meta, prefetch_kv=True)
-        return out if x is None else (out, x)
+        q = qkv.view(x.shape[0], num_heads + 2 * kv_heads, head_dim)[:, :num_heads]
+        return self._read(layer, q, meta, prefetch_kv=True)
 
     _copy_exits = staticmethod(kv_copy.exit_copies_)  # rows that stay move nothing
 

@@ -179,19 +179,6 @@ WEIGHT_STREAM = {
 PROBE_STAMPS = {"now", "stamp"}
 
 
-# helpers called before the wait whose bodies only compute addresses and prefetch into L2
-PREFETCHERS = {"chain_lines": "ws_gemm.py"}
-LAYOUTS = {"BlockedLayout", "SliceLayout"}  # Gluon's layout constructors: no memory
-
-
-@pytest.mark.parametrize("helper", sorted(PREFETCHERS))
-def test_the_prefetch_helpers_only_prefetch(helper):
-    tree = ast.parse((KERNELS / PREFETCHERS[helper]).read_text())
-    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == helper]
-    calls = set(_calls(fn))
-    assert "prefetch_l2" in calls and calls <= PURE | LAYOUTS | {"prefetch_l2"}, calls
-
-
 def test_the_pdl_kernels_are_found():
     names = {name.split("::")[1] for name, _ in KERNEL_DEFS}
     assert {"_small_gemm_kernel", "_paged_attention_kernel", "_advance_kernel"} <= names
@@ -229,7 +216,7 @@ def test_nothing_touches_memory_before_the_wait(name, fn):
         assert "gdc_wait" in calls and "gdc_launch_dependents" in calls, name
         assert calls.index("gdc_wait") < calls.index("gdc_launch_dependents"), name
         before = calls[: calls.index("gdc_wait")]
-        allowed = PURE | {"prefetch_l2", "prefetch_kv_l2", "prefetch_lines"} | set(PREFETCHERS)
+        allowed = PURE | {"prefetch_l2", "prefetch_kv_l2", "prefetch_lines"}
         assert set(before) <= allowed, f"{name}: {before} before the wait"
 
 

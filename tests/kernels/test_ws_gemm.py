@@ -294,19 +294,12 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            # 16 rows: a window of x tiles within half an SM's shared memory; and `halves`
            # (parts "h": 32 gate + 32 up rows in one MMA) as Ouro's gate/up would run it
            (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
-           (8, 64, 128, 4, 1, "h", "bf16", False, 0, False, False, 0, 128),
-           # the chain prologue (CHAIN 2: Ouro's sandwich from 4 split partials; 1: a plain
-           # add of y) as Ouro's gate/up and its qkv (the RoPE epilogue) would run it
-           (8, 64, 256, 2, 1, 2, "bf16", False, 0, False, False, 0, 0, (2, 4)),
-           (8, 64, 128, 6, 1, 2, "bf16", False, 0, False, False, 0, 0, (1, 0)),
-           (8, 64, 256, 5, 1, 1, "bf16", False, 128, False, False, 0, 0, (2, 4)))
+           (8, 64, 128, 4, 1, "h", "bf16", False, 0, False, False, 0, 128))
 shared, inits, usage = {}, {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
 # register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
 for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in configs:
-    defaults = (False, 0, 0, (0, 0))  # rows by TMA, every tile in flight, whole, no chain
-    xload, ahead, regs, (chain, chain_splits) = (*more, *defaults[len(more):])
-    regs = [regs] if regs else []
+    xload, ahead, *regs = more or (False, 0)
     halves, parts = parts == "h", 2 if parts == 2 else 1
     exchange = rope > 0 or halves
     g = gl.bfloat16 if dt == "bf16" else gl.float16
@@ -319,17 +312,13 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     xt = ws_gemm.x_tiles(2048, bm, bn * parts, bk, split, stages, exchange, limit)
     const = dict(KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split,
                  PARTS=parts, HALVES=halves, PDL=True, PROBE=probe, ROPE=rope > 0, D=rope or 1,
-                 LATE=rope > 0, UNREDUCED=unreduced, XLOAD=xload, AHEAD=ahead, CHAIN=chain,
-                 CHAIN_SPLITS=chain_splits, INV_H=1.0 / 2048)
+                 LATE=rope > 0, UNREDUCED=unreduced, XLOAD=xload, AHEAD=ahead)
     sig = {n: "i32" for n in names} | dict.fromkeys(const, "constexpr") | {
         "x_ptr": f"*{dt}",
         "x_desc": desc(bm), "w_desc": desc(bn // 2 if halves else bn), "out_ptr": f"*{dt}",
         "part_ptr": "*fp32",
         "tick_ptr": "*i32", "probe_ptr": "*i64", "cos_ptr": f"*{dt}", "sin_ptr": f"*{dt}",
-        "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64",
-        "y_ptr": "*fp32" if chain_splits else f"*{dt}", "res_ptr": f"*{dt}",
-        "wy_ptr": f"*{dt}", "wn_ptr": f"*{dt}", "xout_ptr": f"*{dt}", "eps_y": "fp32",
-        "eps": "fp32"}
+        "kpool_ptr": f"*{dt}", "vpool_ptr": f"*{dt}", "slot_ptr": "*i64"}
     aligned = [a for a in names if a.endswith("_ptr") or a == "K"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in const.items()},
@@ -344,13 +333,12 @@ for bm, bn, bk, stages, split, parts, dt, probe, rope, unreduced, *more in confi
     name += f"_ahead{ahead}" if ahead else ""
     name += f"_m{bm}" if bm > 16 else ""
     name += f"_regs{regs[0]}" if regs else ""
-    name += f"_chain{chain}_s{chain_splits}" if chain else ""
     out[name] = kernel.asm["ptx"]
     estimate = ws_gemm.shared_bytes(2048, bm, bn * parts, bk, split, stages, exchange, limit)
     shared[name] = [kernel.metadata.shared, estimate]
     inits[name] = [kernel.asm["ptx"].count("mbarrier.init"), 2 * stages + (xt if xt < kt else 1),
                    xt < kt]
-    if regs or chain:  # [registers a thread, spill bytes] as ptxas builds it
+    if regs:  # [registers a thread, spill bytes] as ptxas builds it
         usage[name] = ptxas_usage(kernel.asm["ptx"])
 print(json.dumps({"ptx": out, "shared": shared, "inits": inits, "usage": usage}))
 """
@@ -384,32 +372,10 @@ def test_two_programs_an_sm_fit_half_its_registers_and_shared_memory_without_spi
     the weight stream), and shared memory within HALF_SM_SHARED; so two programs share an SM."""
     from rlt_engine.kernels.ws_gemm import HALF_SM_SHARED, TWO_PER_SM_REGISTERS
 
-    halved = {n: u for n, u in compiled["usage"].items() if n.endswith("_regs128")}
-    assert set(halved) == {"split1_swiglu_regs128", "split1_halves_regs128"}
-    for name, (registers, spilled) in halved.items():
+    assert set(compiled["usage"]) == {"split1_swiglu_regs128", "split1_halves_regs128"}
+    for name, (registers, spilled) in compiled["usage"].items():
         assert registers <= TWO_PER_SM_REGISTERS and spilled == 0, (name, registers, spilled)
         assert compiled["shared"][name][0] <= HALF_SM_SHARED, name
-
-
-def test_the_chain_prologue_reads_after_the_wait_without_spills(compiled):
-    """The chain prologue's builds (ws_gemm.check_chain: up to 8 rows, the whole register
-    file): ptxas spills nothing; before the PDL wait only L2 prefetches of the residual and
-    the norms' weights (no running kernel writes them), the partials loaded after it; the
-    rows' barrier is never waited for (the rows are stored by the consumer warps)."""
-    chains = {n: u for n, u in compiled["usage"].items() if "_chain" in n}
-    assert set(chains) == {
-        "split1_swiglu_chain2_s4",
-        "split1_swiglu_chain1_s0",
-        "split1_rope_bn64_chain2_s4",
-    }
-    for name, (registers, spilled) in chains.items():
-        assert spilled == 0, (name, registers, spilled)
-        code = compiled["ptx"][name]
-        before, after = code.split("griddepcontrol.wait")
-        assert before.count("prefetch.global.L2") == (6 if "chain2" in name else 4), name
-        assert "ld.global" not in before, name
-        assert "ld.global" in after and "cp.async.c" not in code, name  # (no rows copied)
-        assert code.count("mul.rn.f32") > 0 and "rsqrt.approx" in after, name
 
 
 def test_a_barrier_per_ring_stage_and_one_for_the_whole_rows_or_one_per_window_tile(compiled):
@@ -764,97 +730,3 @@ def test_gpu_unreduced_partials_sum_to_the_gemm_bit_for_bit(name, m):
     want = add_rms_norm(ws_gemm(x, w, config), res, norm_w, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(captured, want, strict=True))
     assert int(small_gemm._counters(x.device).abs().sum()) == 0
-
-
-# -- the chain prologue ---------------------------------------------------------------------------
-
-
-def _pending(m: int, hidden: int, splits: int, sandwich: bool, device: str = "cpu", seed: int = 0):
-    """An add + norm as Ouro's decode leaves it after the o_proj (4 split partials, the
-    sandwich's two norms) or as a pre-norm model does (y itself, one norm)."""
-    from rlt_engine.kernels.norm_chain import PendingNorm
-    from rlt_engine.kernels.split_sums import SplitSums
-
-    g = torch.Generator().manual_seed(seed)
-    bf16 = torch.bfloat16
-    residual = (torch.randn(m, hidden, generator=g) * 2).to(bf16)
-    weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(bf16)
-    y_weight = (1 + 0.2 * torch.randn(hidden, generator=g)).to(bf16)
-    if splits:
-        y = SplitSums((0.3 * torch.randn(splits, m, hidden, generator=g)).to(device), bf16)
-    else:
-        y = torch.randn(m, hidden, generator=g).to(bf16).to(device)
-    if sandwich:
-        return PendingNorm(y, residual.to(device), weight.to(device), 1e-6, y_weight.to(device))
-    return PendingNorm(y, residual.to(device), weight.to(device), 1e-6)
-
-
-def test_the_chain_prologue_names_what_it_cannot_take(monkeypatch):
-    """check_chain: whole rows (no split-K, all of K beside the ring), 1 to CHAIN_ROWS rows
-    (at most CHAIN_MAX_ROWS), contiguous operands of the residual's dtype; refusal routes a
-    PendingNorm there (gate_up_silu then returns None and the layer runs the add + norm)."""
-    from rlt_engine.kernels import ws_gemm as module
-    from rlt_engine.kernels.split_sums import SplitSums
-
-    pending = _pending(4, 2048, 4, True)
-    gate_up = ws(128, 256, 1, 2)
-    monkeypatch.setattr(module, "CHAIN_ROWS", 0)
-    assert "1 to 0 rows (CHAIN_ROWS" in module.check_chain(pending, 2048, gate_up, False)
-    monkeypatch.setattr(module, "CHAIN_ROWS", 64)
-    assert module.check_chain(pending, 2048, gate_up, False) is None
-    wide = _pending(16, 2048, 4, True)
-    assert "1 to 8 rows" in module.check_chain(wide, 2048, gate_up, False)  # CHAIN_MAX_ROWS
-    assert "no split-K" in module.check_chain(pending, 2048, ws(64, 128, 4, 4), False)
-    # 16 tiles of rows of 8 KiB beside 7 stages of 64 KiB: a window, not the whole rows
-    assert "whole rows" in module.check_chain(pending, 2048, ws(128, 128, 1, 7), False)
-    strided = pending._replace(residual=torch.cat([pending.residual] * 2, dim=1)[:, :2048])
-    assert "residual must be [4, 2048] contiguous" in module.check_chain(
-        strided, 2048, gate_up, False
-    )
-    parts = pending.y.parts
-    assert "fp32 [splits, 4, 2048]" in module.check_chain(
-        pending._replace(y=SplitSums(parts.half(), torch.bfloat16)), 2048, gate_up, False
-    )
-    assert "of the residual's dtype" in module.check_chain(
-        pending._replace(y=SplitSums(parts, torch.float16)), 2048, gate_up, False
-    )
-    plain = _pending(4, 2048, 0, False)
-    assert module.check_chain(plain, 2048, gate_up, False) is None
-    assert "y must be [4, 2048]" in module.check_chain(
-        plain._replace(y=plain.y.half()), 2048, gate_up, False
-    )
-    assert "[2048] contiguous floats" in module.check_chain(
-        pending._replace(weight=pending.weight[:1024]), 2048, gate_up, False
-    )
-    w = torch.zeros(11264, 2048, dtype=torch.bfloat16)
-    assert "no split-K" in module.refusal(pending, w, ws(128, 256, 2, 2))
-    assert module.refusal(pending, w, gate_up, swiglu=True) is None
-    assert gate_up_silu(pending, w) is None  # no warp-specialised kernel here
-
-
-@gpu
-@needs_ws
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
-@pytest.mark.parametrize(("splits", "sandwich"), [(4, True), (0, False), (0, True)])
-def test_gpu_chain_prologue_within_an_ulp_of_the_add_norm_launch(m, splits, sandwich, monkeypatch):
-    """A PendingNorm taken as the GEMM's prologue: x to an ulp of norm_chain's (only its sums
-    of squares are reduced in another order, so a rounding may flip), the SwiGLU form's and
-    the plain GEMM's output within the bound of the same config on norm_chain's h; the same
-    bits launch to launch; x written once, whole."""
-    from rlt_engine.kernels import ws_gemm as module
-
-    monkeypatch.setattr(module, "CHAIN_ROWS", 8)
-    pending = _pending(m, 2048, splits, sandwich, device="cuda", seed=m)
-    x_ref, h_ref = pending.run()
-    cases = ((11264, ws(128, 256, 1, 2), True), (11264, ws(128, 128, 1, 6), True),
-             (6144, ws(64, 256, 1, 5), False))  # fmt: skip
-    for n, config, swiglu in cases:
-        w = make(1, n, 2048, torch.bfloat16, device="cuda", seed=n)[1]
-        assert module.refusal(pending, w, config, swiglu=swiglu) is None
-        out, x = module.ws_gemm(pending, w, config, swiglu=swiglu)
-        torch.testing.assert_close(x, x_ref, rtol=2**-7, atol=0)
-        assert (x != x_ref).float().mean() < 0.01
-        want = module.ws_gemm(h_ref, w, config, swiglu=swiglu)
-        torch.testing.assert_close(out, want, rtol=2**-6, atol=2e-3)
-        again = module.ws_gemm(pending, w, config, swiglu=swiglu)
-        assert torch.equal(again[0], out) and torch.equal(again[1], x)
