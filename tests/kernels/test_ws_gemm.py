@@ -292,9 +292,10 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            (64, 64, 256, 3, 1, 1, "bf16", False, 128, False),
            # two programs an SM (ws_gemm.two_per_sm), as the table runs Nanbeige's gate/up at
            # 16 rows: a window of x tiles within half an SM's shared memory; and `halves`
-           # (parts "h": 32 gate + 32 up rows in one MMA) as Ouro's gate/up would run it
+           # (parts "h": 32 gate + 32 up rows in one MMA) as the table runs Ouro's gate/up
+           # at 1-8 rows (6 stages, so a window of x tiles too)
            (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
-           (8, 64, 128, 4, 1, "h", "bf16", False, 0, False, False, 0, 128))
+           (8, 64, 128, 6, 1, "h", "bf16", False, 0, False, False, 0, 128))
 shared, inits, usage = {}, {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
 # register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
@@ -562,8 +563,10 @@ def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hi
     silu_mul): the same accumulations, so only the activation's last rounding may differ;
     deterministic. (No split-K: from 48 rows of K = 2048 a window of the rows, `x_tiles`.)"""
     x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
-    # ws(64, ...): `halves` (32 gate + 32 up rows in one MMA); its GEMM's tiles are 64 rows
+    # ws(64, ...): `halves` (32 gate + 32 up rows in one MMA; 6 stages: the table's rows of
+    # Ouro's gate/up at 1-8 rows); its GEMM's tiles are 64 rows
     tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3), ws(64, 128, 1, 4)]
+    tiles.append(ws(64, 128, 1, 6))
     for config in fitting(2 * inter, hidden, m, tiles, swiglu=True):
         block_n, block_k, stages = config.block_n, config.block_k, config.num_stages
         fused = gate_up_silu(x, w, config)

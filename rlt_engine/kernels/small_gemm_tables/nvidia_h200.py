@@ -16,7 +16,8 @@ Ouro's qkv m16, o_proj m2, gate/up m2 and m16 and down m2-m16 rows (a re-tune wh
 in-place check kept bucket by bucket, 2026-12-06-ouro-retune-h100.md) and Nanbeige's 1-16-row
 gate/up rows (set by hand from decode A/Bs with two programs an SM, us 0.0,
 2026-12-06-gate-up-two-per-sm-h100.md) and its m32 gate/up row (--ws-only --confirm-in-place,
-2026-12-07-split-k-swiglu-reverted-h100.md)."""
+2026-12-07-split-k-swiglu-reverted-h100.md), and Ouro's 1-8-row gate/up rows, the 64-row
+`halves` tile (--ws-only --confirm-in-place, 2026-12-07-halves-gate-up-h100.md)."""
 
 TABLE: dict = {
     "device": "NVIDIA H200",
@@ -39,10 +40,10 @@ TABLE: dict = {
         "2048x2048:m16:bfloat16": ("ws", 64, 256, 4, 4, 5, 4.59, 6.37),
         "2048x2048:m32:bfloat16": ("ws", 64, 128, 4, 4, 8, 6.2, 6.8),
         "2048x2048:m64:bfloat16": ("cublas", 64, 128, 4, 4, 4, 7.38, 6.49),
-        "11264x2048:m1:bfloat16": ("ws", 128, 256, 1, 4, 2, 16.35, 17.47),
-        "11264x2048:m2:bfloat16": ("ws", 128, 128, 1, 4, 6, 19.7, 22.75),
-        "11264x2048:m4:bfloat16": ("ws", 128, 256, 1, 4, 2, 16.37, 17.59),
-        "11264x2048:m8:bfloat16": ("ws", 128, 128, 1, 4, 6, 0.0, 17.66),
+        "11264x2048:m1:bfloat16": ("ws", 64, 128, 1, 4, 6, 19.05, 22.76),
+        "11264x2048:m2:bfloat16": ("ws", 64, 128, 1, 4, 6, 19.15, 22.76),
+        "11264x2048:m4:bfloat16": ("ws", 64, 128, 1, 4, 6, 19.06, 22.85),
+        "11264x2048:m8:bfloat16": ("ws", 64, 128, 1, 4, 6, 18.89, 22.86),
         "11264x2048:m16:bfloat16": ("ws", 128, 128, 1, 4, 6, 19.29, 23.1),
         "11264x2048:m32:bfloat16": ("ws", 128, 128, 1, 4, 5, 20.01, 23.37),
         "11264x2048:m64:bfloat16": ("triton", 128, 128, 1, 4, 4, 17.49, 19.65),
