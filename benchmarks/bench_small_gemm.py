@@ -44,6 +44,12 @@ stay as they are): the best config's kernel ("triton" or "ws") where its graph t
 cuBLAS's by more than MARGIN, else "cublas"; with --only (shapes) or --ms (M values), the tuned
 rows replace theirs in the table and the others stay. Only bf16 is tuned (the models' dtype);
 other dtypes stay on cuBLAS.
+
+--merge-into NAME: this run's rows (as --confirm-in-place leaves them) go into the table module
+small_gemm_tables/NAME.py, line by line, and the rest of it stays as written (its docstring's
+account of where each row came from, the other rows); a copy goes to <out>. So an H100, which
+takes nvidia_h200's table, updates that table, and commands after it in the same device call
+already run its new rows (--write-table writes this GPU's own module, whole).
 """
 
 from __future__ import annotations
@@ -313,6 +319,29 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
     path.write_text("\n".join(lines).replace("'", '"'))
 
 
+def merge_rows(path: Path, rows: dict[str, tuple]) -> list[str]:
+    """Put `rows` into the table module at `path`: each key's line replaced where it has one,
+    else added at the end of its entries; every other line stays. Returns the keys whose row
+    changed."""
+    lines = path.read_text().splitlines()
+    end = lines.index("    },", lines.index('    "entries": {'))  # the entries' closing line
+    changed = []
+    for key, row in rows.items():
+        prefix = f"        {json.dumps(key)}:"
+        line = f"{prefix} {row!r},".replace("'", '"')
+        at = [i for i, text in enumerate(lines[:end]) if text.startswith(prefix)]
+        if not at:
+            lines.insert(end, line)
+            end += 1
+        elif lines[at[0]] != line:
+            lines[at[0]] = line
+        else:
+            continue
+        changed.append(key)
+    path.write_text("\n".join(lines) + "\n")
+    return changed
+
+
 def shape_rows(entries: dict, n: int, k: int) -> dict:
     """The table rows of the [*, k] @ [n, k].T GEMM (every M bucket and dtype)."""
     return {key: row for key, row in entries.items() if key.startswith(f"{n}x{k}:")}
@@ -494,6 +523,7 @@ def main() -> None:
     )
     ap.add_argument("--confirm-in-place", action="store_true", help="see the module docstring")
     ap.add_argument("--rank-in-place", type=int, default=0, metavar="K", help="see the docstring")
+    ap.add_argument("--merge-into", metavar="NAME", help="a table module: see the docstring")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -522,6 +552,9 @@ def main() -> None:
     table_path = TABLES_DIR / f"{module_name(meta['device'])}.py"
     if args.only or set(args.ms) != set(MS):  # the other rows stay
         entries = dict(old)
+    tuned: list[str] = []  # this run's keys (--merge-into)
+    if args.merge_into and not (TABLES_DIR / f"{args.merge_into}.py").is_file():
+        raise SystemExit(f"--merge-into: no table module {args.merge_into} in {TABLES_DIR}")
 
     def save(entries: dict) -> None:
         meta["seconds"] = time.perf_counter() - t0
@@ -531,6 +564,12 @@ def main() -> None:
         if args.write_table:
             write_table(table_path, meta, entries)
             write_table(args.out / table_path.name, meta, entries)
+        if args.merge_into:
+            target = TABLES_DIR / f"{args.merge_into}.py"
+            changed = merge_rows(target, {key: entries[key] for key in tuned})
+            (args.out / target.name).write_text(target.read_text())
+            if changed:
+                print(f"{target.name}: rows {', '.join(changed)}", flush=True)
 
     by_nk: dict[tuple[int, int], list[str]] = {}
     for name, nk in shapes.items():
@@ -559,6 +598,7 @@ def main() -> None:
             r["names"] = names
             results.append(r)
             entries[table_key(n, k, m, torch.bfloat16)] = table_entry(r)
+            tuned.append(table_key(n, k, m, torch.bfloat16))
             nan = float("nan")
             print(
                 f"{'+'.join(names):26s} m={m:2d} graph: cublas {r['cublas_graph_us']:6.1f} us "

@@ -193,6 +193,30 @@ def test_the_table_names_the_shapes_checked_in_decode(tmp_path):
     assert namespace["TABLE"]["entries"] == NEW
 
 
+def test_merge_into_replaces_and_adds_rows_and_keeps_the_rest_of_the_module(tmp_path):
+    """--merge-into: this run's rows go into another GPU's table module line by line (an H100
+    updating the Hopper table it takes); its docstring and other rows stay as written."""
+    bench = _module()
+    meta = {"device": "GPU", "capability": "9.0", "sms": 132, "triton": "3.6.0", "torch": "2.11"}
+    path = tmp_path / "table.py"
+    bench.write_table(path, meta, OLD)
+    path.write_text(path.read_text().replace("do not edit by hand", "rows set by hand: see A"))
+    rows = {
+        "64x32:m1:bfloat16": NEW["64x32:m1:bfloat16"],  # a new config
+        "64x32:m8:bfloat16": OLD["64x32:m8:bfloat16"],  # as it was
+        "96x32:m8:bfloat16": NEW["96x32:m8:bfloat16"],  # a bucket the table had not
+    }
+    assert bench.merge_rows(path, rows) == ["64x32:m1:bfloat16", "96x32:m8:bfloat16"]
+    text = path.read_text()
+    assert "rows set by hand: see A" in text
+    namespace: dict = {}
+    exec(compile(text, "table.py", "exec"), namespace)
+    assert namespace["TABLE"]["entries"] == OLD | rows
+    assert list(namespace["TABLE"]["entries"])[-1] == "96x32:m8:bfloat16"
+    assert bench.merge_rows(path, rows) == []
+    assert path.read_text() == text
+
+
 def _ranked_results(n: int, k: int, tops: dict[int, list[tuple[tuple, float]]]) -> list[dict]:
     """tune()'s results for one shape: per M, its fastest configs alone (fields, us)."""
     keys = ("block_n", "block_k", "split_k", "num_warps", "num_stages", "kernel")

@@ -565,8 +565,13 @@ def test_gpu_swiglu_form_within_the_bound_of_its_gemm_then_silu_mul(m, inter, hi
     x, w = make(m, 2 * inter, hidden, torch.bfloat16, device="cuda", seed=m)
     # ws(64, ...): `halves` (32 gate + 32 up rows in one MMA; 6 stages: the table's rows of
     # Ouro's gate/up at 1-8 rows); its GEMM's tiles are 64 rows
-    tiles = [ws(128, 128, 1, 3), ws(128, 256, 1, 2), ws(256, 64, 1, 3), ws(64, 128, 1, 4)]
-    tiles.append(ws(64, 128, 1, 6))
+    tiles = [
+        ws(128, 128, 1, 3),
+        ws(128, 256, 1, 2),
+        ws(256, 64, 1, 3),
+        ws(64, 128, 1, 4),
+        ws(64, 128, 1, 6),
+    ]
     for config in fitting(2 * inter, hidden, m, tiles, swiglu=True):
         block_n, block_k, stages = config.block_n, config.block_k, config.num_stages
         fused = gate_up_silu(x, w, config)
