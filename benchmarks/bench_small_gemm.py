@@ -87,9 +87,10 @@ MARGIN = 0.03  # the kernel must beat cuBLAS by 3% (do_bench noise is ~1%) to re
 # (block_n, block_k, num_warps, num_stages): shared memory per stage is block_n * block_k * 2 B
 TILES = ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 8, 4), (32, 256, 4, 4))
 SPLITS = (1, 2, 4, 6, 8, 16)
-# the warp-specialised kernel (block_n, block_k, num_stages; one program per SM: its shared
-# memory holds the ring and the program's x rows) and the GEMMs it may take: those the model
-# calls without a gate (the lm_head's skip needs the Triton kernel)
+# the warp-specialised kernel (block_n, block_k, num_stages; one program an SM, its shared
+# memory holding the ring and the program's x rows, or two where a launch has more programs
+# than SMs and they fit half of it: ws_gemm.two_per_sm) and the GEMMs it may take: those the
+# model calls without a gate (the lm_head's skip needs the Triton kernel)
 WS_TILES = ((64, 256, 3), (64, 128, 4), (128, 128, 3), (128, 256, 2), (64, 128, 2), (64, 256, 5),
             (128, 128, 6), (64, 256, 2), (64, 128, 8))  # fmt: skip
 WS_SPLITS = (1, 2, 4, 6, 8)

@@ -80,15 +80,18 @@ X_BY_LOADS_ROWS = 4
 # 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
 RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
-# Two SwiGLU programs an SM. Nanbeige's gate/up in the ws form takes 168 programs of 128
-# weight rows; at the whole register file (one program an SM) they ran on 132 SMs in two
-# waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-h100.md). Launched at
-# TWO_PER_SM_REGISTERS a thread (8 warps: half the register file) with at most HALF_SM_SHARED
-# of shared memory, two share an SM and all are resident at once: Nanbeige decode +7% at c=8
-# against the same rows launched whole, and with its table's ws rows +1.2% to +1.9% at c=2-16
-# against the Triton kernel (2026-12-06-gate-up-two-per-sm-h100.md). Only where a launch has
-# more programs than SMs (Ouro's gate/up has 88 or 44)
-SWIGLU_TWO_PER_SM = True
+# Two programs an SM where a launch has more programs than SMs. Nanbeige's gate/up in the ws
+# form takes 168 programs of 128 weight rows; at the whole register file (one program an SM)
+# they ran on 132 SMs in two waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-h100.md).
+# Launched at TWO_PER_SM_REGISTERS a thread (8 warps: half the register file) with at most
+# HALF_SM_SHARED of shared memory, two share an SM and all are resident at once: Nanbeige
+# decode +7% at c=8 against the same rows launched whole, and with its table's ws rows +1.2% to
+# +1.9% at c=2-16 against the Triton kernel (2026-12-06-gate-up-two-per-sm-h100.md); Ouro's
+# 64-row gate/up tiles (`halves`, 176 programs) +1.3-2.7% at c=1-8
+# (2026-12-07-halves-gate-up-h100.md). Every form: the other table rows have at most 132
+# programs (qkv 96, o_proj and down 128), so for them this decides only how the tuner's
+# candidates with more run (split-K qkv, 8-split o_proj and down), not yet measured so
+TWO_PER_SM = True
 TWO_PER_SM_REGISTERS = 128
 HALF_SM_SHARED = 113 << 10  # an SM's 228 KiB, less 1 KiB the hardware reserves a block, / 2
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -175,12 +178,13 @@ def halves(swiglu: bool, block_n: int) -> bool:
     return swiglu and block_n == 64
 
 
-def two_per_sm(swiglu: bool, programs: int, sms: int, k: int, m: int, config) -> bool:
-    """Whether a launch runs two programs an SM (SWIGLU_TWO_PER_SM): the SwiGLU form, more
-    programs than SMs, and a program's ring and rows within HALF_SM_SHARED."""
-    if not (SWIGLU_TWO_PER_SM and swiglu and programs > sms):
+def two_per_sm(programs: int, sms: int, k: int, m: int, config, exchange: bool = False) -> bool:
+    """Whether a launch runs two programs an SM (TWO_PER_SM): more programs than SMs, and a
+    program's ring, rows and epilogue exchange (`exchange`: RoPE's or `halves`') within
+    HALF_SM_SHARED."""
+    if not (TWO_PER_SM and programs > sms):
         return False
-    c, exchange = config, halves(swiglu, config.block_n)
+    c = config
     need = shared_bytes(
         k, m, c.block_n, c.block_k, c.split_k, c.num_stages, exchange, HALF_SM_SHARED
     )
@@ -376,9 +380,9 @@ def ws_gemm(
         kv_heads = k_pool.shape[1]
     pdl = _pdl.enabled(x.device)
     kt = k // (splits * bk)  # weight tiles a program streams
-    two = two_per_sm(swiglu, n_tiles * splits, _sms(x.device), k, m, config)
-    limit = HALF_SM_SHARED if two else SHARED_LIMIT
     exchange = rope is not None or pair
+    two = two_per_sm(n_tiles * splits, _sms(x.device), k, m, config, exchange)
+    limit = HALF_SM_SHARED if two else SHARED_LIMIT
     xt = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, exchange, limit)
     _kernel()[(n_tiles, splits)](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
@@ -400,7 +404,7 @@ def ws_gemm(
         # programs started beside the gate/up's and streamed under it, c=8 -2.5%
         # (results/2026-12-03-split-sums-h200.md); the o_proj alone at 128, to sit beside
         # attention, gained nothing (results/2026-12-04-tail-h200.md). Where `two_per_sm`,
-        # half of it: two SwiGLU programs an SM
+        # half of it: two programs an SM
         **({"maxnreg": TWO_PER_SM_REGISTERS} if two else {}),
         **_pdl.launch_options(pdl),
     )  # fmt: skip

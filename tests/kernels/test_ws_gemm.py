@@ -133,8 +133,8 @@ def test_the_ring_bound_applies_from_its_rows_where_it_is_less_than_the_ring():
     assert module._ahead(100 * 1024, 4, 8) == 1  # never less than one tile
 
 
-def test_two_swiglu_programs_an_sm_only_past_one_wave_and_within_half_its_shared(monkeypatch):
-    """SWIGLU_TWO_PER_SM launches the SwiGLU form at half the register file where it has more
+def test_two_programs_an_sm_only_past_one_wave_and_within_half_its_shared(monkeypatch):
+    """TWO_PER_SM launches a GEMM (any form) at half the register file where it has more
     programs than SMs and a program fits half an SM's shared memory; the rows then take a
     window where the whole K range does not fit beside the ring in half."""
     from rlt_engine.kernels import ws_gemm as module
@@ -142,11 +142,11 @@ def test_two_swiglu_programs_an_sm_only_past_one_wave_and_within_half_its_shared
     half = module.HALF_SM_SHARED
     assert 2 * (half + (1 << 10)) <= 228 << 10  # two blocks and their reserved KiB an SM
     nanbeige = ws(128, 64, 1, 3)  # Nanbeige's gate/up [21504, 3072]: 168 programs
-    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
-    assert not module.two_per_sm(True, 168, 132, 3072, 8, nanbeige)
-    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", True)
+    monkeypatch.setattr(module, "TWO_PER_SM", False)
+    assert not module.two_per_sm(168, 132, 3072, 8, nanbeige)
+    monkeypatch.setattr(module, "TWO_PER_SM", True)
     for m in (1, 8, 16):
-        assert module.two_per_sm(True, 168, 132, 3072, m, nanbeige)
+        assert module.two_per_sm(168, 132, 3072, m, nanbeige)
     # 8 rows: the whole K range (48 KiB) beside the 48 KiB ring, 97 KiB
     assert module.shared_bytes(3072, 8, 128, 64, 1, 3, limit=half) == 2 * (
         3 * 128 * 64 + 48 * 8 * 64
@@ -154,21 +154,25 @@ def test_two_swiglu_programs_an_sm_only_past_one_wave_and_within_half_its_shared
     # 16 rows: 96 KiB of rows fit beside the ring in a whole SM, in half a window of 3 tiles
     assert module.x_tiles(3072, 16, 128, 64, 1, 3) == 48
     assert module.x_tiles(3072, 16, 128, 64, 1, 3, limit=half) == 3
-    assert not module.two_per_sm(False, 168, 132, 3072, 8, nanbeige)  # the plain GEMM
-    assert not module.two_per_sm(True, 132, 132, 3072, 8, nanbeige)  # one wave already
-    assert not module.two_per_sm(True, 168, 132, 3072, 8, ws(128, 128, 1, 4))  # 128 KiB ring
+    assert not module.two_per_sm(132, 132, 3072, 8, nanbeige)  # one wave already
+    assert not module.two_per_sm(168, 132, 3072, 8, ws(128, 128, 1, 4))  # 128 KiB ring
     # the table's rows for it: 128x128 tiles, 2 stages (the rows whole) or 3 (a window)
-    assert module.two_per_sm(True, 168, 132, 3072, 1, ws(128, 128, 1, 2))
+    assert module.two_per_sm(168, 132, 3072, 1, ws(128, 128, 1, 2))
     assert module.x_tiles(3072, 8, 128, 128, 1, 2, limit=half) == 24
     assert module.x_tiles(3072, 8, 128, 128, 1, 3, limit=half) == 3
-    assert module.two_per_sm(True, 168, 132, 3072, 16, ws(128, 128, 1, 3))
+    assert module.two_per_sm(168, 132, 3072, 16, ws(128, 128, 1, 3))
+    # other forms past one wave: Ouro's qkv split 2 ways (192 programs) with its RoPE
+    # exchange, its o_proj 8 ways (256); not its 5-stage qkv ring of 32 KiB tiles
+    assert module.two_per_sm(192, 132, 2048, 8, ws(64, 128, 2, 4), exchange=True)
+    assert module.two_per_sm(256, 132, 2048, 8, ws(64, 128, 8, 2))
+    assert not module.two_per_sm(192, 132, 2048, 8, ws(64, 256, 2, 5), exchange=True)
 
 
 def test_the_launch_takes_half_the_registers_and_a_window_only_where_two_share_an_sm(monkeypatch):
     """The launch's wiring of `two_per_sm` (the kernel replaced by a recorder, on the CPU):
     maxnreg TWO_PER_SM_REGISTERS and the x rows within HALF_SM_SHARED for Nanbeige's gate/up
-    (168 programs), the whole register file and a whole SM's shared memory for Ouro's (88) and
-    for the plain GEMM."""
+    (168 programs) and a plain GEMM split past one wave, the whole register file and a whole
+    SM's shared memory for Ouro's gate/up in 128-row tiles (88) and the plain GEMM's 96."""
     from rlt_engine.kernels import ws_gemm as module
 
     launches = []
@@ -197,7 +201,14 @@ def test_the_launch_takes_half_the_registers_and_a_window_only_where_two_share_a
     assert grid == (176, 1) and launch["maxnreg"] == module.TWO_PER_SM_REGISTERS
     assert launch["HALVES"] and (launch["PARTS"], launch["BN"]) == (1, 64)
     assert launch["XT"] == launch["KT"] == 16  # 8 rows of K = 2048 fit beside a 64 KiB ring
-    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
+    qkv = torch.zeros(6144, 2048, dtype=torch.bfloat16)
+    module.ws_gemm(x[:, :2048], qkv, ws(64, 256, 1, 5))
+    grid, launch = launches.pop()
+    assert grid == (96, 1) and "maxnreg" not in launch
+    module.ws_gemm(x[:, :2048], qkv, ws(64, 128, 2, 4))
+    grid, launch = launches.pop()
+    assert grid == (96, 2) and launch["maxnreg"] == module.TWO_PER_SM_REGISTERS
+    monkeypatch.setattr(module, "TWO_PER_SM", False)
     module.ws_gemm(x, torch.zeros(21504, 3072, dtype=torch.bfloat16), config, swiglu=True)
     grid, launch = launches.pop()
     assert "maxnreg" not in launch and launch["XT"] == launch["KT"] == 24
@@ -295,7 +306,11 @@ configs = ((8, 64, 256, 3, 1, 1, "bf16", False, 0, False),
            # (parts "h": 32 gate + 32 up rows in one MMA) as the table runs Ouro's gate/up
            # at 1-8 rows (6 stages, so a window of x tiles too)
            (16, 64, 128, 3, 1, 2, "bf16", False, 0, False, False, 0, 128),
-           (8, 64, 128, 6, 1, "h", "bf16", False, 0, False, False, 0, 128))
+           (8, 64, 128, 6, 1, "h", "bf16", False, 0, False, False, 0, 128),
+           # and the other forms past one wave, as the tuner may run them: Ouro's qkv split
+           # 2 ways with the RoPE epilogue (its ticket), its o_proj 8 ways unreduced
+           (8, 64, 128, 4, 2, 1, "bf16", False, 128, False, True, 0, 128),
+           (8, 64, 128, 2, 8, 1, "bf16", False, 0, True, True, 0, 128))
 shared, inits, usage = {}, {}, {}
 # the rows by TMA and every tile in flight, unless a config names XLOAD and AHEAD; the whole
 # register file unless it names a maxnreg (ws_gemm.two_per_sm's launch)
@@ -373,7 +388,12 @@ def test_two_programs_an_sm_fit_half_its_registers_and_shared_memory_without_spi
     the weight stream), and shared memory within HALF_SM_SHARED; so two programs share an SM."""
     from rlt_engine.kernels.ws_gemm import HALF_SM_SHARED, TWO_PER_SM_REGISTERS
 
-    assert set(compiled["usage"]) == {"split1_swiglu_regs128", "split1_halves_regs128"}
+    assert set(compiled["usage"]) == {
+        "split1_swiglu_regs128",
+        "split1_halves_regs128",
+        "split2_rope_bn64_xload_regs128",
+        "split8_unreduced_xload_regs128",
+    }
     for name, (registers, spilled) in compiled["usage"].items():
         assert registers <= TWO_PER_SM_REGISTERS and spilled == 0, (name, registers, spilled)
         assert compiled["shared"][name][0] <= HALF_SM_SHARED, name
@@ -623,15 +643,15 @@ def test_gpu_rows_by_loads_and_a_bounded_ring_give_the_same_bits(m, monkeypatch)
     + [(32, ws(128, 64, 1, 3)), (32, ws(128, 128, 1, 2))],  # the table's m32 row: the second
 )
 def test_gpu_two_swiglu_programs_an_sm_give_the_same_bits(m, config, monkeypatch):
-    """SWIGLU_TWO_PER_SM changes the launch (half the registers; from 16 rows a window of x
-    tiles), not the arithmetic: Nanbeige's gate/up gives the whole-register launch's bits."""
+    """TWO_PER_SM changes the launch (half the registers; from 16 rows a window of x tiles),
+    not the arithmetic: Nanbeige's gate/up gives the whole-register launch's bits."""
     from rlt_engine.kernels import ws_gemm as module
 
     x, w = make(m, 21504, 3072, torch.bfloat16, device="cuda", seed=m)
-    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", False)
+    monkeypatch.setattr(module, "TWO_PER_SM", False)
     whole = gate_up_silu(x, w, config)
-    monkeypatch.setattr(module, "SWIGLU_TWO_PER_SM", True)
-    assert module.two_per_sm(True, 168, module._sms(x.device), 3072, m, config)
+    monkeypatch.setattr(module, "TWO_PER_SM", True)
+    assert module.two_per_sm(168, module._sms(x.device), 3072, m, config)
     assert torch.equal(gate_up_silu(x, w, config), whole)
 
 
@@ -646,6 +666,44 @@ ROPE_CASES = [
     (16, 16, 2048, ws(64, 128, 1, 8)),  # both qkv rows the table runs at 17-32 rows (windowed)
     (48, 8, 3072, ws(64, 128, 1, 8)),
 ]
+
+
+@gpu
+@needs_ws
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_two_programs_an_sm_give_the_same_bits_in_every_form(m, monkeypatch):
+    """TWO_PER_SM in the forms past one wave other than SwiGLU's: Ouro's qkv split 2 ways (192
+    programs, the last split's ticket) plain and with the RoPE epilogue, its o_proj's 8
+    unreduced partials (256 programs): the bits of the same launches one program an SM (two
+    waves), every ticket counter back at zero. (dc7a1eb's split-K SwiGLU at two an SM gave
+    launch-to-launch differences: this isolates the ticket at two an SM.)"""
+    from rlt_engine.kernels import ws_gemm as module
+
+    split_qkv, split_o = ws(64, 128, 2, 4), ws(64, 128, 8, 2)
+    x, w_qkv = make(m, 6144, 2048, torch.bfloat16, device="cuda", seed=m)
+    w_o = make(1, 2048, 2048, torch.bfloat16, device="cuda", seed=m + 1)[1]
+    d, slots = 128, 64
+    g = torch.Generator(device="cuda").manual_seed(m)
+    angles = torch.rand(m, d, device="cuda", generator=g) * 6.28
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    slot_mapping = torch.randperm(slots, device="cuda", generator=g)[:m]
+    assert module.two_per_sm(192, module._sms(x.device), 2048, m, split_qkv, exchange=True)
+    assert module.two_per_sm(256, module._sms(x.device), 2048, m, split_o)
+
+    def run(two: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(module, "TWO_PER_SM", two)
+        pools = [torch.zeros(slots, 16, d, dtype=torch.bfloat16, device="cuda") for _ in "kv"]
+        plain = module.ws_gemm(x, w_qkv, split_qkv)
+        rope = QkvRope(cos, sin, *pools, slot_mapping, 16)
+        roped = module.ws_gemm(x, w_qkv, split_qkv, rope=rope)
+        parts = module.ws_gemm(x[:, :2048], w_o, split_o, unreduced=True).parts
+        return [plain, roped, *pools, parts]
+
+    one = run(False)
+    for _ in range(2):
+        for a, b in zip(run(True), one, strict=True):
+            assert torch.equal(a, b)
+    assert int(small_gemm._counters(x.device).abs().sum()) == 0
 
 
 def _rope_fits(m: int, hidden: int, config: GemmConfig) -> bool:
