@@ -315,9 +315,14 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
         f'    "torch": {json.dumps(meta["torch"])},',
         '    "entries": {',
     ]
-    lines += [f"        {json.dumps(key)}: {row!r}," for key, row in entries.items()]
+    lines += [_row_line(key, row) for key, row in entries.items()]
     lines += ["    },", "}", ""]
     path.write_text("\n".join(lines).replace("'", '"'))
+
+
+def _row_line(key: str, row: tuple) -> str:
+    """A table row as its module writes it (one line, double quotes: ruff leaves it)."""
+    return f"        {json.dumps(key)}: {row!r},".replace("'", '"')
 
 
 def merge_rows(path: Path, rows: dict[str, tuple]) -> list[str]:
@@ -328,8 +333,8 @@ def merge_rows(path: Path, rows: dict[str, tuple]) -> list[str]:
     end = lines.index("    },", lines.index('    "entries": {'))  # the entries' closing line
     changed = []
     for key, row in rows.items():
-        prefix = f"        {json.dumps(key)}:"
-        line = f"{prefix} {row!r},".replace("'", '"')
+        line = _row_line(key, row)
+        prefix = line.split(": (")[0] + ":"
         at = [i for i, text in enumerate(lines[:end]) if text.startswith(prefix)]
         if not at:
             lines.insert(end, line)
@@ -554,7 +559,8 @@ def main() -> None:
     if args.only or set(args.ms) != set(MS):  # the other rows stay
         entries = dict(old)
     tuned: list[str] = []  # this run's keys (--merge-into)
-    if args.merge_into and not (TABLES_DIR / f"{args.merge_into}.py").is_file():
+    merge_target = TABLES_DIR / f"{args.merge_into}.py" if args.merge_into else None
+    if merge_target is not None and not merge_target.is_file():
         raise SystemExit(f"--merge-into: no table module {args.merge_into} in {TABLES_DIR}")
 
     def save(entries: dict) -> None:
@@ -565,12 +571,11 @@ def main() -> None:
         if args.write_table:
             write_table(table_path, meta, entries)
             write_table(args.out / table_path.name, meta, entries)
-        if args.merge_into:
-            target = TABLES_DIR / f"{args.merge_into}.py"
-            changed = merge_rows(target, {key: entries[key] for key in tuned})
-            (args.out / target.name).write_text(target.read_text())
+        if merge_target is not None:
+            changed = merge_rows(merge_target, {key: entries[key] for key in tuned})
+            (args.out / merge_target.name).write_text(merge_target.read_text())
             if changed:
-                print(f"{target.name}: rows {', '.join(changed)}", flush=True)
+                print(f"{merge_target.name}: rows {', '.join(changed)}", flush=True)
 
     by_nk: dict[tuple[int, int], list[str]] = {}
     for name, nk in shapes.items():
