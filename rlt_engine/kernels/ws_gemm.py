@@ -397,6 +397,9 @@ def ws_gemm(
         PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe is not None,
         UNREDUCED=unreduced,
         XLOAD=m <= X_BY_LOADS_ROWS and xt == kt,
+        # (a SwiGLU stage counted twice: block_n has its gate and up rows. Its own bytes moved
+        # the gate/up's rows from 8 rows, H200 c=8 / 16 / 32 +0.45% / +0.61% / -0.48%: kept
+        # as the rows were tuned, results/2026-12-07-w2-prototype-and-ring-bound-h200.md)
         AHEAD=_ahead(parts * config.block_n * bk * x.element_size(), config.num_stages, m),
         num_warps=4,
         # launched with the whole register file (Triton's default here), so no other kernel's
