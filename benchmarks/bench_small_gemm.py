@@ -334,15 +334,15 @@ def merge_rows(path: Path, rows: dict[str, tuple]) -> list[str]:
     changed = []
     for key, row in rows.items():
         line = _row_line(key, row)
-        prefix = line.split(": (")[0] + ":"
+        prefix = f"        {json.dumps(key)}:"
         at = [i for i, text in enumerate(lines[:end]) if text.startswith(prefix)]
-        if not at:
-            lines.insert(end, line)
-            end += 1
-        elif lines[at[0]] != line:
+        if at and lines[at[0]] == line:
+            continue
+        if at:
             lines[at[0]] = line
         else:
-            continue
+            lines.insert(end, line)
+            end += 1
         changed.append(key)
     path.write_text("\n".join(lines) + "\n")
     return changed

@@ -184,10 +184,10 @@ def two_per_sm(programs: int, sms: int, k: int, m: int, config, exchange: bool =
     HALF_SM_SHARED."""
     if not (TWO_PER_SM and programs > sms):
         return False
-    c = config
     need = shared_bytes(
-        k, m, c.block_n, c.block_k, c.split_k, c.num_stages, exchange, HALF_SM_SHARED
-    )
+        k, m, config.block_n, config.block_k, config.split_k, config.num_stages, exchange,
+        HALF_SM_SHARED,
+    )  # fmt: skip
     return need <= HALF_SM_SHARED
 
 
