@@ -320,9 +320,14 @@ def write_table(path: Path, meta: dict, entries: dict[str, tuple]) -> None:
     path.write_text("\n".join(lines).replace("'", '"'))
 
 
+def _row_key(key: str) -> str:
+    """The start of a table row's line: its indent and its quoted key."""
+    return f"        {json.dumps(key)}:"
+
+
 def _row_line(key: str, row: tuple) -> str:
     """A table row as its module writes it (one line, double quotes: ruff leaves it)."""
-    return f"        {json.dumps(key)}: {row!r},".replace("'", '"')
+    return f"{_row_key(key)} {row!r},".replace("'", '"')
 
 
 def merge_rows(path: Path, rows: dict[str, tuple]) -> list[str]:
@@ -334,8 +339,7 @@ def merge_rows(path: Path, rows: dict[str, tuple]) -> list[str]:
     changed = []
     for key, row in rows.items():
         line = _row_line(key, row)
-        prefix = f"        {json.dumps(key)}:"
-        at = [i for i, text in enumerate(lines[:end]) if text.startswith(prefix)]
+        at = [i for i, text in enumerate(lines[:end]) if text.startswith(_row_key(key))]
         if at and lines[at[0]] == line:
             continue
         if at:
