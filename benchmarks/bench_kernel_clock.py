@@ -40,6 +40,15 @@ what the engine's decode runs), not in their own launch.
 (`ws_gemm(..., unreduced=True)`, kernels/split_sums; what the engine's decode runs), not by
 the GEMM's last split.
 
+--timeline also places the layer's two add + norms (kernels/norm_chain's probe): their first
+and median program start, median wait return, median loads landed (the row's partials and
+residual) and last end; and reports qkv_to_qkv (a whole layer, from one qkv's median wait
+return to the next's).
+
+--engine-attention: decode attention as the engine launches it (`paged_attention` with
+`decode_splits`' splits merged by the last split: at 8 Ouro rows the one-warp rows kernel
+split 16 ways), not the probed tensor-core kernel; attention then has no marks of its own.
+
 --set module.NAME=VALUE: an rlt_engine module constant set first, as in ab_decode.py (e.g.
 kernels.ws_gemm.X_BY_LOADS_ROWS=0: the rows by TMA); --row KEY=ROW: a row of the small-GEMM
 table this GPU takes replaced first, as in ab_decode.py (e.g. Nanbeige's gate/up on the ws
@@ -63,9 +72,10 @@ sys.path[:0] = [str(ROOT)]
 
 from rlt_engine.kernels.gate_up_swiglu import gate_up_silu  # noqa: E402
 from rlt_engine.kernels.norm import rms_norm  # noqa: E402
+from rlt_engine.kernels.norm_chain import PROBE_FIELDS as NORM_FIELDS  # noqa: E402
 from rlt_engine.kernels.norm_chain import add_rms_norm  # noqa: E402
 from rlt_engine.kernels.paged_attention import PROBE_FIELDS as ATTENTION_FIELDS  # noqa: E402
-from rlt_engine.kernels.paged_attention import _launch  # noqa: E402
+from rlt_engine.kernels.paged_attention import _launch, decode_splits, paged_attention  # noqa: E402
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
 from rlt_engine.kernels.small_gemm import choose, linear, linear_rope  # noqa: E402
 from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, QkvRope, ws_gemm  # noqa: E402
@@ -86,6 +96,7 @@ MODELS = {"ouro": Dims(2048, 16, 16, 5632), "nanbeige": Dims(3072, 48, 8, 10752)
 
 
 GEMMS = ("qkv", "o", "gate_up", "down")
+NORMS = ("norm_o", "norm_down")
 
 
 class Chain:
@@ -99,6 +110,7 @@ class Chain:
         qkv_rope: bool = False,
         unreduced: bool = False,
         dims: Dims = MODELS["ouro"],
+        engine_attention: bool = False,
     ) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -131,6 +143,10 @@ class Chain:
             for _ in range(layers)
         ]
         self.qkv_rope, self.unreduced = qkv_rope, unreduced
+        # --engine-attention: decode attention as the engine launches it (its kernel and
+        # splits for these rows, merged by the last split); it carries no probe
+        self.engine_attention = engine_attention
+        self.split_counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda")
         self.x = rnd(rows, h)
         # --timeline: one probe per launch of each GEMM the table runs on the ws kernel, sized
         # by its config for these rows (every layer's weights have the first layer's shapes)
@@ -150,6 +166,11 @@ class Chain:
                     (programs * config.split_k, len(PROBE_FIELDS)), -1,
                     dtype=torch.int64, device="cuda",
                 )  # fmt: skip
+            if gemms:  # the two add + norms of the layer, after the o_proj and the down_proj
+                for name in NORMS:
+                    layer[f"{name}_probe"] = torch.full(
+                        (rows, len(NORM_FIELDS)), -1, dtype=torch.int64, device="cuda"
+                    )
         blocks = keys // BLOCK
         self.tables = torch.arange(rows * blocks, dtype=torch.int32, device="cuda").view(rows, -1)
         self.seq_lens = torch.full((rows,), keys, dtype=torch.int32, device="cuda")
@@ -185,25 +206,37 @@ class Chain:
             v = qkv[:, heads + kv_heads :]
             if not self.qkv_rope:
                 rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
-            attn = _launch(
-                q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
-                D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"], **self.tiles,
-            )  # fmt: skip
+            if self.engine_attention:
+                attn = paged_attention(
+                    q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
+                    D**-0.5, 1, num_splits=decode_splits(self.rows, False, mha=heads == kv_heads),
+                    prefetch_kv=True, split_counters=self.split_counters,
+                )  # fmt: skip
+            else:
+                attn = _launch(
+                    q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
+                    D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"],
+                    **self.tiles,
+                )  # fmt: skip
             o = self.gemm(layer, "o", attn.reshape(self.rows, heads * D), prefetch_whole=True)
             # (o and down are SplitSums with --unreduced: the add + norm sums them)
             n1, n2, n3, n4 = layer["norms"]
-            x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1)
+            x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1, probe=layer.get("norm_o_probe"))
             act = self.gemm(layer, "gate_up", h)
             down = self.gemm(layer, "down", act)
-            x, h = add_rms_norm(down, x, n4, 1e-6, y_weight=n3)
+            x, h = add_rms_norm(down, x, n4, 1e-6, y_weight=n3, probe=layer.get("norm_down_probe"))
         return h
 
 
-def layer_timeline(layer: dict, probed: tuple[str, ...]) -> dict[str, dict[str, float]]:
+def layer_timeline(
+    layer: dict, probed: tuple[str, ...], attention: bool = True
+) -> dict[str, dict[str, float]]:
     """One layer's kernels on one time line (us), zero at the qkv GEMM's median wait return:
     per kernel its first start, median ring-full (GEMMs), median wait return, median
-    activation rows landed and last MMA (GEMMs), last end. The GEMMs of `probed` only (those on
-    the ws kernel). Probes read back to the host."""
+    activation rows landed and last MMA (GEMMs), last end; the two add + norms' first start,
+    median start, wait return and loads landed, and last end. The GEMMs of `probed` only (those
+    on the ws kernel); attention's marks only if it carries a probe. Probes read back to the
+    host; "qkv_waited_ns" (absolute) lets consecutive layers be subtracted."""
     marks: dict[str, dict[str, float]] = {}
     fields = {f: i for i, f in enumerate(PROBE_FIELDS)}
     for name in probed:
@@ -217,16 +250,30 @@ def layer_timeline(layer: dict, probed: tuple[str, ...]) -> dict[str, dict[str, 
             "mma_done": float(p[:, fields["mma_done"]].median()),
             "end": float(p[:, fields["end"]].max()),
         }
-    a = layer["probe"].cpu().double()  # attention: start, waited, end (ns), then cycles
-    marks["attention"] = {
-        "start": float(a[:, 0].min()),
-        "placed": float(a[:, 0].median()),
-        "waited": float(a[:, 1].median()),
-        "end": float(a[:, 2].max()),
-    }
+    if attention:
+        a = layer["probe"].cpu().double()  # attention: start, waited, end (ns), then cycles
+        marks["attention"] = {
+            "start": float(a[:, 0].min()),
+            "placed": float(a[:, 0].median()),
+            "waited": float(a[:, 1].median()),
+            "end": float(a[:, 2].max()),
+        }
+    nf = {f: i for i, f in enumerate(NORM_FIELDS)}
+    for name in NORMS:
+        if f"{name}_probe" in layer:
+            p = layer[f"{name}_probe"].cpu().double()
+            marks[name] = {
+                "start": float(p[:, nf["start"]].min()),
+                "placed": float(p[:, nf["start"]].median()),
+                "waited": float(p[:, nf["waited"]].median()),
+                "loaded": float(p[:, nf["loaded"]].median()),
+                "end": float(p[:, nf["end"]].max()),
+            }
     zero = marks["qkv"]["waited"]
-    order = [k for k in ("qkv", "attention", "o", "gate_up", "down") if k in marks]
-    return {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order}
+    order = ("qkv", "attention", "o", "norm_o", "gate_up", "down", "norm_down")
+    line = {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order if k in marks}
+    line["qkv_waited_ns"] = zero
+    return line
 
 
 # a program's time after its wait, by the phases its stamps mark (us, per program)
@@ -255,8 +302,9 @@ def measure(
     qkv_rope: bool = False,
     unreduced: bool = False,
     dims: Dims = MODELS["ouro"],
+    engine_attention: bool = False,
 ) -> dict:
-    chain = Chain(rows, keys, layers, tiles, timeline, qkv_rope, unreduced, dims)
+    chain = Chain(rows, keys, layers, tiles, timeline, qkv_rope, unreduced, dims, engine_attention)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -267,16 +315,21 @@ def measure(
     with torch.cuda.graph(graph):
         chain.run()
     keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap", "layer")
-    keys_ += PHASES
+    keys_ += (*PHASES, "qkv_to_qkv")
     stats: dict[str, list[float]] = {k: [] for k in keys_}
     lines: list[dict] = []
     for _ in range(replays):
         graph.replay()
         torch.cuda.synchronize()
-        previous_end = None
+        previous_end = previous_qkv = None
         for i, layer in enumerate(chain.layers):
             if timeline and i > 0:  # the first layer starts after a plain norm, not a down_proj
-                lines.append(layer_timeline(layer, chain.probed))
+                lines.append(layer_timeline(layer, chain.probed, not engine_attention))
+                if previous_qkv is not None:  # a whole layer, qkv wait to qkv wait
+                    stats["qkv_to_qkv"].append((lines[-1]["qkv_waited_ns"] - previous_qkv) / 1e3)
+                previous_qkv = lines[-1]["qkv_waited_ns"]
+            if engine_attention:  # no attention probe
+                continue
             p = layer["probe"].cpu()
             start, waited, end = p[:, 0], p[:, 1], p[:, 2]
             stats["early"].append(float(waited.min() - start.min()) / 1e3)
@@ -296,12 +349,16 @@ def measure(
         if v
     }
     programs = rows * dims.kv_heads * (tiles or {}).get("num_splits", 1)
-    out = {"rows": rows, "keys": keys, "programs": programs, **(tiles or {}), **medians,
-           "own_us_max": max(stats["own"])}  # fmt: skip
+    out = {"rows": rows, "keys": keys, "programs": programs, **(tiles or {}), **medians}
+    if stats["own"]:
+        out["own_us_max"] = max(stats["own"])
+    if engine_attention:
+        out["attention"] = "engine"
     if timeline:
         out["timeline_us"] = {
             k: {f: statistics.median(line[k][f] for line in lines) for f in lines[0][k]}
             for k in lines[0]
+            if k != "qkv_waited_ns"
         }
     return out
 
@@ -322,6 +379,7 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="see the module docstring")
     ap.add_argument("--qkv-rope", action="store_true", help="see the module docstring")
     ap.add_argument("--unreduced", action="store_true", help="see the module docstring")
+    ap.add_argument("--engine-attention", action="store_true", help="see the module docstring")
     ap.add_argument(
         "--set", dest="sets", action="append", default=[],
         help="module.NAME=VALUE of rlt_engine, as benchmarks/ab_decode.py takes it",
@@ -354,6 +412,7 @@ def main() -> None:
                         args.qkv_rope,
                         args.unreduced,
                         MODELS[args.model],
+                        args.engine_attention,
                     )
                 )
                 print(json.dumps(results[-1]), flush=True)

@@ -42,8 +42,18 @@ from rlt_engine.kernels.split_sums import SplitSums
 __all__ = ["add_rms_norm", "add_rms_norm_hazard", "add_rms_norm_reference", "supported"]
 
 # set by _import_triton(); the kernel's body reads `tl`, `libdevice`, `round_bf16`, `normed_row`,
-# `prefetch_lines`
-triton = tl = libdevice = round_bf16 = normed_row = prefetch_lines = None
+# `prefetch_lines`, `clocks`, `clock_after`
+triton = tl = libdevice = round_bf16 = normed_row = prefetch_lines = clocks = clock_after = None
+
+PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in this order
+    "start",  # the program begins (before the PDL wait)
+    "waited",  # its PDL wait returned
+    "loaded",  # its row's y (or partials) and residual have landed
+    "end",  # x and h stored
+)
+# A/B switch (benchmarks/ab_decode.py --set): release the next kernel before the wait, so that
+# the GEMM after an add + norm starts its weight stream while the GEMM before still runs
+RELEASE_EARLY = False
 
 
 def add_rms_norm_reference(
@@ -71,13 +81,16 @@ def add_rms_norm(
     eps: float,
     y_weight: torch.Tensor | None = None,
     y_eps: float | None = None,
+    *,
+    probe: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """y, residual: [rows, H] of one float dtype (last dimension contiguous; y may be a
     SplitSums of that shape and dtype, summed here); weight and
     y_weight: [H] (any float dtype, read in fp32). Returns new tensors (x, h), both [rows, H] in
     y's dtype: x = residual + norm(y; y_weight, y_eps) (or residual + y without y_weight) and
-    h = norm(x; weight, eps)."""
-    return _launch(y, residual, weight, eps, y_weight, y_eps)[:2]
+    h = norm(x; weight, eps). `probe` (benchmarks/bench_kernel_clock.py; CUDA under PDL only):
+    int64 [rows, len(PROBE_FIELDS)] receiving each program's stamps."""
+    return _launch(y, residual, weight, eps, y_weight, y_eps, probe=probe)[:2]
 
 
 def add_rms_norm_hazard(
@@ -104,7 +117,7 @@ def add_rms_norm_hazard(
     return _launch(y, residual, weight, eps, y_weight, y_eps, (gate_weight, gate_bias))
 
 
-def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
+def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None, probe=None):
     """(x, h, hazard or None); `gate`: (weight, bias) fp32."""
     parts = None
     if isinstance(y, SplitSums):
@@ -151,6 +164,10 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
     block = triton.next_power_of_2(hidden)
     kernel = _pa._kernel(_add_rms_norm_kernel, interpret)
     pdl = _pdl.enabled(y.device)
+    if probe is not None and (
+        not pdl or probe.shape != (rows, len(PROBE_FIELDS)) or probe.dtype != torch.int64
+    ):
+        raise ValueError(f"probe must be int64 [{rows}, {len(PROBE_FIELDS)}] on a PDL device")
     with _pa._on_device(y.device):
         kernel[(rows,)](
             y if parts is None else parts,
@@ -162,6 +179,7 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
             gate_w,
             gate_b,
             h if hazard is None else hazard,
+            h if probe is None else probe,
             y.stride(0) if parts is None else hidden,
             residual.stride(0),
             rows * hidden,
@@ -176,6 +194,8 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
+            EARLY=RELEASE_EARLY,
+            PROBE=probe is not None,
             LINE=_pdl.LINE_BYTES // x.element_size(),
             LINES=max(1, block * x.element_size() // _pdl.LINE_BYTES),
             num_warps=_norm.num_warps_for(block),  # norm.py's: the same reduction tree
@@ -185,7 +205,7 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None):
 
 
 def _import_triton() -> None:
-    global triton, tl, libdevice, round_bf16, normed_row, prefetch_lines
+    global triton, tl, libdevice, round_bf16, normed_row, prefetch_lines, clocks, clock_after
     from rlt_engine.kernels import swiglu as _swiglu
 
     _norm._import_triton()
@@ -193,6 +213,7 @@ def _import_triton() -> None:
     _pdl._import_triton()
     triton, tl, libdevice = _norm.triton, _norm.tl, _swiglu.libdevice
     round_bf16, normed_row, prefetch_lines = _norm.round_bf16, _norm.normed_row, _pdl.prefetch_lines
+    clocks, clock_after = _pdl.clocks, _pdl.clock_after
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,6 +231,7 @@ def _add_rms_norm_kernel(
     gw_ptr,  # GATE: the exit gate's fp32 weights [H]
     gb_ptr,  # GATE: its fp32 bias [1]
     hazard_ptr,  # GATE: out, fp32 [rows]
+    probe_ptr,  # PROBE: int64 [rows, len(PROBE_FIELDS)]
     stride_y,
     stride_r,
     stride_split,  # SPLITS: one split's partials, rows * H
@@ -224,12 +246,16 @@ def _add_rms_norm_kernel(
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    EARLY: tl.constexpr,  # PDL: the next kernel released before the wait (RELEASE_EARLY)
+    PROBE: tl.constexpr,  # benchmarks: timer stamps per program (PROBE_FIELDS)
     LINE: tl.constexpr,  # PDL: elements per 128-byte line (the residual's L2 prefetch)
     LINES: tl.constexpr,  # PDL: lines a row spans, a power of two (max(1, BLOCK // LINE))
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    if PROBE:
+        ns0, _ = clocks()
     # the norms' weights (parameters: no kernel writes them) before the wait: a decode layer's
     # weight stream has evicted them from L2, and the second norm would otherwise wait for
     # its weights' round trip only after the first norm's reduction (kernels/pdl.py)
@@ -243,8 +269,13 @@ def _add_rms_norm_kernel(
         lines = tl.arange(0, LINES) * LINE
         at = res_ptr + row * stride_r
         prefetch_lines(tl.where(lines < H, at + lines, at))
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+    if PROBE:
+        ns1, _ = clocks()
     if SPLITS:  # the GEMM's sum: 0.0 + p0 + p1 + ... in fp32, rounded once
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for s in tl.static_range(SPLITS):
@@ -262,6 +293,8 @@ def _add_rms_norm_kernel(
         o = r.to(tl.float32) + y.to(tl.float32)
     if ROUND_BF16:
         o = round_bf16(o)
+    if PROBE:  # (a reduction that waits for the loads: PROBE builds only)
+        ns2 = clock_after(tl.sum(o, axis=0).to(tl.int32, bitcast=True))
     x = o.to(y.dtype)  # exact for the interpreter's truncating cast once rounded
     tl.store(x_ptr + row * H + cols, x, mask=mask)
     h = normed_row(x, w, eps, INV_H, EXACT_MUL, ROUND_BF16)
@@ -273,3 +306,10 @@ def _add_rms_norm_kernel(
         else:  # the interpreter has no libdevice
             hazard = 1.0 / (1.0 + tl.exp(-logit))
         tl.store(hazard_ptr + row, hazard)
+    if PROBE:
+        ns3, _ = clocks()
+        at = probe_ptr + row * 4  # PROBE_FIELDS' order
+        tl.store(at + 0, ns0)
+        tl.store(at + 1, ns1)
+        tl.store(at + 2, ns2)
+        tl.store(at + 3, ns3)

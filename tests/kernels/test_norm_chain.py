@@ -248,13 +248,15 @@ from rlt_engine.kernels import norm_chain, paged_attention
 norm_chain._import_triton()
 fn = paged_attention._kernel(norm_chain._add_rms_norm_kernel, False)
 out = {}
-for splits, norm_y, gate in ((4, True, True), (0, False, False)):
+for splits, norm_y, gate, early in ((4, True, True, False), (0, False, False, False),
+                                   (4, True, False, True)):
     const = dict(H=2048, BLOCK=2048, INV_H=1.0 / 2048, SPLITS=splits, NORM_Y=norm_y, GATE=gate,
-                 EXACT_MUL=True, ROUND_BF16=False, PDL=True, LINE=64, LINES=32)
+                 EXACT_MUL=True, ROUND_BF16=False, PDL=True, EARLY=early, PROBE=early, LINE=64,
+                 LINES=32)
     sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
     sig |= {"eps_y": "fp32", "eps": "fp32", "gw_ptr": "*fp32", "gb_ptr": "*fp32",
-            "hazard_ptr": "*fp32", "y_ptr": "*fp32" if splits else "*bf16"}
-    name = f"splits{splits}" + ("_gate" if gate else "")
+            "hazard_ptr": "*fp32", "y_ptr": "*fp32" if splits else "*bf16", "probe_ptr": "*i64"}
+    name = f"splits{splits}" + ("_gate" if gate else "") + ("_early_probe" if early else "")
     out[name] = triton_ptx(fn, const, sig, num_warps=8)
 print(json.dumps(out))
 """
@@ -269,6 +271,12 @@ def test_compiles_for_sm90_with_the_weights_ahead_of_the_pdl_wait():
     for name, code in run_compile_script(TRITON_PTX + _COMPILE).items():
         lines = code.splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        release = next(i for i, line in enumerate(lines) if "launch_dependents" in line)
+        # RELEASE_EARLY (an A/B switch): the next kernel released before the wait, else after
+        assert (release < wait) == ("early" in name), name
+        if "probe" in name:  # the stamps: four %globaltimer reads, four int64 stores
+            assert sum("%globaltimer" in line for line in lines) == 4, name
+            continue
         loads = [i for i, line in enumerate(lines) if "ld.global" in line]
         first_store = next(i for i, line in enumerate(lines) if "st.global" in line)
         before = sum(i < wait for i in loads)
