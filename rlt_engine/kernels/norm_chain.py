@@ -51,9 +51,12 @@ PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in 
     "loaded",  # its row's y (or partials) and residual have landed
     "end",  # x and h stored
 )
-# A/B switch (benchmarks/ab_decode.py --set): release the next kernel before the wait, so that
-# the GEMM after an add + norm starts its weight stream while the GEMM before still runs
-RELEASE_EARLY = False
+# Release the next kernel before the wait (kernels/pdl.py): the GEMM after the add + norm then
+# starts its weight stream as the GEMM before leaves the SMs, not once the add + norm's wait
+# has returned. The add + norm's own loads then land behind that stream (c=1 1.3 -> 5.1 us
+# after its wait), yet decode gains on an H100: c=1 / 2 / 4 / 8 +1.7% / +1.6% / +2.1% / +1.6%
+# (benchmarks/results/2026-12-07-norm-release-early-h100.md). An A/B switch (ab_decode --set)
+RELEASE_EARLY = True
 
 
 def add_rms_norm_reference(
