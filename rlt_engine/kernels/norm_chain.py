@@ -51,12 +51,13 @@ PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in 
     "loaded",  # its row's y (or partials) and residual have landed
     "end",  # x and h stored
 )
-# Release the next kernel before the wait (kernels/pdl.py): the GEMM after the add + norm then
-# starts its weight stream as the GEMM before leaves the SMs, not once the add + norm's wait
-# has returned. The add + norm's own loads then land behind that stream (c=1 1.3 -> 5.1 us
-# after its wait), yet decode gains on an H100: c=1 / 2 / 4 / 8 +1.7% / +1.6% / +2.1% / +1.6%
-# (benchmarks/results/2026-12-07-norm-release-early-h100.md). An A/B switch (ab_decode --set)
-RELEASE_EARLY = True
+# Up to this many rows the add + norm releases the next kernel before its wait (kernels/pdl.py):
+# the GEMM after it then starts its weight stream as the GEMM before leaves the SMs, not once
+# the add + norm's wait has returned. The add + norm's own loads then land behind that stream
+# (at 1 row 1.3 -> 5.1 us after its wait), yet decode gains on an H100: c=1 / 2 / 4 / 8 / 16
+# +1.7% / +1.6% / +2.1% / +1.6% / +2.4%; c=32 -0.6%, c=64 even
+# (benchmarks/results/2026-12-07-norm-release-early-h100.md). 0: never (ab_decode --set)
+RELEASE_EARLY_ROWS = 16
 
 
 def add_rms_norm_reference(
@@ -197,7 +198,7 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None, probe=None):
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
-            EARLY=RELEASE_EARLY,
+            EARLY=rows <= RELEASE_EARLY_ROWS,
             PROBE=probe is not None,
             LINE=_pdl.LINE_BYTES // x.element_size(),
             LINES=max(1, block * x.element_size() // _pdl.LINE_BYTES),
@@ -249,7 +250,7 @@ def _add_rms_norm_kernel(
     EXACT_MUL: tl.constexpr,  # mul.rn (no FMA contraction); False in the interpreter
     ROUND_BF16: tl.constexpr,  # round to bf16 by hand (interpreter: its fp32->bf16 truncates)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
-    EARLY: tl.constexpr,  # PDL: the next kernel released before the wait (RELEASE_EARLY)
+    EARLY: tl.constexpr,  # PDL: the next kernel released before the wait (RELEASE_EARLY_ROWS)
     PROBE: tl.constexpr,  # benchmarks: timer stamps per program (PROBE_FIELDS)
     LINE: tl.constexpr,  # PDL: elements per 128-byte line (the residual's L2 prefetch)
     LINES: tl.constexpr,  # PDL: lines a row spans, a power of two (max(1, BLOCK // LINE))

@@ -272,7 +272,7 @@ def test_compiles_for_sm90_with_the_weights_ahead_of_the_pdl_wait():
         lines = code.splitlines()
         wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
         release = next(i for i, line in enumerate(lines) if "launch_dependents" in line)
-        # RELEASE_EARLY (an A/B switch): the next kernel released before the wait, else after
+        # EARLY (RELEASE_EARLY_ROWS): the next kernel released before the wait, else after it
         assert (release < wait) == ("early" in name), name
         if "probe" in name:  # the stamps: four %globaltimer reads, four int64 stores
             assert sum("%globaltimer" in line for line in lines) == 4, name
