@@ -80,6 +80,10 @@ X_BY_LOADS_ROWS = 4
 # 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
 RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
+# From this many rows the qkv GEMM with its RoPE epilogue releases attention at its end, not
+# after its wait: attention's programs placed beside the qkv's cost 1.5% at c=8 and gained 1.8%
+# at c=1 (2026-12-03-qkv-rope-epilogue-h200.md). An A/B switch (ab_decode --set)
+LATE_RELEASE_ROWS = 2
 # Two programs an SM where a launch has more programs than SMs. Nanbeige's gate/up in the ws
 # form takes 168 programs of 128 weight rows; at the whole register file (one program an SM)
 # they ran on 132 SMs in two waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-h100.md).
@@ -390,9 +394,7 @@ def ws_gemm(
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
-        # attention's programs placed beside the qkv's (released early) cost 1.5% at c=8 and
-        # gain 1.8% at c=1 (the epilogue's A/B, results/2026-12-03-qkv-rope-epilogue-h200.md)
-        LATE=rope is not None and m > 1,
+        LATE=rope is not None and m >= LATE_RELEASE_ROWS,
         KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe is not None,
         UNREDUCED=unreduced,
