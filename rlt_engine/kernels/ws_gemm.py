@@ -82,8 +82,10 @@ RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
 # From this many rows the qkv GEMM with its RoPE epilogue releases attention at its end, not
 # after its wait: attention's programs placed beside the qkv's cost 1.5% at c=8 and gained 1.8%
-# at c=1 (2026-12-03-qkv-rope-epilogue-h200.md). An A/B switch (ab_decode --set)
-LATE_RELEASE_ROWS = 2
+# at c=1 (2026-12-03-qkv-rope-epilogue-h200.md). With the add + norm's early release, on an
+# H100: released after the wait, c=2 +1.6%, c=4 / 8 -0.8% / -0.7%
+# (2026-12-07-norm-release-early-h100.md). An A/B switch (ab_decode --set)
+LATE_RELEASE_ROWS = 4
 # Two programs an SM where a launch has more programs than SMs. Nanbeige's gate/up in the ws
 # form takes 168 programs of 128 weight rows; at the whole register file (one program an SM)
 # they ran on 132 SMs in two waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-h100.md).
