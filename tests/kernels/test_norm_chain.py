@@ -88,6 +88,9 @@ def test_rejects_bad_arguments():
         add_rms_norm(y, res, wb, 1e-6, y_weight=wa[:8])
     with pytest.raises(ValueError, match="y must be"):
         add_rms_norm(y[None], res[None], wb, 1e-6)
+    # a timer probe needs a PDL build (CUDA, sm_90+), never the interpreter
+    with pytest.raises(ValueError, match="probe must be"):
+        add_rms_norm(y, res, wb, 1e-6, probe=torch.zeros(3, 4, dtype=torch.int64))
 
 
 # -- y as a split-K GEMM's unsummed partials (kernels/split_sums) ---------------------------------
