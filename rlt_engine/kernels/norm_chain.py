@@ -51,13 +51,14 @@ PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in 
     "loaded",  # its row's y (or partials) and residual have landed
     "end",  # x and h stored
 )
-# Up to this many rows the add + norm releases the next kernel before its wait (kernels/pdl.py):
-# the GEMM after it then starts its weight stream as the GEMM before leaves the SMs, not once
-# the add + norm's wait has returned. The add + norm's own loads then land behind that stream
-# (at 1 row 1.3 -> 5.1 us after its wait), yet decode gains on an H100: c=1 / 2 / 4 / 8 / 16
-# +1.7% / +1.6% / +2.1% / +1.6% / +2.4%; c=32 -0.6%, c=64 even
-# (benchmarks/results/2026-12-07-norm-release-early-h100.md). 0: never (ab_decode --set)
-RELEASE_EARLY_ROWS = 16
+# Per hidden size, up to how many rows the add + norm releases the next kernel before its wait
+# (kernels/pdl.py): the GEMM after it then starts its weight stream as the GEMM before leaves
+# the SMs, not once the add + norm's wait has returned. The add + norm's own loads then land
+# behind that stream (at 1 row 1.3 -> 5.1 us after its wait). Measured in decode on an H100
+# (benchmarks/results/2026-12-07-norm-release-early-h100.md): Ouro-1.4B's 2048 c=1 / 2 / 4 /
+# 8 / 16 +1.7% / +1.6% / +2.1% / +1.6% / +2.4%, c=32 -0.6%, c=64 even; Nanbeige4.2-3B's 3072
+# c=1 / 8 -0.3% / -1.3%, so not there. An A/B switch (ab_decode --set ...={})
+RELEASE_EARLY_ROWS: dict[int, int] = {2048: 16}
 
 
 def add_rms_norm_reference(
@@ -198,7 +199,7 @@ def _launch(y, residual, weight, eps, y_weight, y_eps, gate=None, probe=None):
             EXACT_MUL=not interpret,
             ROUND_BF16=interpret and y.dtype == torch.bfloat16,
             PDL=pdl,
-            EARLY=rows <= RELEASE_EARLY_ROWS,
+            EARLY=rows <= RELEASE_EARLY_ROWS.get(hidden, 0),
             PROBE=probe is not None,
             LINE=_pdl.LINE_BYTES // x.element_size(),
             LINES=max(1, block * x.element_size() // _pdl.LINE_BYTES),

@@ -28,7 +28,7 @@ The protocol every kernel launched with PDL keeps, which is what keeps it exact:
   its wait (`if PDL and not LATE:` inside the wait's block, `if PDL and LATE:` at its end:
   the qkv GEMM with its RoPE epilogue, whose successor's programs are better placed once its
   own leave); a late release is always safe. One kernel releases before its wait: the add +
-  norm between two GEMMs (up to norm_chain.RELEASE_EARLY_ROWS rows), so that the next GEMM's
+  norm between two GEMMs (norm_chain.RELEASE_EARLY_ROWS: Ouro's), so that the next GEMM's
   programs take the SMs the GEMM before leaves and stream their weight rings while the add +
   norm still waits. That is safe too: the next GEMM reads nothing but weights before its own
   wait, which returns only once the add + norm has completed, after its own wait. Two kernels

@@ -80,12 +80,13 @@ X_BY_LOADS_ROWS = 4
 # 1.4-7.0% at c=1-8 (2026-12-04-rows-by-loads-h200.md)
 RING_AHEAD_BYTES = 96 * 1024
 RING_AHEAD_ROWS = 8
-# From this many rows the qkv GEMM with its RoPE epilogue releases attention at its end, not
-# after its wait: attention's programs placed beside the qkv's cost 1.5% at c=8 and gained 1.8%
-# at c=1 (2026-12-03-qkv-rope-epilogue-h200.md). With the add + norm's early release, on an
-# H100: released after the wait, c=2 +1.6%, c=4 / 8 -0.8% / -0.7%
-# (2026-12-07-norm-release-early-h100.md). An A/B switch (ab_decode --set)
-LATE_RELEASE_ROWS = 4
+# From 2 rows the qkv GEMM with its RoPE epilogue releases attention at its end, not after its
+# wait: attention's programs placed beside the qkv's cost 1.5% at c=8 and gained 1.8% at c=1
+# (2026-12-03-qkv-rope-epilogue-h200.md). From more rows per packed qkv weight (N, K) where
+# measured so: Ouro-1.4B's, with the add + norm's early release, on an H100 released after the
+# wait c=2 +1.6%, c=4 / 8 -0.8% / -0.7% (2026-12-07-norm-release-early-h100.md). An A/B
+# switch (ab_decode --set)
+LATE_RELEASE_ROWS: dict[tuple[int, int], int] = {(6144, 2048): 4}
 # Two programs an SM where a launch has more programs than SMs. Nanbeige's gate/up in the ws
 # form takes 168 programs of 128 weight rows; at the whole register file (one program an SM)
 # they ran on 132 SMs in two waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-h100.md).
@@ -396,7 +397,7 @@ def ws_gemm(
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
         ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
-        LATE=rope is not None and m >= LATE_RELEASE_ROWS,
+        LATE=rope is not None and m >= LATE_RELEASE_ROWS.get((n, k), 2),
         KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
         PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe is not None,
         UNREDUCED=unreduced,
