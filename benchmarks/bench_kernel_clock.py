@@ -236,7 +236,7 @@ def layer_timeline(
     activation rows landed and last MMA (GEMMs), last end; the two add + norms' first start,
     median start, wait return and loads landed, and last end. The GEMMs of `probed` only (those
     on the ws kernel); attention's marks only if it carries a probe. Probes read back to the
-    host; "qkv_waited_ns" (absolute) lets consecutive layers be subtracted."""
+    host."""
     marks: dict[str, dict[str, float]] = {}
     fields = {f: i for i, f in enumerate(PROBE_FIELDS)}
     for name in probed:
@@ -269,11 +269,14 @@ def layer_timeline(
                 "loaded": float(p[:, nf["loaded"]].median()),
                 "end": float(p[:, nf["end"]].max()),
             }
-    zero = marks["qkv"]["waited"]
+    zero = qkv_wait_ns(layer)
     order = ("qkv", "attention", "o", "norm_o", "gate_up", "down", "norm_down")
-    line = {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order if k in marks}
-    line["qkv_waited_ns"] = zero
-    return line
+    return {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order if k in marks}
+
+
+def qkv_wait_ns(layer: dict) -> float:
+    """The layer's zero: its qkv GEMM's median wait return (ns, the global timer)."""
+    return float(layer["qkv_probe"][:, PROBE_FIELDS.index("waited")].cpu().double().median())
 
 
 # a program's time after its wait, by the phases its stamps mark (us, per program)
@@ -325,9 +328,10 @@ def measure(
         for i, layer in enumerate(chain.layers):
             if timeline and i > 0:  # the first layer starts after a plain norm, not a down_proj
                 lines.append(layer_timeline(layer, chain.probed, not engine_attention))
+                zero = qkv_wait_ns(layer)
                 if previous_qkv is not None:  # a whole layer, qkv wait to qkv wait
-                    stats["qkv_to_qkv"].append((lines[-1]["qkv_waited_ns"] - previous_qkv) / 1e3)
-                previous_qkv = lines[-1]["qkv_waited_ns"]
+                    stats["qkv_to_qkv"].append((zero - previous_qkv) / 1e3)
+                previous_qkv = zero
             if engine_attention:  # no attention probe
                 continue
             p = layer["probe"].cpu()
@@ -358,7 +362,6 @@ def measure(
         out["timeline_us"] = {
             k: {f: statistics.median(line[k][f] for line in lines) for f in lines[0][k]}
             for k in lines[0]
-            if k != "qkv_waited_ns"
         }
     return out
 

@@ -48,7 +48,7 @@ triton = tl = libdevice = round_bf16 = normed_row = prefetch_lines = clocks = cl
 PROBE_FIELDS = (  # what a PROBE build stamps per program (%globaltimer ns), in this order
     "start",  # the program begins (before the PDL wait)
     "waited",  # its PDL wait returned
-    "loaded",  # its row's y (or partials) and residual have landed
+    "loaded",  # x computed: its row's y (or partials) and residual landed (and y normed)
     "end",  # x and h stored
 )
 # Per hidden size, up to how many rows the add + norm releases the next kernel before its wait

@@ -50,6 +50,28 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
     assert line["down"]["ring_full"] == pytest.approx(29.0)
 
 
+def test_layer_timeline_places_the_add_norms_and_leaves_out_an_unprobed_attention():
+    """--timeline's add + norm marks (norm_chain.PROBE_FIELDS: start, waited, loaded, end) go
+    after the GEMM before each; --engine-attention's attention carries no probe and stays off."""
+    bench = benchmark_scripts.load("bench_kernel_clock")
+    waited = bench.PROBE_FIELDS.index("waited")
+    qkv = torch.zeros(3, len(bench.PROBE_FIELDS), dtype=torch.int64)
+    qkv[:, waited] = torch.tensor([1_000, 2_000, 3_000])
+    layer = {"qkv_probe": qkv}
+    for name, base in (("norm_o", 20_000), ("norm_down", 40_000)):  # start waited loaded end
+        layer[f"{name}_probe"] = torch.tensor(
+            [[base, base + 1_000, base + 2_500, base + 3_000 + 100 * j] for j in range(2)]
+        )
+    assert bench.NORM_FIELDS == ("start", "waited", "loaded", "end")
+    assert bench.qkv_wait_ns(layer) == 2_000.0
+    line = bench.layer_timeline(layer, ("qkv",), attention=False)
+    assert list(line) == ["qkv", "norm_o", "norm_down"]
+    assert line["norm_o"] == pytest.approx(
+        {"start": 18.0, "placed": 18.0, "waited": 19.0, "loaded": 20.5, "end": 21.1}
+    )
+    assert line["norm_down"]["end"] == pytest.approx(41.1)
+
+
 def test_attention_phases_split_a_programs_time_after_its_wait():
     bench = benchmark_scripts.load("bench_kernel_clock")
     assert len(bench.ATTENTION_FIELDS) == 9
