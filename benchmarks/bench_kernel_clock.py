@@ -41,9 +41,9 @@ what the engine's decode runs), not in their own launch.
 the GEMM's last split.
 
 --timeline also places the layer's two add + norms (kernels/norm_chain's probe): their first
-and median program start, median wait return, median loads landed (the row's partials and
-residual) and last end; and reports qkv_to_qkv (a whole layer, from one qkv's median wait
-return to the next's).
+and median program start, median wait return, median x computed (the row's partials and
+residual landed: the probe's "loaded") and last end; and reports qkv_to_qkv (a whole layer,
+from one qkv's median wait return to the next's).
 
 --engine-attention: decode attention as the engine launches it (`paged_attention` with
 `decode_splits`' splits merged by the last split: at 8 Ouro rows the one-warp rows kernel
@@ -146,7 +146,8 @@ class Chain:
         # --engine-attention: decode attention as the engine launches it (its kernel and
         # splits for these rows, merged by the last split); it carries no probe
         self.engine_attention = engine_attention
-        self.split_counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda")
+        if engine_attention:
+            self.split_counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda")
         self.x = rnd(rows, h)
         # --timeline: one probe per launch of each GEMM the table runs on the ws kernel, sized
         # by its config for these rows (every layer's weights have the first layer's shapes)
