@@ -45,9 +45,11 @@ and median program start, median wait return, median x computed (the row's parti
 residual landed: the probe's "loaded") and last end; and reports qkv_to_qkv (a whole layer,
 from one qkv's median wait return to the next's).
 
---engine-attention: decode attention as the engine launches it (`paged_attention` with
-`decode_splits`' splits merged by the last split: at 8 Ouro rows the one-warp rows kernel
-split 16 ways), not the probed tensor-core kernel; attention then has no marks of its own.
+--engine-attention: decode attention as the engine launches it (`decode_splits`' splits
+merged by the last split, the kernel `_launch` picks: at 8 Ouro rows the one-warp rows kernel
+split 16 ways), not the tensor-core kernel unsplit. It carries the probe too; only the
+programs that pass their wait stamp it (a split without keys leaves before it), so the
+stamps and the time line are those of the programs with keys.
 
 --set module.NAME=VALUE: an rlt_engine module constant set first, as in ab_decode.py (e.g.
 kernels.ws_gemm.X_BY_LOADS_ROWS=0: the rows by TMA); --row KEY=ROW: a row of the small-GEMM
@@ -75,7 +77,7 @@ from rlt_engine.kernels.norm import rms_norm  # noqa: E402
 from rlt_engine.kernels.norm_chain import PROBE_FIELDS as NORM_FIELDS  # noqa: E402
 from rlt_engine.kernels.norm_chain import add_rms_norm  # noqa: E402
 from rlt_engine.kernels.paged_attention import PROBE_FIELDS as ATTENTION_FIELDS  # noqa: E402
-from rlt_engine.kernels.paged_attention import _launch, decode_splits, paged_attention  # noqa: E402
+from rlt_engine.kernels.paged_attention import _launch, _rows_wins, decode_splits  # noqa: E402
 from rlt_engine.kernels.rope_kv_write import rope_write_kv_  # noqa: E402
 from rlt_engine.kernels.small_gemm import choose, linear, linear_rope  # noqa: E402
 from rlt_engine.kernels.ws_gemm import PROBE_FIELDS, QkvRope, ws_gemm  # noqa: E402
@@ -119,6 +121,16 @@ class Chain:
 
         self.rows, self.keys, self.tiles, self.dims = rows, keys, dict(tiles or {}), dims
         heads, kv_heads, D, inter = dims.heads, dims.kv_heads, dims.d, dims.inter
+        # --engine-attention: decode attention as the engine launches it (its kernel and
+        # splits for these rows, merged by the last split)
+        self.engine_attention = engine_attention
+        if engine_attention:
+            self.split_counters = torch.zeros(rows * heads, dtype=torch.int32, device="cuda")
+            splits = decode_splits(rows, False, mha=heads == kv_heads)
+            rows_kernel = heads == kv_heads and _rows_wins(rows, heads, splits, False)
+            programs = rows * (heads if rows_kernel else kv_heads) * splits
+        else:  # the tensor-core kernel's programs: one per (sequence, KV head, split)
+            programs = rows * kv_heads * self.tiles.get("num_splits", 1)
         if self.tiles.pop("merge", 0):  # split-K merged by the last split (no merge launch)
             self.tiles["split_counters"] = torch.zeros(
                 rows * kv_heads, dtype=torch.int32, device="cuda"
@@ -132,22 +144,13 @@ class Chain:
                 "down": rnd(h, inter, scale=inter**-0.5),
                 "norms": [1 + rnd(h, scale=0.1) for _ in range(4)],
                 "pool": (rnd(rows * keys, kv_heads, D), rnd(rows * keys, kv_heads, D)),
-                # the tensor-core kernel's programs: one per (sequence, KV head, split)
                 "probe": torch.full(
-                    (rows * kv_heads * self.tiles.get("num_splits", 1), len(ATTENTION_FIELDS)),
-                    -1,
-                    dtype=torch.int64,
-                    device="cuda",
+                    (programs, len(ATTENTION_FIELDS)), -1, dtype=torch.int64, device="cuda"
                 ),
             }
             for _ in range(layers)
         ]
         self.qkv_rope, self.unreduced = qkv_rope, unreduced
-        # --engine-attention: decode attention as the engine launches it (its kernel and
-        # splits for these rows, merged by the last split); it carries no probe
-        self.engine_attention = engine_attention
-        if engine_attention:
-            self.split_counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device="cuda")
         self.x = rnd(rows, h)
         # --timeline: one probe per launch of each GEMM the table runs on the ws kernel, sized
         # by its config for these rows (every layer's weights have the first layer's shapes)
@@ -208,10 +211,10 @@ class Chain:
             if not self.qkv_rope:
                 rope_write_kv_(q, k, v, self.cos, self.sin, k_pool, v_pool, self.slots)
             if self.engine_attention:
-                attn = paged_attention(
+                attn = _launch(
                     q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
                     D**-0.5, 1, num_splits=decode_splits(self.rows, False, mha=heads == kv_heads),
-                    prefetch_kv=True, split_counters=self.split_counters,
+                    prefetch_kv=True, split_counters=self.split_counters, probe=layer["probe"],
                 )  # fmt: skip
             else:
                 attn = _launch(
@@ -229,15 +232,14 @@ class Chain:
         return h
 
 
-def layer_timeline(
-    layer: dict, probed: tuple[str, ...], attention: bool = True
-) -> dict[str, dict[str, float]]:
+def layer_timeline(layer: dict, probed: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """One layer's kernels on one time line (us), zero at the qkv GEMM's median wait return:
     per kernel its first start, median ring-full (GEMMs), median wait return, median
-    activation rows landed and last MMA (GEMMs), last end; the two add + norms' first start,
-    median start, wait return and loads landed, and last end. The GEMMs of `probed` only (those
-    on the ws kernel); attention's marks only if it carries a probe. Probes read back to the
-    host."""
+    activation rows landed and last MMA (GEMMs), last end; attention's first and median
+    start, median wait return and last key tile done, and last end, over the programs that
+    stamped (those with keys); the two add + norms' first start, median start, wait return and
+    loads landed, and last end. The GEMMs of `probed` only (those on the ws kernel); attention
+    only if it carries a probe. Probes read back to the host."""
     marks: dict[str, dict[str, float]] = {}
     fields = {f: i for i, f in enumerate(PROBE_FIELDS)}
     for name in probed:
@@ -251,12 +253,13 @@ def layer_timeline(
             "mma_done": float(p[:, fields["mma_done"]].median()),
             "end": float(p[:, fields["end"]].max()),
         }
-    if attention:
-        a = layer["probe"].cpu().double()  # attention: start, waited, end (ns), then cycles
+    a = stamped(layer["probe"]).double() if "probe" in layer else None
+    if a is not None and len(a):  # attention: start, waited, end (ns), then cycles, phases
         marks["attention"] = {
             "start": float(a[:, 0].min()),
             "placed": float(a[:, 0].median()),
             "waited": float(a[:, 1].median()),
+            "keys_done": float(a[:, ATTENTION_FIELDS.index("keys_done")].median()),
             "end": float(a[:, 2].max()),
         }
     nf = {f: i for i, f in enumerate(NORM_FIELDS)}
@@ -273,6 +276,13 @@ def layer_timeline(
     zero = qkv_wait_ns(layer)
     order = ("qkv", "attention", "o", "norm_o", "gate_up", "down", "norm_down")
     return {k: {f: (t - zero) / 1e3 for f, t in marks[k].items()} for k in order if k in marks}
+
+
+def stamped(probe: torch.Tensor) -> torch.Tensor:
+    """An attention probe's rows (on the host) of the programs that stamped it: those that
+    left before their wait or before any key (a split without keys, padding) keep -1."""
+    p = probe.cpu()
+    return p[p[:, 0] >= 0]
 
 
 def qkv_wait_ns(layer: dict) -> float:
@@ -328,14 +338,12 @@ def measure(
         previous_end = previous_qkv = None
         for i, layer in enumerate(chain.layers):
             if timeline and i > 0:  # the first layer starts after a plain norm, not a down_proj
-                lines.append(layer_timeline(layer, chain.probed, not engine_attention))
+                lines.append(layer_timeline(layer, chain.probed))
                 zero = qkv_wait_ns(layer)
                 if previous_qkv is not None:  # a whole layer, qkv wait to qkv wait
                     stats["qkv_to_qkv"].append((zero - previous_qkv) / 1e3)
                 previous_qkv = zero
-            if engine_attention:  # no attention probe
-                continue
-            p = layer["probe"].cpu()
+            p = stamped(layer["probe"])
             start, waited, end = p[:, 0], p[:, 1], p[:, 2]
             stats["early"].append(float(waited.min() - start.min()) / 1e3)
             if previous_end is not None:
@@ -353,8 +361,10 @@ def measure(
         for k, v in stats.items()
         if v
     }
-    programs = rows * dims.kv_heads * (tiles or {}).get("num_splits", 1)
-    out = {"rows": rows, "keys": keys, "programs": programs, **(tiles or {}), **medians}
+    # the attention launch's programs, and those that stamped (passed their wait with keys)
+    programs, ran = len(chain.layers[0]["probe"]), len(stamped(chain.layers[-1]["probe"]))
+    out = {"rows": rows, "keys": keys, "programs": programs, "programs_stamped": ran}
+    out |= {**(tiles or {}), **medians}
     if stats["own"]:
         out["own_us_max"] = max(stats["own"])
     if engine_attention:

@@ -299,11 +299,12 @@ def _launch(
 ) -> torch.Tensor:
     """`paged_attention` with tuning overrides (tests: small tiles on tiny shapes; benchmark).
     `kernel`: "mma" (the general kernel), "rows" (decode rows of MHA only) or "auto" (rows
-    where it was measured faster: `_rows_wins`). `probe` (benchmarks, tensor-core kernel,
-    compiled only): int64 [programs, len(PROBE_FIELDS)] receiving each program's stamps
-    (PROBE_FIELDS: %globaltimer ns and %clock64 at its start, after its PDL wait and at its
-    end; ns once its metadata, its first key tile and its last had landed), programs in
-    launch-grid order; padding programs that return early leave their row as it was."""
+    where it was measured faster: `_rows_wins`). `probe` (benchmarks, compiled only): int64
+    [programs, len(PROBE_FIELDS)] receiving each program's stamps (PROBE_FIELDS: %globaltimer
+    ns and %clock64 at its start, after its PDL wait and at its end; ns once its metadata, its
+    first key tile and its last had landed), programs in launch-grid order (the rows kernel's
+    (sequence, head, split), the tensor-core kernel's (query block, kv head, split)); programs
+    that return early (padding, a split without keys) leave their row as it was."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start, block_size, max_query_len)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -440,13 +441,25 @@ def _launch(
     }
     global merge_partials
     merge_partials = _kernel(_merge_partials, interpret)
+    flat = max_query_len > 1  # prefill: query blocks numbered across sequences (FLAT)
+    blocks = num_tokens // block_q + num_seqs if flat else num_seqs * q_tiles
+    grid = (num_seqs, num_heads, num_splits) if rows_kernel else (blocks, num_kv_heads, num_splits)
+    if probe is not None:
+        global clocks, clock_after
+        shape = (grid[0] * grid[1] * grid[2], len(PROBE_FIELDS))
+        if interpret or probe.shape != shape or probe.dtype != torch.int64:
+            raise ValueError(f"probe: int64 {list(shape)}, compiled builds only")
+        _pdl._import_triton()
+        clocks, clock_after = _pdl.clocks, _pdl.clock_after
     with _on_device(q.device):
         if rows_kernel:
-            _kernel(_decode_rows_kernel, interpret)[(num_seqs, num_heads, num_splits)](
+            _kernel(_decode_rows_kernel, interpret)[grid](
                 *args,
                 *_rope_args(rw, q),
                 q if not merge_in_kernel else split_counters,
+                q if probe is None else probe,
                 **shapes,
+                PROBE=probe is not None,
                 SPLITS_PAD=triton.next_power_of_2(num_splits),
                 MERGE=merge_in_kernel,
                 # the caller's word: the metadata and the first tile's table entries read
@@ -463,19 +476,9 @@ def _launch(
                 **_pdl.launch_options(pdl),
             )
         else:
-            # prefill: query blocks numbered across sequences (FLAT), fewer programs than
-            # q_tiles per sequence whenever the chunks differ in length, and a grid fixed by
-            # the row count (a padded wave: its bucket) alone
-            flat = max_query_len > 1
-            blocks = num_tokens // block_q + num_seqs if flat else num_seqs * q_tiles
-            grid = (blocks, num_kv_heads, num_splits)
-            if probe is not None:
-                global clocks, clock_after
-                shape = (grid[0] * grid[1] * grid[2], len(PROBE_FIELDS))
-                if interpret or probe.shape != shape:
-                    raise ValueError(f"probe: int64 {list(shape)}, compiled builds only")
-                _pdl._import_triton()
-                clocks, clock_after = _pdl.clocks, _pdl.clock_after
+            # prefill (FLAT): fewer programs than q_tiles per sequence whenever the chunks
+            # differ in length, and a grid fixed by the row count (a padded wave: its
+            # bucket) alone
             global attend_tile, kv_tile
             attend_tile, kv_tile = _kernel(_attend_tile, interpret), _kernel(_kv_tile, interpret)
             early_keys = prefetch_kv and max_query_len == 1 and num_seqs <= EARLY_KEYS_SEQS
@@ -1087,6 +1090,7 @@ def _decode_rows_kernel(
     stride_vnh,
     slot_ptr,
     count_ptr,  # MERGE: int32 [sequences * heads], zero between launches: splits arrived
+    probe_ptr,  # PROBE: int64 [programs, len(PROBE_FIELDS)]
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -1104,11 +1108,15 @@ def _decode_rows_kernel(
     HALF: tl.constexpr,
     EXACT_MUL: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    PROBE: tl.constexpr,  # benchmarks: timer stamps per program (pdl.clocks)
 ):
     """Decode rows of multi-head attention (one query per sequence, one kv head per head):
     a program owns one (sequence, head, split). With a single query row a tensor-core tile
     would be 15/16 padding, so scores and P @ V are register reductions over [BLOCK_N, d]
     tiles in fp32 (no shared memory: many programs per SM to keep loads in flight)."""
+    if PROBE:
+        ns0, cy0 = clocks()
+        ns1, cy1 = ns0, cy0
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -1122,6 +1130,8 @@ def _decode_rows_kernel(
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        if PROBE:
+            ns1, cy1 = clocks()
     # The sequence's metadata, this split's key tiles and its first tile's table entries
     # (SETTLED: before the wait, on the caller's word that the kernel before writes only the
     # rows' q, K and V). A split without keys of a sequence with a query leaves (the last of
@@ -1148,8 +1158,13 @@ def _decode_rows_kernel(
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        if PROBE:
+            ns1, cy1 = clocks()
     if q_end == q_begin:  # a padding sequence: no query
         return
+    if PROBE:  # (the stamps below wait for their data, PROBE builds only)
+        ns_meta = clock_after(seq_len)
+        ns_first = ns_meta
     token = q_begin.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -1198,6 +1213,11 @@ def _decode_rows_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         m_i = m_new
+        if PROBE:  # noqa: SIM102  (a constexpr branch: nothing compiled without PROBE)
+            if t == t_begin:
+                ns_first = clock_after(tl.sum(acc))
+    if PROBE:
+        ns_keys = clock_after(tl.sum(acc))
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)
@@ -1222,6 +1242,19 @@ def _decode_rows_kernel(
                     out_ptr + token * stride_ot + head * stride_oh, ws_acc_ptr, ws_m_ptr,
                     ws_l_ptr, part - split, used, HEAD_DIM, BLOCK_D, SPLITS_PAD, ".cg",
                 )  # fmt: skip
+    if PROBE:
+        ns2, cy2 = clocks()
+        pid = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split
+        row = probe_ptr + pid.to(tl.int64) * 9  # PROBE_FIELDS' order
+        tl.store(row + 0, ns0)
+        tl.store(row + 1, ns1)
+        tl.store(row + 2, ns2)
+        tl.store(row + 3, cy0)
+        tl.store(row + 4, cy1)
+        tl.store(row + 5, cy2)
+        tl.store(row + 6, ns_meta)
+        tl.store(row + 7, ns_first)
+        tl.store(row + 8, ns_keys)
 
 
 def _prefetch_kv_l2(

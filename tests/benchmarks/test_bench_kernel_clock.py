@@ -27,9 +27,10 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
         }
         rows = [[base + stamps[f] + j * 100 for f in fields] for j in range(2)]  # fmt: skip
         layer[f"{name}_probe"] = torch.tensor(rows, dtype=torch.int64)
-    # attention between the qkv and the o_proj: start, waited, end, cycles, then its phases
+    # attention between the qkv and the o_proj: start, waited, end, cycles, then its phases;
+    # a split without keys left before its wait, stamping nothing
     layer["probe"] = torch.tensor(
-        [[7_000, 8_000, 9_000, 0, 0, 0, 8_100, 8_500, 8_800]] * 3, dtype=torch.int64
+        [[7_000, 8_000, 9_000, 0, 0, 0, 8_100, 8_500, 8_800]] * 3 + [[-1] * 9], dtype=torch.int64
     )
     line = bench.layer_timeline(layer, bench.GEMMS)
     assert list(line) == ["qkv", "attention", "o", "gate_up", "down"]
@@ -39,7 +40,7 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
     assert line["qkv"]["end"] == pytest.approx(5.1)  # the last program's end
     assert line["qkv"]["placed"] == pytest.approx(-2.5)  # the median producer's start
     assert line["attention"] == pytest.approx(
-        {"start": 5.0, "placed": 5.0, "waited": 6.0, "end": 7.0}
+        {"start": 5.0, "placed": 5.0, "waited": 6.0, "keys_done": 6.8, "end": 7.0}
     )
     assert line["down"]["ring_full"] == pytest.approx(29.0)
     # a GEMM the table runs off the ws kernel (Nanbeige's gate/up) carries no probe: it stays
@@ -52,7 +53,8 @@ def test_layer_timeline_puts_every_kernel_on_the_qkv_wait_clock():
 
 def test_layer_timeline_places_the_add_norms_and_leaves_out_an_unprobed_attention():
     """--timeline's add + norm marks (norm_chain.PROBE_FIELDS: start, waited, loaded, end) go
-    after the GEMM before each; --engine-attention's attention carries no probe and stays off."""
+    after the GEMM before each; an attention without a probe, or none of whose programs
+    stamped it, stays off."""
     bench = benchmark_scripts.load("bench_kernel_clock")
     waited = bench.PROBE_FIELDS.index("waited")
     qkv = torch.zeros(3, len(bench.PROBE_FIELDS), dtype=torch.int64)
@@ -64,8 +66,10 @@ def test_layer_timeline_places_the_add_norms_and_leaves_out_an_unprobed_attentio
         )
     assert bench.NORM_FIELDS == ("start", "waited", "loaded", "end")
     assert bench.qkv_wait_ns(layer) == 2_000.0
-    line = bench.layer_timeline(layer, ("qkv",), attention=False)
+    line = bench.layer_timeline(layer, ("qkv",))
     assert list(line) == ["qkv", "norm_o", "norm_down"]
+    layer["probe"] = torch.full((4, 9), -1, dtype=torch.int64)
+    assert list(bench.layer_timeline(layer, ("qkv",))) == ["qkv", "norm_o", "norm_down"]
     assert line["norm_o"] == pytest.approx(
         {"start": 18.0, "placed": 18.0, "waited": 19.0, "loaded": 20.5, "end": 21.1}
     )

@@ -544,6 +544,10 @@ def test_probe_is_for_compiled_builds_of_the_right_shape():
         case.run(kernel="mma", probe=probe)
     with pytest.raises(ValueError, match="probe"):
         case.run(kernel="mma", probe=probe[:3])
+    with pytest.raises(ValueError, match="probe"):  # the rows kernel's too
+        case.run(kernel="rows", probe=probe)
+    with pytest.raises(ValueError, match="probe"):
+        case.run(kernel="rows", probe=probe.int())
 
 
 # compiled in a process of its own: this one imported triton for the interpreter
@@ -631,39 +635,54 @@ def test_decode_launch_plans_do_not_spill_on_sm90():
 
 
 # the rows kernel's decode build (bf16, d = 128, 16 splits merged in the kernel), without and
-# with SETTLED's reads before the wait, compiled for sm_90a (see _COMPILE_PROBE)
+# with SETTLED's reads before the wait, and their PROBE builds, compiled for sm_90a (see
+# _COMPILE_PROBE)
 _COMPILE_ROWS = """
-from rlt_engine.kernels import paged_attention as pa
+from rlt_engine.kernels import paged_attention as pa, pdl
 
-pa._import_triton()
+pa._import_triton(); pdl._import_triton()
 pa.merge_partials = pa._kernel(pa._merge_partials, False)
+pa.clocks, pa.clock_after = pdl.clocks, pdl.clock_after
 fn = pa._kernel(pa._decode_rows_kernel, False)
 out = {}
 for settled in (False, True):
-    const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=16, NUM_SPLITS=16,
-                 SPLITS_PAD=16, MERGE=True, SETTLED=settled, PDL=True, PREFETCH_KV=False,
-                 ROW_LINES=2, LINE=64, ROPE=False, HALF=64, EXACT_MUL=True, ROUND_BF16=False)
-    sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
-    sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
-    sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
-                                "count_ptr")}
-    sig["slot_ptr"] = "*i64"
-    ptx = triton_ptx(fn, const, sig, num_warps=1, num_stages=2)
-    before = ptx.split("griddepcontrol.wait")[0]
-    out["settled" if settled else "plain"] = [before.count("ld.global"), *ptxas_usage(ptx)]
+    for probe in (False, True):
+        const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=16, NUM_SPLITS=16,
+                     SPLITS_PAD=16, MERGE=True, SETTLED=settled, PDL=True, PREFETCH_KV=False,
+                     ROW_LINES=2, LINE=64, ROPE=False, HALF=64, EXACT_MUL=True,
+                     ROUND_BF16=False, PROBE=probe)
+        sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
+        sig |= {n: "*fp32" for n in ("ws_acc_ptr", "ws_m_ptr", "ws_l_ptr")}
+        sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
+                                    "count_ptr")}
+        sig |= {"slot_ptr": "*i64", "probe_ptr": "*i64"}
+        ptx = triton_ptx(fn, const, sig, num_warps=1, num_stages=2)
+        before = ptx.split("griddepcontrol.wait")[0]
+        name = ("settled" if settled else "plain") + ("-probe" if probe else "")
+        out[name] = [before.count("ld.global"), *ptxas_usage(ptx), ptx.count("%globaltimer"),
+                     ptx.count("%clock64"), ptx.count("st.global.b64")]
 print(json.dumps(out))
 """
 
 
 def test_rows_kernel_reads_its_settled_metadata_before_the_pdl_wait():
     """The SETTLED build loads the sequence's query range, length and first table entries
-    before `griddepcontrol.wait` (the plain build nothing), and neither spills on sm_90a."""
+    before `griddepcontrol.wait` (the plain build nothing), and neither spills on sm_90a; their
+    PROBE builds (benchmarks' stamps) stamp every field and read nothing more before it."""
     from sm90_compile import TRITON_PTX, run_compile_script
 
     got = run_compile_script(TRITON_PTX + _COMPILE_ROWS)
     assert got["plain"][0] == 0 and got["settled"][0] >= 4, got
-    for name, (_, registers, spilled) in got.items():
+    for name, (_, registers, spilled, *_) in got.items():
         assert spilled == 0 and registers <= 255, (name, registers, spilled)
+    for name in ("plain", "settled"):
+        # a PROBE build reads the timer for each ns stamp (start, wait, end, and the three that
+        # wait for their data), the cycle counter thrice, and stores each field; it reads
+        # before the wait what the build without it reads
+        loads_before, *_, timers, cycles, stores = got[f"{name}-probe"]
+        assert (timers, cycles) == (6, 3) and stores >= len(pa.PROBE_FIELDS), (name, got)
+        assert loads_before == got[name][0], (name, got)
+        assert got[name][3:5] == [0, 0], (name, got)  # none without it
 
 
 # a padded prefill wave's launch as _launch configures it (bf16, d = 128, MHA: 64-row blocks,
