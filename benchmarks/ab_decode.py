@@ -20,7 +20,8 @@ in place);
 `--engine NAME=VALUE` passes an engine argument (`--engine incremental_kv=False --engine
 enable_preemption=False`: the KV reservation instead of growth). H200
 machines differ by a few percent: alternate the variants within one device call (base, new,
-new, base) and compare only rows of one call.
+new, base) and compare only rows of one call; `benchmarks/ab_summary.py OUT/ab.jsonl` gives
+them as a table of changes against the base.
 """
 
 from __future__ import annotations
