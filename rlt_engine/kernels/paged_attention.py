@@ -56,6 +56,7 @@ rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode wit
 attend_tile = kv_tile = None  # the @jit (or interpreted) _attend_tile, _kv_tile: by _launch
 merge_partials = None  # the @jit (or interpreted) _merge_partials: by _launch
 clocks = clock_after = None  # pdl's @jit _clocks and _clock_after, set by _launch for a `probe`
+store_stamps = None  # the @jit _store_stamps, set by _launch for a `probe`
 
 PROBE_FIELDS = (  # what a PROBE build stamps per program, in this order
     "start",  # %globaltimer ns: the program begins (before the PDL wait)
@@ -450,7 +451,9 @@ def _launch(
         if interpret or probe.shape != shape or probe.dtype != torch.int64:
             raise ValueError(f"probe: int64 {list(shape)}, compiled builds only")
         _pdl._import_triton()
+        global store_stamps
         clocks, clock_after = _pdl.clocks, _pdl.clock_after
+        store_stamps = _kernel(_store_stamps, False)
     with _on_device(q.device):
         if rows_kernel:
             _kernel(_decode_rows_kernel, interpret)[grid](
@@ -1009,17 +1012,7 @@ def _paged_attention_kernel(
                 )
     if PROBE:
         ns2, cy2 = clocks()
-        pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
-        row = probe_ptr + (pid + tl.program_id(2)).to(tl.int64) * 9  # PROBE_FIELDS' order
-        tl.store(row + 0, ns0)
-        tl.store(row + 1, ns1)
-        tl.store(row + 2, ns2)
-        tl.store(row + 3, cy0)
-        tl.store(row + 4, cy1)
-        tl.store(row + 5, cy2)
-        tl.store(row + 6, ns_meta)
-        tl.store(row + 7, ns_first)
-        tl.store(row + 8, ns_keys)
+        store_stamps(probe_ptr, ns0, ns1, ns2, cy0, cy1, cy2, ns_meta, ns_first, ns_keys)
 
 
 def _kv_tile(k_base, v_base, slot, ok, d, d_ok, stride_ks, stride_vs, k_else, v_else):
@@ -1244,17 +1237,7 @@ def _decode_rows_kernel(
                 )  # fmt: skip
     if PROBE:
         ns2, cy2 = clocks()
-        pid = (seq * tl.num_programs(1) + head) * tl.num_programs(2) + split
-        row = probe_ptr + pid.to(tl.int64) * 9  # PROBE_FIELDS' order
-        tl.store(row + 0, ns0)
-        tl.store(row + 1, ns1)
-        tl.store(row + 2, ns2)
-        tl.store(row + 3, cy0)
-        tl.store(row + 4, cy1)
-        tl.store(row + 5, cy2)
-        tl.store(row + 6, ns_meta)
-        tl.store(row + 7, ns_first)
-        tl.store(row + 8, ns_keys)
+        store_stamps(probe_ptr, ns0, ns1, ns2, cy0, cy1, cy2, ns_meta, ns_first, ns_keys)
 
 
 def _prefetch_kv_l2(
@@ -1333,6 +1316,22 @@ def _merge_splits_kernel(
         out_ptr + token * stride_ot + head * stride_oh, ws_acc_ptr, ws_m_ptr, ws_l_ptr,
         (token * num_heads + head) * NUM_SPLITS, NUM_SPLITS, HEAD_DIM, BLOCK_D, SPLITS_PAD, "",
     )  # fmt: skip
+
+
+def _store_stamps(probe_ptr, ns0, ns1, ns2, cy0, cy1, cy2, ns_meta, ns_first, ns_keys):
+    """A PROBE build's stamps, in PROBE_FIELDS' order, to this program's row of the probe (the
+    launch grid's order: program_id 0 slowest, 2 fastest)."""
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+    row = probe_ptr + (pid + tl.program_id(2)).to(tl.int64) * 9
+    tl.store(row + 0, ns0)
+    tl.store(row + 1, ns1)
+    tl.store(row + 2, ns2)
+    tl.store(row + 3, cy0)
+    tl.store(row + 4, cy1)
+    tl.store(row + 5, cy2)
+    tl.store(row + 6, ns_meta)
+    tl.store(row + 7, ns_first)
+    tl.store(row + 8, ns_keys)
 
 
 def _merge_partials(out_row, ws_acc_ptr, ws_m_ptr, ws_l_ptr, part0, used,

@@ -556,6 +556,7 @@ from rlt_engine.kernels import paged_attention as pa, pdl
 
 pa._import_triton(); pdl._import_triton(); pa._prefetch_helpers()
 pa.clocks, pa.clock_after = pdl.clocks, pdl.clock_after
+pa.store_stamps = pa._kernel(pa._store_stamps, False)
 pa.attend_tile, pa.kv_tile = pa._kernel(pa._attend_tile, False), pa._kernel(pa._kv_tile, False)
 fn = pa._kernel(pa._paged_attention_kernel, False)
 out = {}
@@ -643,6 +644,7 @@ from rlt_engine.kernels import paged_attention as pa, pdl
 pa._import_triton(); pdl._import_triton()
 pa.merge_partials = pa._kernel(pa._merge_partials, False)
 pa.clocks, pa.clock_after = pdl.clocks, pdl.clock_after
+pa.store_stamps = pa._kernel(pa._store_stamps, False)
 fn = pa._kernel(pa._decode_rows_kernel, False)
 out = {}
 for settled in (False, True):
