@@ -1092,3 +1092,49 @@ def test_gpu_rope_write_changes_no_bit(kernel, num_seqs, num_splits):
     keep[new.slot_mapping[-1]] = False
     for mine, theirs in ((k2, k_pool), (v2, v_pool)):
         torch.testing.assert_close(mine[keep], theirs[keep], rtol=0, atol=0, equal_nan=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("num_seqs", "num_splits", "kernel", "tile_keys"),
+    [(8, 16, "rows", 16), (1, 2, "mma", 128), (8, 4, "mma", 64)],
+    ids=["rows-8x16", "wide-1x2", "mma-8x4"],
+)
+def test_gpu_probe_stamps_the_programs_with_keys_in_order(num_seqs, num_splits, kernel, tile_keys):
+    """A PROBE launch (benchmarks' stamps; merged in the kernel, with the caller's word, as the
+    engine launches decode) writes the bits of the launch without it; a program that leaves
+    before its wait without keys keeps its row at -1; every other stamps each field, in order
+    (start, wait, metadata, first tile, last tile, end; its SM's cycles likewise). `tile_keys`:
+    the keys a tile the launch picks (the rows kernel's 16, one sequence's wide tile, split
+    decode's 64)."""
+    case = Case(_decode_specs(num_seqs, 90, num_seqs), 16, 16, 128, 16, torch.bfloat16, "cuda")
+    counters = torch.zeros(num_seqs * 16, dtype=torch.int32, device="cuda")
+    tiles = {"kernel": kernel, "split_counters": counters, "prefetch_kv": True}
+    if kernel == "rows":
+        tiles["block_n"] = tile_keys
+    want = case.run(num_splits, **tiles)
+    fields = pa.PROBE_FIELDS
+    probe = torch.full((num_seqs * 16 * num_splits, len(fields)), -1, dtype=torch.int64,
+                       device="cuda")  # fmt: skip
+    assert torch.equal(case.run(num_splits, probe=probe, **tiles), want)
+    assert not counters.any()
+    p = probe.cpu()
+    ran = p[:, 0] >= 0
+    assert (p[~ran] == -1).all()
+
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    # the splits with keys: as the kernels divide a sequence's tiles among the launch's splits
+    used = []
+    for _, seq_len in case.specs:
+        n_tiles = cdiv(seq_len, tile_keys)
+        used.append(cdiv(n_tiles, cdiv(n_tiles, num_splits)))
+    assert int(ran.sum()) == 16 * sum(used)
+    f = {name: i for i, name in enumerate(fields)}
+    order = ["start", "waited", "metadata", "first_tile", "keys_done", "end"]
+    stamps = p[ran][:, [f[name] for name in order]]
+    assert (stamps[:, 1:] >= stamps[:, :-1]).all(), stamps
+    cycles = p[ran][:, [f["start_cycles"], f["waited_cycles"], f["end_cycles"]]]
+    assert (cycles[:, 1:] >= cycles[:, :-1]).all()
