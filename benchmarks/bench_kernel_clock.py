@@ -126,9 +126,9 @@ class Chain:
         self.engine_attention = engine_attention
         if engine_attention:
             self.split_counters = torch.zeros(rows * heads, dtype=torch.int32, device="cuda")
-            splits = decode_splits(rows, False, mha=heads == kv_heads)
-            rows_kernel = heads == kv_heads and _rows_wins(rows, heads, splits, False)
-            programs = rows * (heads if rows_kernel else kv_heads) * splits
+            self.splits = decode_splits(rows, False, mha=heads == kv_heads)
+            rows_kernel = heads == kv_heads and _rows_wins(rows, heads, self.splits, False)
+            programs = rows * (heads if rows_kernel else kv_heads) * self.splits
         else:  # the tensor-core kernel's programs: one per (sequence, KV head, split)
             programs = rows * kv_heads * self.tiles.get("num_splits", 1)
         if self.tiles.pop("merge", 0):  # split-K merged by the last split (no merge launch)
@@ -213,8 +213,8 @@ class Chain:
             if self.engine_attention:
                 attn = _launch(
                     q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
-                    D**-0.5, 1, num_splits=decode_splits(self.rows, False, mha=heads == kv_heads),
-                    prefetch_kv=True, split_counters=self.split_counters, probe=layer["probe"],
+                    D**-0.5, 1, num_splits=self.splits, prefetch_kv=True,
+                    split_counters=self.split_counters, probe=layer["probe"],
                 )  # fmt: skip
             else:
                 attn = _launch(

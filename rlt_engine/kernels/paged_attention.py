@@ -446,12 +446,11 @@ def _launch(
     blocks = num_tokens // block_q + num_seqs if flat else num_seqs * q_tiles
     grid = (num_seqs, num_heads, num_splits) if rows_kernel else (blocks, num_kv_heads, num_splits)
     if probe is not None:
-        global clocks, clock_after
+        global clocks, clock_after, store_stamps
         shape = (grid[0] * grid[1] * grid[2], len(PROBE_FIELDS))
         if interpret or probe.shape != shape or probe.dtype != torch.int64:
             raise ValueError(f"probe: int64 {list(shape)}, compiled builds only")
         _pdl._import_triton()
-        global store_stamps
         clocks, clock_after = _pdl.clocks, _pdl.clock_after
         store_stamps = _kernel(_store_stamps, False)
     with _on_device(q.device):
