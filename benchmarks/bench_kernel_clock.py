@@ -18,8 +18,12 @@ cycle counter at its start, after its PDL wait and at its end. Per layer and rep
   end (the layer's kernels between them), and layer: this launch's last end after the
   previous attention's (a whole layer, a split-K merge launch included);
 - a program's own time by phases (paged_attention.PROBE_FIELDS' data-dependent stamps):
-  metadata (its wait to its sequence's metadata landed), first_tile (to its first key tile's
-  P @ V done), other_tiles (to its last tile's), store (to its end: the output, a merge).
+  metadata (its wait to its sequence's metadata landed; one sequence's tensor-core walk,
+  which reads that before the wait (EARLY_KEYS): to q and its first key tile's K/V landed),
+  first_tile (to its first key tile's P @ V done), other_tiles (to its last tile's), store
+  (to its end: the output, a merge). Each data-dependent stamp waits for a reduction of what
+  it follows: other_tiles of a one-tile walk read 0.5 us on an H100
+  (results/2026-12-07-l2-tail-and-release-h100.md).
 
 Reported as medians over layers and replays, at 1 and 8 rows (`--rows`).
 

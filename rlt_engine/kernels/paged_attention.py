@@ -65,7 +65,8 @@ PROBE_FIELDS = (  # what a PROBE build stamps per program, in this order
     "start_cycles",  # %clock64 at the same three points: the phases within a program
     "waited_cycles",
     "end_cycles",
-    "metadata",  # ns once the sequence's query range and length have landed
+    "metadata",  # ns once the sequence's query range and length have landed (EARLY_KEYS,
+    # which reads them before the wait: once q and its first key tile's K/V have)
     "first_tile",  # ns once its first key tile's P @ V is done (the metadata's, if no tile)
     "keys_done",  # ns once its last key tile's P @ V is done
 )
@@ -870,7 +871,10 @@ def _paged_attention_kernel(
     if q0 >= q_len:  # past this sequence's queries (or a padding sequence with none)
         return
     if PROBE:  # (the stamps below wait for their data: a reduction each, PROBE builds only)
-        ns_meta = clock_after(first_pos)
+        if EARLY_KEYS:  # noqa: SIM108  (stamped once q and its first K/V tile landed, below)
+            ns_meta = ns1
+        else:
+            ns_meta = clock_after(first_pos)
         ns_first = ns_meta
 
     rows = tl.arange(0, BLOCK_M)
@@ -894,6 +898,10 @@ def _paged_attention_kernel(
         own = (pos >= first_pos) & (pos < kv_end) & (t_begin < t_end)
         k, v = kv_tile(k_base, v_base, slot, own, d, d_ok, stride_ks, stride_vs, k, v)
         pos_ok = (pos < kv_end) & (t_begin < t_end)
+        if PROBE:  # its metadata was read before the wait: "metadata" is q and K/V landed
+            ns_meta = clock_after(
+                tl.sum(q.to(tl.float32)) + tl.sum(k.to(tl.float32)) + tl.sum(v.to(tl.float32))
+            )
     elif MERGE:
         if not SETTLED:
             pos = t_begin * BLOCK_N + n
