@@ -105,7 +105,7 @@ def test_refused_request_and_abort(engine, llm) -> None:
     asyncio.run(main())
 
 
-def test_deltas_queued_while_the_caller_was_busy_come_out_as_one(engine, served, llm) -> None:
+def test_deltas_queued_while_the_caller_was_busy_come_out_as_one(engine, llm) -> None:
     """A caller that reads only after the request has finished (a server behind the engine)
     gets one output: every token, depth, logprob and the text of the steps it missed, the
     same as the synchronous engine's; a caller that keeps up gets one per step (above)."""
@@ -119,7 +119,6 @@ def test_deltas_queued_while_the_caller_was_busy_come_out_as_one(engine, served,
             queued = list(stream.queue._queue)  # (asyncio.Queue's deque: a look, no take)
             if queued and isinstance(queued[-1], RequestOutput) and queued[-1].finished:
                 break
-        assert not served.engine.has_unfinished_requests()
         assert stream.queue.qsize() >= 2  # several steps' deltas waited
         return [out async for out in stream]
 
