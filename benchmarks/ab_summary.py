@@ -31,23 +31,27 @@ def load(path: Path) -> list[dict]:
 
 def summarise(rows: list[dict], base: str | None = None) -> dict:
     """{"base", "columns", "labels": {label: {"runs": {col: [...]}, "change": {col: %},
-    "tokens", "same_tokens"}}}: columns every row has, labels in their first run's order."""
+    "tokens", "same_tokens"}}}: the columns every base row has, labels in their first run's
+    order; a label run at fewer concurrencies has no runs and no change in the others."""
     labels: dict[str, list[dict]] = {}
     for row in rows:
         labels.setdefault(row["label"], []).append(row)
     base = base or rows[0]["label"]
     if base not in labels:
         raise SystemExit(f"--base {base!r}: no such label (have {', '.join(labels)})")
-    columns = [k for k in rows[0] if RATE.match(k) and all(k in r for r in rows)]
+    first = labels[base][0]
+    columns = [k for k in first if RATE.match(k) and all(k in r for r in labels[base])]
     mean = {c: statistics.fmean(r[c] for r in labels[base]) for c in columns}
     base_tokens = {r["tokens_sha"] for r in labels[base]}
     out = {"base": base, "columns": columns, "labels": {}}
     for label, group in labels.items():
         tokens = sorted({r["tokens_sha"] for r in group})
         out["labels"][label] = {
-            "runs": {c: [r[c] for r in group] for c in columns},
+            "runs": {c: [r[c] for r in group if c in r] for c in columns},
             "change": {
-                c: 100.0 * (statistics.fmean(r[c] for r in group) / mean[c] - 1.0) for c in columns
+                c: 100.0 * (statistics.fmean(r[c] for r in group if c in r) / mean[c] - 1.0)
+                for c in columns
+                if any(c in r for r in group)
             },
             "tokens": tokens,
             "same_tokens": set(tokens) == base_tokens,
@@ -63,7 +67,10 @@ def markdown(summary: dict) -> str:
         cells = []
         for c in columns:
             runs = " / ".join(f"{v:,.1f}" for v in s["runs"][c])
-            cells.append(runs if label == summary["base"] else f"{runs} ({s['change'][c]:+.1f}%)")
+            if label == summary["base"] or c not in s["change"]:
+                cells.append(runs)  # (empty where the label did not run this column)
+            else:
+                cells.append(f"{runs} ({s['change'][c]:+.1f}%)")
         tokens = ", ".join(t[:8] for t in s["tokens"])
         if label != summary["base"] and not s["same_tokens"]:
             tokens += " (differ)"

@@ -48,6 +48,18 @@ def test_another_base_and_a_column_not_every_row_has(ab_summary):
         ab_summary.summarise(rows, base="missing")
 
 
+def test_a_variant_run_at_fewer_concurrencies_keeps_the_bases_columns(ab_summary):
+    """A variant that only matters at c=8 (run there alone) leaves c=1 empty for itself, not
+    c=1 out of every label's row."""
+    short = {k: v for k, v in _row("wide", 0.0, 980.0).items() if not k.startswith("c1")}
+    s = ab_summary.summarise([*ROWS[:4], short, short])
+    assert s["columns"] == ["c1", "c8"]
+    wide = s["labels"]["wide"]
+    assert wide["runs"] == {"c1": [], "c8": [980.0, 980.0]} and list(wide["change"]) == ["c8"]
+    line = ab_summary.markdown(s).splitlines()[-1]
+    assert line == "| wide |  | 980.0 / 980.0 (-2.1%) | aaaa1111 |"
+
+
 def test_markdown_table_and_json_from_the_file(ab_summary, tmp_path, capsys):
     path = tmp_path / "ab.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
