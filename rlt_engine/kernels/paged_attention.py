@@ -380,13 +380,13 @@ def _launch(
 
     if kernel not in ("auto", "mma", "rows"):
         raise ValueError(f"kernel must be auto, mma or rows, got {kernel!r}")
+    merge_in_kernel = split_counters is not None and num_splits > 1 and max_query_len == 1
     one_seq = (  # ROWS_ONE_SEQ's launch
         ROWS_ONE_SEQ is not None
         and kernel == "auto"
         and wide
         and group == 1
-        and num_splits > 1
-        and split_counters is not None
+        and merge_in_kernel
         and block_n_override is None
     )
     rows_kernel = (
@@ -401,7 +401,6 @@ def _launch(
     )
     if rows_kernel and (max_query_len != 1 or group != 1):
         raise ValueError("the rows kernel runs decode rows (max_query_len 1) of MHA (group 1)")
-    merge_in_kernel = split_counters is not None and num_splits > 1 and max_query_len == 1
     if merge_in_kernel and (
         split_counters.dtype != torch.int32
         or split_counters.numel() < num_seqs * num_kv_heads
