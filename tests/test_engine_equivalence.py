@@ -21,10 +21,8 @@ from engine_helpers import (
     check_against_serial,
     check_no_blocks_in_use,
     make_llm,
-    oracle_greedy,
     params_for,
 )
-from tiny_checkpoints import write_tiny_ouro
 
 from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.exit_rule import LoopControls
@@ -261,24 +259,3 @@ def test_seeded_sampling_is_batch_invariant(ckpt, llm):
     assert reseeded.token_ids == alone.token_ids
     (other_seed,) = llm.generate([PROMPTS[5]], dataclasses.replace(sampled, seed=99))
     assert other_seed.token_ids != alone.token_ids
-
-
-def test_one_mha_sequence_on_the_rows_kernel_equals_the_oracle(tmp_path, monkeypatch):
-    """paged_attention.ROWS_ONE_SEQ (an A/B switch, off by default): a lone MHA decode
-    sequence (the tiny checkpoints are GQA: this one has a kv head per head) takes the rows
-    kernel in wide tiles; the engine on Triton still gives the dense oracle's tokens and exit
-    depths, and the rows kernel did run."""
-    from rlt_engine.kernels import paged_attention as pa
-
-    mha = write_tiny_ouro(tmp_path / "mha", tokenizer_from=None, num_key_value_heads=4)
-    monkeypatch.setattr(pa, "ROWS_ONE_SEQ", (128, 8))
-    launched = []
-    kernel = pa._kernel
-    monkeypatch.setattr(
-        pa, "_kernel", lambda fn, interp: launched.append(fn.__name__) or kernel(fn, interp)
-    )
-    llm = make_llm(mha, attention_backend="triton", block_size=4)
-    for i in (3, 7):
-        (out,) = llm.generate([PROMPTS[i]], [params_for(i)])
-        assert (out.token_ids, out.exit_depths) == oracle_greedy(llm, PROMPTS[i], params_for(i))
-    assert "_decode_rows_kernel" in launched

@@ -54,7 +54,6 @@ triton = tl = None  # set by _import_triton(); the kernels' bodies read the modu
 prefetch_kv_l2 = prefetch_lines = None
 rotate_full = None  # rope's @jit _rotate_full, set by _rope_helpers (decode with `rope_write`)
 attend_tile = kv_tile = None  # the @jit (or interpreted) _attend_tile, _kv_tile: by _launch
-rows_tile = None  # the @jit (or interpreted) _rows_tile: by _launch
 merge_partials = None  # the @jit (or interpreted) _merge_partials: by _launch
 clocks = clock_after = None  # pdl's @jit _clocks and _clock_after, set by _launch for a `probe`
 store_stamps = None  # the @jit _store_stamps, set by _launch for a `probe`
@@ -224,16 +223,6 @@ LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 
 WIDE_TILE_SEQS = 1
 WIDE_TILE_SPLITS = 2
 WIDE_TILE = (128, 8)  # 4 warps spill the MERGE walk's two tiles in flight
-# One MHA decode sequence below LONG_CONTEXT keys on the rows kernel instead of the tensor-core
-# walk: (keys a tile, warps), split WIDE_TILE_SPLITS ways and merged in the kernel, its first
-# tile's older keys read before the PDL wait (where the caller vouches, as EARLY_KEYS), the
-# only split with keys writing the output itself: up to 128 keys one tile, no merge, and
-# register reductions instead of two 16-row-padded MMAs. At 1 row the tensor-core walk's one
-# tile takes 3.1-4.1 us after its K/V land; the rows kernel as it runs 8 sequences (16-key
-# one-warp programs, 32 ways, K/V read after the wait) lost 12.5% at c=1
-# (results/2026-12-07-l2-tail-and-release-h100.md). None: the tensor-core walk. Not yet
-# measured; an A/B switch (ab_decode --set kernels.paged_attention.ROWS_ONE_SEQ=(128,8))
-ROWS_ONE_SEQ: tuple[int, int] | None = None
 # A long-context MHA batch of ROWS_LONG_SEQS to SPLIT_SEQS sequences runs the rows kernel
 # split ROWS_SPLIT_BUDGET // n ways (at most MAX_SPLITS; c=8: 16), merged by its last split:
 # one warp a program, thousands of them, keeps more K/V in flight than the tensor-core walk's
@@ -380,27 +369,15 @@ def _launch(
 
     if kernel not in ("auto", "mma", "rows"):
         raise ValueError(f"kernel must be auto, mma or rows, got {kernel!r}")
-    merge_in_kernel = split_counters is not None and num_splits > 1 and max_query_len == 1
-    one_seq = (  # ROWS_ONE_SEQ's launch
-        ROWS_ONE_SEQ is not None
-        and kernel == "auto"
-        and wide
+    rows_kernel = kernel == "rows" or (
+        kernel == "auto"
+        and max_query_len == 1
         and group == 1
-        and merge_in_kernel
-        and block_n_override is None
-    )
-    rows_kernel = (
-        one_seq
-        or kernel == "rows"
-        or (
-            kernel == "auto"
-            and max_query_len == 1
-            and group == 1
-            and _rows_wins(num_seqs, num_heads, num_splits, long_context)
-        )
+        and _rows_wins(num_seqs, num_heads, num_splits, long_context)
     )
     if rows_kernel and (max_query_len != 1 or group != 1):
         raise ValueError("the rows kernel runs decode rows (max_query_len 1) of MHA (group 1)")
+    merge_in_kernel = split_counters is not None and num_splits > 1 and max_query_len == 1
     if merge_in_kernel and (
         split_counters.dtype != torch.int32
         or split_counters.numel() < num_seqs * num_kv_heads
@@ -412,9 +389,6 @@ def _launch(
     rows_block_n, warps, stages = _rows_tiles(row_bytes, num_splits)
     if rows_kernel:
         rows_block_n = block_n_override or rows_block_n
-    if one_seq:
-        keys, warps = ROWS_ONE_SEQ
-        rows_block_n = max(16, min(keys, keys * 256 // row_bytes))
     prefetch_tiles = 0  # key tiles per program asked of L2 before the wait (PREFETCH_KV)
     if prefetch_kv and pdl and max_query_len == 1:
         tile = rows_block_n if rows_kernel else block_n
@@ -467,9 +441,8 @@ def _launch(
         "ROW_LINES": max(1, row_bytes // _pdl.LINE_BYTES),
         "LINE": _pdl.LINE_BYTES // q.element_size(),
     }
-    global merge_partials, rows_tile
+    global merge_partials
     merge_partials = _kernel(_merge_partials, interpret)
-    rows_tile = _kernel(_rows_tile, interpret)
     flat = max_query_len > 1  # prefill: query blocks numbered across sequences (FLAT)
     blocks = num_tokens // block_q + num_seqs if flat else num_seqs * q_tiles
     grid = (num_seqs, num_heads, num_splits) if rows_kernel else (blocks, num_kv_heads, num_splits)
@@ -496,7 +469,6 @@ def _launch(
                 # before the PDL wait, the splits without keys leaving there: c=8 +1.0%, c=16
                 # +0.4%, c=64 +0.3%, same tokens (H100, 2026-12-06-rows-settled-h100.md)
                 SETTLED=prefetch_kv,
-                EARLY_KEYS=one_seq and prefetch_kv and rw is None,
                 ROPE=rw is not None,
                 HALF=head_dim // 2,
                 EXACT_MUL=not interpret,  # rope.py: mul.rn, no FMA contraction
@@ -1128,7 +1100,6 @@ def _decode_rows_kernel(
     MERGE: tl.constexpr,  # split-K merged by the split that arrives last (no merge launch)
     SETTLED: tl.constexpr,  # the metadata and the first tile's table entries read before the
     # wait (the caller's word: the kernel before writes only the rows' q, K, V)
-    EARLY_KEYS: tl.constexpr,  # SETTLED and MERGE, its first tile's older keys too (not ROPE)
     PDL: tl.constexpr,
     PREFETCH_KV: tl.constexpr,
     ROW_LINES: tl.constexpr,
@@ -1178,16 +1149,6 @@ def _decode_rows_kernel(
     pos = t_begin * BLOCK_N + tl.arange(0, BLOCK_N)
     blk = pos // BLOCK_SIZE
     phys_first = tl.load(table + blk, mask=(pos < seq_len) & (blk < max_blocks), other=0)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    k_base = k_ptr + head.to(tl.int64) * stride_kh
-    v_base = v_ptr + head.to(tl.int64) * stride_vh
-    if EARLY_KEYS:  # the first tile's keys older than the row's own (which the kernel before
-        # writes), read before the wait as the tensor-core walk's EARLY_KEYS
-        slot = phys_first.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        old = ((pos < seq_len - 1) & (t_begin < t_end))[:, None] & d_ok[None, :]
-        k_old = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=old, other=0.0)
-        v_old = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=old, other=0.0)
     if PDL and SETTLED:
         if PREFETCH_KV:
             prefetch_kv_l2(
@@ -1205,9 +1166,13 @@ def _decode_rows_kernel(
         ns_meta = clock_after(seq_len)
         ns_first = ns_meta
     token = q_begin.to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     q_row = q_ptr + token * stride_qt + head * stride_qh
     q = tl.load(q_row + d, mask=d_ok, other=0.0)
 
+    k_base = k_ptr + head.to(tl.int64) * stride_kh
+    v_base = v_ptr + head.to(tl.int64) * stride_vh
     if ROPE:  # as in _paged_attention_kernel: rotate q, and the new key's split writes it
         swap = tl.where(d < HALF, d + HALF, d - HALF)
         c = tl.load(cos_ptr + token * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
@@ -1230,22 +1195,7 @@ def _decode_rows_kernel(
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), axis=0)
     l_i = tl.sum(tl.zeros([BLOCK_N], dtype=tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    t_loop = t_begin
-    if EARLY_KEYS:  # the first tile: its older keys read above, the row's own key joins them
-        own = pos == seq_len - 1
-        own_blk = (seq_len - 1) // BLOCK_SIZE
-        own_slot = tl.load(table + own_blk, mask=own_blk < max_blocks, other=0).to(tl.int64)
-        own_slot = own_slot * BLOCK_SIZE + (seq_len - 1) % BLOCK_SIZE
-        mine = d_ok & (t_begin * BLOCK_N <= seq_len - 1) & (seq_len - 1 < (t_begin + 1) * BLOCK_N)
-        k_own = tl.load(k_base + own_slot * stride_ks + d, mask=mine, other=0.0)
-        v_own = tl.load(v_base + own_slot * stride_vs + d, mask=mine, other=0.0)
-        k = tl.where(own[:, None], k_own[None, :], k_old)
-        v = tl.where(own[:, None], v_own[None, :], v_old)
-        m_i, l_i, acc = rows_tile(q, k, v, pos < seq_len, m_i, l_i, acc)
-        t_loop = t_begin + 1
-        if PROBE:
-            ns_first = clock_after(tl.sum(acc))
-    for t in range(t_loop, t_end):
+    for t in range(t_begin, t_end):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < seq_len
         blk = pos // BLOCK_SIZE
@@ -1255,16 +1205,21 @@ def _decode_rows_kernel(
         kv_ok = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kv_ok, other=0.0)
-        m_i, l_i, acc = rows_tile(q, k, v, pos_ok, m_i, l_i, acc)
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        s = tl.where(pos_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile has a key
+        p = tl.exp2(s - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        m_i = m_new
         if PROBE:  # noqa: SIM102  (a constexpr branch: nothing compiled without PROBE)
             if t == t_begin:
                 ns_first = clock_after(tl.sum(acc))
     if PROBE:
         ns_keys = clock_after(tl.sum(acc))
 
-    # Unsplit, or the only split with keys of a launch merged in the kernel: the output itself
-    # (the merge's value, its weight exp2(0) = 1), no partials, ticket or reload
-    if (per_split >= n_tiles) & (NUM_SPLITS == 1 or MERGE):
+    if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)
         tl.store(
             out_ptr + token * stride_ot + head * stride_oh + d,
@@ -1290,20 +1245,6 @@ def _decode_rows_kernel(
     if PROBE:
         ns2, cy2 = clocks()
         store_stamps(probe_ptr, ns0, ns1, ns2, cy0, cy1, cy2, ns_meta, ns_first, ns_keys)
-
-
-def _rows_tile(q, k, v, pos_ok, m_i, l_i, acc):
-    """The rows kernel's online softmax over one key tile: q [BLOCK_D] (fp32, scaled, base 2),
-    k and v [BLOCK_N, BLOCK_D] in the cache dtype at key positions `pos_ok` (every tile has
-    one); register reductions in fp32. The running max, sum and accumulator after it."""
-    s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-    s = tl.where(pos_ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile has a key
-    p = tl.exp2(s - m_new)
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-    return m_new, l_i, acc
 
 
 def _prefetch_kv_l2(

@@ -247,38 +247,6 @@ def test_one_short_sequence_splits_in_tiles_of_128_keys(settled, kv_heads):
             assert torch.equal(split, case.run(1, kernel="mma", prefetch_kv=settled)), keys
 
 
-@pytest.mark.parametrize("settled", [False, True])
-def test_one_sequence_on_the_rows_kernel_where_rows_one_seq_says(settled, monkeypatch):
-    """ROWS_ONE_SEQ (an A/B switch): one MHA decode sequence takes the rows kernel in its wide
-    tiles, split and merged in the kernel as the tensor-core walk's wide tile is (GQA keeps
-    that walk). Up to a tile of keys its one split writes the output itself: the bits of the
-    rows kernel unsplit over the same tile, no ticket drawn; more keys merge. With the
-    caller's word (`prefetch_kv`) its first tile's older keys are read before the wait, the
-    row's own key after: the same bits."""
-    monkeypatch.setattr(pa, "ROWS_ONE_SEQ", (32, 8))  # 32-key tiles (128 at bf16 d = 128)
-    launched = []
-    kernel = pa._kernel
-    monkeypatch.setattr(
-        pa, "_kernel", lambda fn, interp: launched.append(fn.__name__) or kernel(fn, interp)
-    )
-    counters = torch.zeros(4, dtype=torch.int32)
-    for keys in (1, 20, 32, 33, 50):
-        case = Case([(1, keys)], 4, 4, head_dim=32, block_size=16, seed=keys)
-        launched.clear()
-        split = case.run(2, kernel="auto", split_counters=counters, prefetch_kv=settled)
-        assert "_decode_rows_kernel" in launched and "_paged_attention_kernel" not in launched
-        assert not counters.any()
-        check(split, case.reference(), FP32_TOL)
-        if keys <= 32:
-            assert torch.equal(split, case.run(1, kernel="rows", block_n=32)), keys
-        else:
-            assert torch.equal(split, case.run(2, kernel="rows", block_n=32)), keys
-    gqa = Case([(1, 20)], 4, 2, head_dim=32, block_size=16)
-    launched.clear()
-    gqa.run(2, kernel="auto", split_counters=counters, prefetch_kv=settled)
-    assert "_decode_rows_kernel" not in launched
-
-
 def test_split_counters_are_checked():
     case = Case([(1, 20), (1, 5)], 2, 2, head_dim=16, block_size=16)
     for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
@@ -668,27 +636,21 @@ def test_decode_launch_plans_do_not_spill_on_sm90():
 
 
 # the rows kernel's decode build (bf16, d = 128, 16 splits merged in the kernel), without and
-# with SETTLED's reads before the wait, and their PROBE builds; and ROWS_ONE_SEQ's (its wide
-# tiles, 2 splits, the first tile's older keys read before the wait: EARLY_KEYS), compiled
-# for sm_90a (see _COMPILE_PROBE)
+# with SETTLED's reads before the wait, and their PROBE builds, compiled for sm_90a (see
+# _COMPILE_PROBE)
 _COMPILE_ROWS = """
 from rlt_engine.kernels import paged_attention as pa, pdl
 
 pa._import_triton(); pdl._import_triton()
 pa.merge_partials = pa._kernel(pa._merge_partials, False)
-pa.rows_tile = pa._kernel(pa._rows_tile, False)
 pa.clocks, pa.clock_after = pdl.clocks, pdl.clock_after
 pa.store_stamps = pa._kernel(pa._store_stamps, False)
 fn = pa._kernel(pa._decode_rows_kernel, False)
 out = {}
-keys, warps = pa.WIDE_TILE if pa.ROWS_ONE_SEQ is None else pa.ROWS_ONE_SEQ
-for settled in (False, True, "early"):
+for settled in (False, True):
     for probe in (False, True):
-        early = settled == "early"
-        splits = pa.WIDE_TILE_SPLITS if early else 16
-        const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=keys if early else 16,
-                     NUM_SPLITS=splits, SPLITS_PAD=splits, MERGE=True, SETTLED=bool(settled),
-                     EARLY_KEYS=early, PDL=True, PREFETCH_KV=False,
+        const = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=16, NUM_SPLITS=16,
+                     SPLITS_PAD=16, MERGE=True, SETTLED=settled, PDL=True, PREFETCH_KV=False,
                      ROW_LINES=2, LINE=64, ROPE=False, HALF=64, EXACT_MUL=True,
                      ROUND_BF16=False, PROBE=probe)
         sig = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")} | {"qk_scale": "fp32"}
@@ -696,14 +658,11 @@ for settled in (False, True, "early"):
         sig |= {n: "*i32" for n in ("block_tables_ptr", "seq_lens_ptr", "query_start_ptr",
                                     "count_ptr")}
         sig |= {"slot_ptr": "*i64", "probe_ptr": "*i64"}
-        ptx = triton_ptx(fn, const, sig, num_warps=warps if early else 1,
-                         num_stages=1 if early else 2)
+        ptx = triton_ptx(fn, const, sig, num_warps=1, num_stages=2)
         before = ptx.split("griddepcontrol.wait")[0]
-        name = ("early" if early else "settled" if settled else "plain")
-        name += "-probe" if probe else ""
+        name = ("settled" if settled else "plain") + ("-probe" if probe else "")
         out[name] = [before.count("ld.global"), *ptxas_usage(ptx), ptx.count("%globaltimer"),
-                     ptx.count("%clock64"), ptx.count("st.global.b64"),
-                     sum("ld.global" in ln and ".v" in ln for ln in before.splitlines())]
+                     ptx.count("%clock64"), ptx.count("st.global.b64")]
 print(json.dumps(out))
 """
 
@@ -711,21 +670,18 @@ print(json.dumps(out))
 def test_rows_kernel_reads_its_settled_metadata_before_the_pdl_wait():
     """The SETTLED build loads the sequence's query range, length and first table entries
     before `griddepcontrol.wait` (the plain build nothing), and neither spills on sm_90a; their
-    PROBE builds (benchmarks' stamps) stamp every field and read nothing more before it.
-    ROWS_ONE_SEQ's build (EARLY_KEYS) also reads its first tile's K/V rows there (vector
-    loads), in its wide tile's warps without spilling."""
+    PROBE builds (benchmarks' stamps) stamp every field and read nothing more before it."""
     from sm90_compile import TRITON_PTX, run_compile_script
 
     got = run_compile_script(TRITON_PTX + _COMPILE_ROWS)
     assert got["plain"][0] == 0 and got["settled"][0] >= 4, got
-    assert got["plain"][-1] == got["settled"][-1] == 0 and got["early"][-1] > 0, got
     for name, (_, registers, spilled, *_) in got.items():
         assert spilled == 0 and registers <= 255, (name, registers, spilled)
-    for name in ("plain", "settled", "early"):
+    for name in ("plain", "settled"):
         # a PROBE build reads the timer for each ns stamp (start, wait, end, and the three that
         # wait for their data), the cycle counter thrice, and stores each field; it reads
         # before the wait what the build without it reads
-        loads_before, *_, timers, cycles, stores, _ = got[f"{name}-probe"]
+        loads_before, *_, timers, cycles, stores = got[f"{name}-probe"]
         assert (timers, cycles) == (6, 3) and stores >= len(pa.PROBE_FIELDS), (name, got)
         assert loads_before == got[name][0], (name, got)
         assert got[name][3:5] == [0, 0], (name, got)  # none without it
@@ -1087,34 +1043,6 @@ def test_gpu_prefetch_kv_changes_no_bit(kernel, settled, num_splits, monkeypatch
     torch.cuda.synchronize()
     rows = sum(q for q, _ in specs)
     assert torch.equal(out[:rows], plain[:rows])
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("keys", [64, 96, 128, 150])
-def test_gpu_one_sequence_on_the_rows_kernel(keys, monkeypatch):
-    """ROWS_ONE_SEQ=(128, 8) on Ouro's shape (bf16, 16 heads, d = 128): within the bf16
-    bound of the reference, the same bits with the first tile's older keys read before the
-    PDL wait (`prefetch_kv`) as without, eagerly and replayed from a CUDA graph; the split
-    counters back at zero."""
-    monkeypatch.setattr(pa, "ROWS_ONE_SEQ", (128, 8))
-    case = Case([(1, keys)], 16, 16, 128, 16, torch.bfloat16, "cuda", seed=keys)
-    counters = torch.zeros(16, dtype=torch.int32, device="cuda")
-    splits = decode_splits(1, long_context=False, mha=True)
-    plain = case.run(splits, kernel="auto", split_counters=counters)
-    check(plain, case.reference(), BF16_TOL)
-    out = torch.empty_like(case.q)
-    for _ in range(3):
-        settled = case.run(splits, kernel="auto", split_counters=counters, prefetch_kv=True)
-        assert torch.equal(settled, plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        case.run(splits, out=out, kernel="auto", split_counters=counters, prefetch_kv=True)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, plain)
-    assert not counters.any()
 
 
 @gpu
