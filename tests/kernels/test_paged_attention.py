@@ -231,15 +231,19 @@ def test_empty_splits_change_no_bit(heads):
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("settled", [False, True])
-def test_one_short_sequence_splits_in_tiles_of_128_keys(settled, kv_heads):
-    """One decode sequence below LONG_CONTEXT keys (MHA or GQA): WIDE_TILE_SPLITS ways of
-    WIDE_TILE's 128-key tiles. Up to 128 keys its one split walks one tile and writes the
-    output itself: the unsplit walk's bits (one 128-key tile too), no ticket drawn; more keys
-    merge."""
-    counters = torch.zeros(4, dtype=torch.int32)
+@pytest.mark.parametrize("seqs", [1, 2])
+def test_one_or_two_short_sequences_split_in_tiles_of_128_keys(seqs, settled, kv_heads):
+    """One or two decode sequences below LONG_CONTEXT keys (MHA or GQA): WIDE_TILE_SPLITS
+    ways of WIDE_TILE's 128-key tiles. Up to 128 keys a sequence's one split walks one tile
+    and writes the output itself: the unsplit walk's bits (one 128-key tile too), no ticket
+    drawn; more keys merge."""
+    assert seqs <= pa.WIDE_TILE_SEQS
+    counters = torch.zeros(8, dtype=torch.int32)
     for keys in (1, 100, 128, 129, 199):
-        case = Case([(1, keys)], 4, kv_heads, head_dim=32, block_size=16, seed=keys)
-        splits = decode_splits(1, long_context=False, mha=kv_heads == 4)
+        specs = [(1, keys), (1, 128 if keys > 128 else 1 + keys // 3)][:seqs]
+        case = Case(specs, 4, kv_heads, head_dim=32, block_size=16, seed=keys)
+        splits = decode_splits(seqs, long_context=False, mha=kv_heads == 4)
+        assert splits == pa.WIDE_TILE_SPLITS
         split = case.run(splits, kernel="mma", split_counters=counters, prefetch_kv=settled)
         assert not counters.any()
         check(split, case.reference(), FP32_TOL)
@@ -367,12 +371,12 @@ def test_auto_takes_the_rows_kernel_for_many_short_or_split_long_decode_rows(mon
     assert decode_splits(8, True) == 4 and decode_splits(8, False) == decode_splits(64, True) == 1
     assert decode_splits(1, True) == 16  # GQA
     assert decode_splits(1, False) == decode_splits(1, False, mha=True) == pa.WIDE_TILE_SPLITS == 2
-    assert decode_splits(2, False) == 8 and decode_splits(3, False) == 1
+    assert decode_splits(2, False) == 2 and decode_splits(3, False) == 1  # 2: the wide tile
     # a long MHA context: the rows kernel, split ROWS_SPLIT_BUDGET // n ways, at most 32
     # (one sequence keeps its 16 ways on the tensor-core walk)
     assert [decode_splits(n, True, mha=True) for n in (1, 2, 4, 8, 16)] == [16, 32, 32, 16, 8]
     assert decode_splits(17, True, mha=True) == 1 and decode_splits(7, False, mha=True) == 1
-    assert decode_splits(2, True) == 8 and decode_splits(2, False, mha=True) == 8
+    assert decode_splits(2, True) == 8 and decode_splits(2, False, mha=True) == 2
     # below LONG_CONTEXT, MHA batches of ROWS_SHORT_SEQS to SPLIT_SEQS sequences: the same
     assert [decode_splits(n, False, mha=True) for n in (8, 12, 16, 17)] == [16, 10, 8, 1]
     assert decode_splits(8, False) == 1  # GQA: the tensor-core walk, unsplit
@@ -506,9 +510,13 @@ def test_settled_decode_changes_no_bit(
     check(settled, case.reference(), FP32_TOL, rows)
 
 
-def test_settled_for_one_sequence_of_decode_on_the_callers_word_only(monkeypatch):
+def test_older_keys_before_the_wait_for_few_or_wide_tile_decode_on_the_callers_word_only(
+    monkeypatch,
+):
     """The launch reads older keys before the wait (EARLY_KEYS) for a decode of at most
-    EARLY_KEYS_SEQS sequences, and only where the caller vouches for it (`prefetch_kv`)."""
+    EARLY_KEYS_SEQS sequences at any context and of at most WIDE_TILE_SEQS below
+    LONG_CONTEXT keys (the wide tile), and only where the caller vouches for it
+    (`prefetch_kv`); never for prefill or a longer batch."""
     seen, real = [], pa._kernel
 
     class Spy:
@@ -530,9 +538,13 @@ def test_settled_for_one_sequence_of_decode_on_the_callers_word_only(monkeypatch
     one = Case([(1, 20)], 2, 2, head_dim=16, block_size=4)
     two = Case([(1, 20), (1, 9)], 2, 2, head_dim=16, block_size=4)
     prefill = Case([(3, 20)], 2, 2, head_dim=16, block_size=4)
-    for case, vouched in ((one, True), (one, False), (two, True), (prefill, True)):
-        case.run(kernel="mma", prefetch_kv=vouched)
-    assert pa.EARLY_KEYS_SEQS == 1 and seen == [True, False, False, False]
+    three = Case([(1, 20), (1, 9), (1, 5)], 2, 2, head_dim=16, block_size=4)
+    runs = [(one, True, False), (one, False, False), (one, True, True), (two, True, False)]
+    runs += [(two, True, True), (three, True, False), (prefill, True, False)]
+    for case, vouched, long_context in runs:
+        case.run(kernel="mma", prefetch_kv=vouched, long_context=long_context)
+    assert (pa.EARLY_KEYS_SEQS, pa.WIDE_TILE_SEQS) == (1, 2)
+    assert seen == [True, False, True, True, False, False, False]
 
 
 def test_probe_is_for_compiled_builds_of_the_right_shape():
