@@ -23,7 +23,10 @@ cycle counter at its start, after its PDL wait and at its end. Per layer and rep
   first_tile (to its first key tile's P @ V done), other_tiles (to its last tile's), store
   (to its end: the output, a merge). Each data-dependent stamp waits for a reduction of what
   it follows: other_tiles of a one-tile walk read 0.5 us on an H100
-  (results/2026-12-07-l2-tail-and-release-h100.md).
+  (results/2026-12-07-l2-tail-and-release-h100.md). So the stamps change what they time,
+  and by more in one attention form than in another: compare two forms end to end
+  (ab_decode.py), not by this clock, which ordered three pairs of them the wrong way
+  (results/2026-12-07-wide-tile-two-seqs-h100.md).
 
 Reported as medians over layers and replays, at 1 and 8 rows (`--rows`).
 
