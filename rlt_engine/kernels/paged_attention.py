@@ -203,9 +203,9 @@ SPLIT_SEQS = 16  # decode batches up to this many sequences may split their keys
 SHORT_SPLIT_SEQS = 2  # decode batches up to this many sequences split theirs at any context
 # decode batches up to this many sequences (and those on the wide tile, below) read their older
 # keys before the PDL wait, where the caller vouches for it (`prefetch_kv`): one sequence +0.4%
-# at 96 keys and +3.8% at 448-960 keys end to end; 2 to 8 sequences in 64-key splits were
-# 0.3-1.2% slower, their K/V (3-6 MB from HBM) landing after the kernel before had ended
-# (2026-12-04-settled-keys-h200.md)
+# at 96 keys and +3.8% at 448-960 keys end to end; 2 to 8 sequences in their plans then (two:
+# 8 ways of 64-key tiles; more: unsplit) were 0.3-1.2% slower, their K/V (3-6 MB from HBM)
+# landing after the kernel before had ended (2026-12-04-settled-keys-h200.md)
 EARLY_KEYS_SEQS = 1
 # Ways a decode batch of n <= SHORT_SPLIT_SEQS sequences splits its keys: SHORT_SPLITS // n,
 # whatever its context (a split with no keys leaves at once; below LONG_CONTEXT keys,
