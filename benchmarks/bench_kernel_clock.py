@@ -26,7 +26,10 @@ cycle counter at its start, after its PDL wait and at its end. Per layer and rep
   (results/2026-12-07-l2-tail-and-release-h100.md). So the stamps change what they time,
   and by more in one attention form than in another: compare two forms end to end
   (ab_decode.py), not by this clock, which ordered three pairs of them the wrong way
-  (results/2026-12-07-wide-tile-two-seqs-h100.md).
+  (results/2026-12-07-wide-tile-two-seqs-h100.md). Each run also replays the same chain
+  without any stamp: layer_us_unprobed (and layer_us_replayed, the stamped chain timed the
+  same way: CUDA events around a replay, median, per layer) says what the stamps cost and is
+  the number two forms compare by here.
 
 Reported as medians over layers and replays, at 1 and 8 rows (`--rows`).
 
@@ -190,8 +193,10 @@ class Chain:
         angles = rnd(rows, dims.d).float()
         self.cos, self.sin = angles.cos().bfloat16(), angles.sin().bfloat16()
 
-    def gemm(self, layer: dict, name: str, x: torch.Tensor, rope=None, **kw) -> torch.Tensor:
-        if name not in self.probed:
+    def gemm(
+        self, layer: dict, name: str, x: torch.Tensor, rope=None, probes: bool = True, **kw
+    ) -> torch.Tensor:
+        if name not in self.probed or not probes:  # the engine's route (the table's config)
             if name == "gate_up":
                 return gate_up_silu(x, layer[name])
             if rope is not None:
@@ -204,14 +209,18 @@ class Chain:
                        probe=layer[f"{name}_probe"], rope=rope,
                        unreduced=self.unreduced and name in ("o", "down"))  # fmt: skip
 
-    def run(self) -> torch.Tensor:
+    def run(self, probes: bool = True) -> torch.Tensor:
+        """The chain's launches; `probes` False: none stamps (the engine's launches as they
+        run in decode, for the unprobed replay time)."""
         x = self.x
         heads, kv_heads, D = self.dims.heads, self.dims.kv_heads, self.dims.d
         h = rms_norm(x, self.layers[0]["norms"][0], 1e-6)
         for layer in self.layers:
             k_pool, v_pool = layer["pool"]
             rope = QkvRope(self.cos, self.sin, k_pool, v_pool, self.slots, heads)
-            qkv = self.gemm(layer, "qkv", h, rope=rope if self.qkv_rope else None)
+            probe = layer["probe"] if probes else None
+            norm_probes = [layer.get(f"{n}_probe") if probes else None for n in NORMS]
+            qkv = self.gemm(layer, "qkv", h, rope=rope if self.qkv_rope else None, probes=probes)
             qkv = qkv.view(self.rows, heads + 2 * kv_heads, D)
             q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
             v = qkv[:, heads + kv_heads :]
@@ -221,21 +230,21 @@ class Chain:
                 attn = _launch(
                     q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
                     D**-0.5, 1, num_splits=self.splits, prefetch_kv=True,
-                    split_counters=self.split_counters, probe=layer["probe"],
+                    split_counters=self.split_counters, probe=probe,
                 )  # fmt: skip
             else:
                 attn = _launch(
                     q, k_pool, v_pool, self.tables, self.seq_lens, self.query_start, BLOCK,
-                    D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=layer["probe"],
-                    **self.tiles,
+                    D**-0.5, 1, kernel="mma", prefetch_kv=True, probe=probe, **self.tiles,
                 )  # fmt: skip
-            o = self.gemm(layer, "o", attn.reshape(self.rows, heads * D), prefetch_whole=True)
+            attn = attn.reshape(self.rows, heads * D)
+            o = self.gemm(layer, "o", attn, probes=probes, prefetch_whole=True)
             # (o and down are SplitSums with --unreduced: the add + norm sums them)
             n1, n2, n3, n4 = layer["norms"]
-            x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1, probe=layer.get("norm_o_probe"))
-            act = self.gemm(layer, "gate_up", h)
-            down = self.gemm(layer, "down", act)
-            x, h = add_rms_norm(down, x, n4, 1e-6, y_weight=n3, probe=layer.get("norm_down_probe"))
+            x, h = add_rms_norm(o, x, n2, 1e-6, y_weight=n1, probe=norm_probes[0])
+            act = self.gemm(layer, "gate_up", h, probes=probes)
+            down = self.gemm(layer, "down", act, probes=probes)
+            x, h = add_rms_norm(down, x, n4, 1e-6, y_weight=n3, probe=norm_probes[1])
         return h
 
 
@@ -329,12 +338,14 @@ def measure(
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):
-            chain.run()
+        for probes in (True, True, False, False):
+            chain.run(probes)
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph, plain = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain.run()
+    with torch.cuda.graph(plain):  # no stamps: what the probes cost, and what they change
+        chain.run(probes=False)
     keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap", "layer")
     keys_ += (*PHASES, "qkv_to_qkv")
     stats: dict[str, list[float]] = {k: [] for k in keys_}
@@ -368,6 +379,10 @@ def measure(
         for k, v in stats.items()
         if v
     }
+    # the whole chain's replay, with and without the stamps, per layer (the first layer's plain
+    # norm included): two forms compare by the unprobed time, never by the stamps
+    medians["layer_us_replayed"] = replay_us(graph, replays) / layers
+    medians["layer_us_unprobed"] = replay_us(plain, replays) / layers
     # the attention launch's programs, and those that stamped (passed their wait with keys)
     programs, ran = len(chain.layers[0]["probe"]), len(stamped(chain.layers[-1]["probe"]))
     out = {"rows": rows, "keys": keys, "programs": programs, "programs_stamped": ran}
@@ -382,6 +397,21 @@ def measure(
             for k in lines[0]
         }
     return out
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """A captured chain's replay time (us, CUDA events), the median over `replays` after
+    three not counted."""
+    times = []
+    for i in range(replays + 3):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(begin.elapsed_time(end) * 1e3)
+    return statistics.median(times)
 
 
 def main() -> None:
