@@ -21,6 +21,7 @@ from engine_helpers import (
     check_against_serial,
     check_no_blocks_in_use,
     make_llm,
+    oracle_greedy,
     params_for,
 )
 
@@ -259,3 +260,35 @@ def test_seeded_sampling_is_batch_invariant(ckpt, llm):
     assert reseeded.token_ids == alone.token_ids
     (other_seed,) = llm.generate([PROMPTS[5]], dataclasses.replace(sampled, seed=99))
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_two_decode_sequences_on_the_wide_tile_equal_the_oracle(ckpt, monkeypatch):
+    """Two decode sequences below LONG_CONTEXT keys take the wide tile (WIDE_TILE_SPLITS ways
+    of 128-key tiles) with their older keys read before the wait, as one sequence does; the
+    engine on Triton still gives the dense oracle's tokens and exit depths for both."""
+    from rlt_engine.kernels import paged_attention as pa
+
+    seen, real = [], pa._kernel
+
+    def spy(fn, interpret):
+        kernel = real(fn, interpret)
+        if fn is not pa._paged_attention_kernel:
+            return kernel
+
+        class Launch:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    seen.append((grid[0], kwargs["NUM_SPLITS"], kwargs["EARLY_KEYS"]))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        return Launch()
+
+    monkeypatch.setattr(pa, "_kernel", spy)
+    llm = make_llm(ckpt, attention_backend="triton", block_size=4)
+    chosen = (3, 7)
+    outs = llm.generate([PROMPTS[i] for i in chosen], [params_for(i) for i in chosen])
+    for i, out in zip(chosen, outs, strict=True):
+        assert (out.token_ids, out.exit_depths) == oracle_greedy(llm, PROMPTS[i], params_for(i))
+    assert (2, pa.WIDE_TILE_SPLITS, True) in seen  # two decode rows, one launch
