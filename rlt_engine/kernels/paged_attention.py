@@ -225,7 +225,7 @@ LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 
 # but -5.5% at 150 (2026-12-04-wide-tile-h200.md); GQA (Nanbeige): c=1 +1.8%
 # (2026-12-04-rows-by-loads-h200.md). Two sequences, against 8 ways of 64-key tiles read after the
 # wait: c=2 +3.2% at 64-token prompts, +2.3% / +0.8% at 110 / 150 (the wide tile with its keys after
-# the wait: +1.7% / +0.6% / -1.0%); three: c=3 -0.1%; 8 sequences -2.9% to -3.7%
+# the wait: +1.7% / +0.6% / -0.9%); three: c=3 -0.1%; 8 sequences -2.9% to -3.7%
 # (2026-12-07-wide-tile-two-seqs-h100.md)
 WIDE_TILE_SEQS = 2
 # wide-tile batches of at most this many sequences read their older keys before the wait (as
