@@ -400,7 +400,7 @@ def measure(
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """A captured chain's replay time (us, CUDA events), the median over `replays` after
+    """A captured CUDA graph's replay time (us, CUDA events), the median over `replays` after
     three not counted."""
     times = []
     for i in range(replays + 3):

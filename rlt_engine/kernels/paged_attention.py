@@ -495,8 +495,9 @@ def _launch(
             # bucket) alone
             global attend_tile, kv_tile
             attend_tile, kv_tile = _kernel(_attend_tile, interpret), _kernel(_kv_tile, interpret)
-            early = WIDE_EARLY_KEYS_SEQS if wide else EARLY_KEYS_SEQS  # older keys before
-            early_keys = prefetch_kv and max_query_len == 1 and num_seqs <= early  # the wait
+            # the first tile's older keys read before the wait (EARLY_KEYS), for few sequences
+            early = WIDE_EARLY_KEYS_SEQS if wide else EARLY_KEYS_SEQS
+            early_keys = prefetch_kv and max_query_len == 1 and num_seqs <= early
             _kernel(_paged_attention_kernel, interpret)[grid](
                 *args,
                 q_tiles,
