@@ -158,9 +158,8 @@ def paged_attention(
     RoPE + the K/V write, write no metadata and no older key): a decode launch under PDL
     (kernels/pdl.py) then asks L2 for its programs' K/V rows while that kernel still runs,
     and reads its metadata before its wait where that pays (SETTLED: a split decode, or one
-    of at most EARLY_KEYS_SEQS sequences, or WIDE_EARLY_KEYS_SEQS on the wide tile, which also
-    reads its first key tile's older keys there, EARLY_KEYS; the rows' own keys after the
-    wait).
+    of at most EARLY_KEYS_SEQS sequences or on the wide tile, which also reads its first key
+    tile's older keys there, EARLY_KEYS; the rows' own keys after the wait).
     `rope_write` (decode only, max_query_len 1): q and the new k come before RoPE and the pools
     do not hold the new K/V yet: the values of `rope_kv_write.rope_write_kv_` then this call
     without it. The rows kernel rotates q and k (rope.py's rounding) and writes k and v itself,
@@ -202,12 +201,11 @@ KV_PREFETCH_BYTES = 8 << 20
 
 SPLIT_SEQS = 16  # decode batches up to this many sequences may split their keys
 SHORT_SPLIT_SEQS = 2  # decode batches up to this many sequences split theirs at any context
-# decode batches up to this many sequences (and on the wide tile up to WIDE_EARLY_KEYS_SEQS,
-# below) read their older keys before the PDL wait, where the caller vouches for it
-# (`prefetch_kv`): one sequence +0.4% at 96 keys and +3.8% at 448-960 keys end to end; 2 to 8
-# sequences in their plans then (two: 8 ways of 64-key tiles; more: unsplit) were 0.3-1.2%
-# slower, their K/V (3-6 MB from HBM) landing after the kernel before had ended
-# (2026-12-04-settled-keys-h200.md)
+# decode batches up to this many sequences (and those on the wide tile, below) read their older
+# keys before the PDL wait, where the caller vouches for it (`prefetch_kv`): one sequence +0.4%
+# at 96 keys and +3.8% at 448-960 keys end to end; 2 to 8 sequences in their plans then (two:
+# 8 ways of 64-key tiles; more: unsplit) were 0.3-1.2% slower, their K/V (3-6 MB from HBM)
+# landing after the kernel before had ended (2026-12-04-settled-keys-h200.md)
 EARLY_KEYS_SEQS = 1
 # Ways a decode batch of n <= SHORT_SPLIT_SEQS sequences splits its keys: SHORT_SPLITS // n,
 # whatever its context (a split with no keys leaves at once; below LONG_CONTEXT keys,
@@ -216,22 +214,19 @@ EARLY_KEYS_SEQS = 1
 # +12.9%; 32: slower from 448 on) (2026-12-04-more-splits-h200.md)
 SHORT_SPLITS = 16
 LONG_SPLITS = 4  # a long-context batch of <= SPLIT_SEQS sequences (8 ways: c=8 -4.8% at 2k)
-# Decode batches of at most WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split WIDE_TILE_SPLITS
-# ways with tiles of WIDE_TILE = (keys, warps), their first tile's older keys read before the wait
-# where the caller vouches (EARLY_KEYS, WIDE_EARLY_KEYS_SEQS): a context of up to 128 keys is one
-# tile, all but the row's own key read before the wait, whose split writes the output itself (no
-# merge); 129-199 keys are two tiles in two splits. One sequence, against 16 ways of 64-key tiles:
-# c=1 +2.0% at 64-token prompts (64-96 keys), +0.7% / -0.7% / 0 at 110 / 150 / 166; unsplit: +2.1%,
-# but -5.5% at 150 (2026-12-04-wide-tile-h200.md); GQA (Nanbeige): c=1 +1.8%
-# (2026-12-04-rows-by-loads-h200.md). Two sequences, against 8 ways of 64-key tiles read after the
-# wait: c=2 +3.2% at 64-token prompts, +2.3% / +0.8% at 110 / 150 (the wide tile with its keys after
-# the wait: +1.7% / +0.6% / -0.9%); three: c=3 -0.1%; 8 sequences -2.9% to -3.7%
-# (2026-12-07-wide-tile-two-seqs-h100.md)
+# Decode batches of at most WIDE_TILE_SEQS sequences below LONG_CONTEXT keys split
+# WIDE_TILE_SPLITS ways with tiles of WIDE_TILE = (keys, warps), their first tile's older keys
+# read before the wait where the caller vouches (EARLY_KEYS): a context of up to 128 keys is
+# one tile, all but the row's own key read before the wait, whose split writes the output
+# itself (no merge); 129-199 keys are two tiles in two splits. One sequence, against 16 ways of
+# 64-key tiles: c=1 +2.0% at 64-token prompts (64-96 keys), +0.7% / -0.7% / 0 at 110 / 150 /
+# 166; unsplit: +2.1%, but -5.5% at 150 (2026-12-04-wide-tile-h200.md); GQA (Nanbeige): c=1
+# +1.8% (2026-12-04-rows-by-loads-h200.md). Two sequences, against 8 ways of 64-key tiles read
+# after the wait: c=2 +3.2% at 64-token prompts, +2.3% / +0.8% at 110 / 150 (the wide tile
+# with its keys after the wait: +1.7% / +0.6% / -0.9%); three: c=3 -0.1%; 8 sequences -2.9% to
+# -3.7% (2026-12-07-wide-tile-two-seqs-h100.md); three / four with their keys after the wait:
+# c=3 / 4 -1.4% / -1.9% (2026-12-07-wide-tile-four-seqs-h100.md)
 WIDE_TILE_SEQS = 2
-# wide-tile batches of at most this many sequences read their older keys before the wait (as
-# EARLY_KEYS_SEQS at any context): both parts of the 2-sequence gain above. A knob for an A/B
-# of 3-4 sequences on the wide tile without them (with them: c=3 -0.1%, c=4 -2.1%)
-WIDE_EARLY_KEYS_SEQS = 2
 WIDE_TILE_SPLITS = 2
 WIDE_TILE = (128, 8)  # 4 warps spill the MERGE walk's two tiles in flight
 # A long-context MHA batch of ROWS_LONG_SEQS to SPLIT_SEQS sequences runs the rows kernel
@@ -496,8 +491,8 @@ def _launch(
             global attend_tile, kv_tile
             attend_tile, kv_tile = _kernel(_attend_tile, interpret), _kernel(_kv_tile, interpret)
             # the first tile's older keys read before the wait (EARLY_KEYS), for few sequences
-            early = WIDE_EARLY_KEYS_SEQS if wide else EARLY_KEYS_SEQS
-            early_keys = prefetch_kv and max_query_len == 1 and num_seqs <= early
+            few = max_query_len == 1 and num_seqs <= EARLY_KEYS_SEQS
+            early_keys = prefetch_kv and (wide or few)
             _kernel(_paged_attention_kernel, interpret)[grid](
                 *args,
                 q_tiles,

@@ -514,9 +514,9 @@ def test_older_keys_before_the_wait_for_few_or_wide_tile_decode_on_the_callers_w
     monkeypatch,
 ):
     """The launch reads older keys before the wait (EARLY_KEYS) for a decode of at most
-    EARLY_KEYS_SEQS sequences at any context and of at most WIDE_EARLY_KEYS_SEQS on the wide
-    tile (up to WIDE_TILE_SEQS below LONG_CONTEXT keys), and only where the caller vouches for
-    it (`prefetch_kv`); never for prefill or a longer batch."""
+    EARLY_KEYS_SEQS sequences at any context and of at most WIDE_TILE_SEQS below
+    LONG_CONTEXT keys (the wide tile), and only where the caller vouches for it
+    (`prefetch_kv`); never for prefill or a longer batch."""
     seen, real = [], pa._kernel
 
     class Spy:
@@ -543,16 +543,8 @@ def test_older_keys_before_the_wait_for_few_or_wide_tile_decode_on_the_callers_w
     runs += [(two, True, True), (three, True, False), (prefill, True, False)]
     for case, vouched, long_context in runs:
         case.run(kernel="mma", prefetch_kv=vouched, long_context=long_context)
-    assert (pa.EARLY_KEYS_SEQS, pa.WIDE_TILE_SEQS, pa.WIDE_EARLY_KEYS_SEQS) == (1, 2, 2)
+    assert (pa.EARLY_KEYS_SEQS, pa.WIDE_TILE_SEQS) == (1, 2)
     assert seen == [True, False, True, True, False, False, False]
-    # three on the wide tile (the knob's A/B): older keys early only within its bound
-    monkeypatch.setattr(pa, "WIDE_TILE_SEQS", 3)
-    seen.clear()
-    for bound in (2, 3):
-        monkeypatch.setattr(pa, "WIDE_EARLY_KEYS_SEQS", bound)
-        three.run(kernel="mma", prefetch_kv=True)
-        two.run(kernel="mma", prefetch_kv=True)
-    assert seen == [False, True, True, True]
 
 
 def test_probe_is_for_compiled_builds_of_the_right_shape():
