@@ -1,0 +1,217 @@
+"""Screen decode-chain variants in one process by the chain's unprobed replay (GPU only).
+
+    PYTHONPATH=. python benchmarks/screen_chain.py --out $OUT --rows 8 \
+      --variant 'o_split2;2048x2048:m8:bfloat16=("ws", 64, 256, 2, 4, 3, 0, 0)' \
+      --variant 'wide4;kernels.paged_attention.WIDE_TILE_SEQS=4'
+
+bench_kernel_clock's chain of decode layers (its `Chain`: the engine's launches for `rows`
+decode sequences at `keys` keys, attention as the engine launches it, RoPE + the K/V write in
+the qkv's epilogue, the split-K partials summed by the add + norms), captured without any
+stamp once for the table and constants as they are ("base") and once per `--variant
+NAME;ITEM[;ITEM...]`, each ITEM a small-GEMM table row (`KEY=ROW`, as ab_decode.py's --row) or
+a module constant (`module.NAME=VALUE`, as its --set), applied before that variant's chain is
+built and captured and undone after. Then `--rounds` rounds replay every graph in turn (the
+order rotated each round), each time the median of `--replays` replays by CUDA events; per
+variant the median over rounds in us per layer, and its change against base.
+
+Why: in session 44 this replay ordered two attention forms as the end-to-end A/B did (the
+wide tile at 2 rows 3.4% shorter, c=2 +3.2%) where the kernel's stamps ordered them the wrong
+way, and forms that launch the same kernels differed by 0.2-0.3%
+(results/2026-12-07-wide-tile-four-seqs-h100.md). A variant costs a capture and a few seconds
+of replays instead of an engine's start and decode runs: screen many here, then A/B the few
+that gain with ab_decode.py, which stays the verdict. A row whose key no GEMM of the chain
+looks up at any --rows is an error (it would time base twice); at a --rows where none of a
+variant's rows applies and it sets nothing, the variant is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from ab_decode import parse_row, parse_set  # noqa: E402  (scripts beside this one)
+from bench_kernel_clock import MODELS, Chain, Dims, replay_us  # noqa: E402
+
+from rlt_engine.kernels.small_gemm import table_key  # noqa: E402
+
+
+@dataclass
+class Variant:
+    name: str
+    rows: list[tuple[str, tuple]] = field(default_factory=list)  # small-GEMM table rows
+    sets: list[tuple[str, str, object]] = field(default_factory=list)  # module constants
+
+
+def parse_variant(text: str) -> Variant:
+    """'NAME;KEY=ROW;module.NAME=VALUE' -> a Variant: items that start with a digit are table
+    rows (an "NxK:mB:dtype" key), the others module constants."""
+    name, *items = [part.strip() for part in text.split(";")]
+    if not name or name == "base" or "=" in name or not items:
+        raise ValueError(f"--variant expects NAME;ITEM[;ITEM...] (NAME not 'base'), got {text!r}")
+    variant = Variant(name)
+    for item in items:
+        if item[:1].isdigit():
+            variant.rows.append(parse_row(item))
+        else:
+            variant.sets.append(parse_set(item))
+    return variant
+
+
+def chain_keys(dims: Dims, rows: int) -> set[str]:
+    """The small-GEMM table keys the chain's four weight GEMMs look up at `rows` rows."""
+    d = dims.heads * dims.d
+    shapes = [((dims.heads + 2 * dims.kv_heads) * dims.d, dims.hidden), (dims.hidden, d)]
+    shapes += [(2 * dims.inter, dims.hidden), (dims.hidden, dims.inter)]
+    return {table_key(n, k, rows, torch.bfloat16) for n, k in shapes}
+
+
+def applies(variant: Variant, keys: set[str]) -> bool:
+    return bool(variant.sets) or any(key in keys for key, _ in variant.rows)
+
+
+def check_rows(variants: list[Variant], dims: Dims, rows: list[int]) -> None:
+    """Every variant row's key must be one the chain looks up at some of `rows`."""
+    looked_up = set().union(*(chain_keys(dims, r) for r in rows))
+    for variant in variants:
+        for key, _ in variant.rows:
+            if key not in looked_up:
+                raise ValueError(
+                    f"--variant {variant.name}: no GEMM of the chain looks up {key} at "
+                    f"--rows {' '.join(map(str, rows))} (it would time base twice)"
+                )
+
+
+class Applied:
+    """A variant's rows and constants in place for a `with` block, undone after; a key the
+    table lacks or a name the module lacks is an error."""
+
+    def __init__(self, variant: Variant, entries: dict | None) -> None:
+        self.variant, self.entries = variant, entries
+        self.undo: list = []
+
+    def __enter__(self) -> None:
+        try:
+            self._apply()
+        except BaseException:
+            self.__exit__()  # what was applied before the error
+            raise
+
+    def _apply(self) -> None:
+        name = self.variant.name
+        for module, attr, value in self.variant.sets:
+            mod = importlib.import_module(f"rlt_engine.{module}")
+            if not hasattr(mod, attr):
+                raise ValueError(f"--variant {name}: rlt_engine.{module} has no {attr}")
+            self.undo.append((setattr, mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        for key, row in self.variant.rows:
+            if self.entries is None or key not in self.entries:
+                raise ValueError(f"--variant {name}: the table has no {key}")
+            self.undo.append((dict.__setitem__, self.entries, key, self.entries[key]))
+            self.entries[key] = row
+
+    def __exit__(self, *exc: object) -> None:
+        for undo, target, name, old in reversed(self.undo):
+            undo(target, name, old)
+        self.undo.clear()
+
+
+def capture(chain: Chain) -> torch.cuda.CUDAGraph:
+    """The chain's launches without stamps, warmed up on a side stream, then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            chain.run(probes=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain.run(probes=False)
+    return graph
+
+
+def rotated(names: list[str], turn: int) -> list[str]:
+    turn %= len(names)
+    return names[turn:] + names[:turn]
+
+
+def summarize(times: dict[str, list[float]], layers: int) -> dict[str, dict]:
+    """Per variant: its rounds (us per layer), their median, and its change against base."""
+    per_layer = {name: [t / layers for t in ts] for name, ts in times.items()}
+    base = statistics.median(per_layer["base"])
+    return {
+        name: {
+            "us_per_layer": statistics.median(ts),
+            "rounds": ts,
+            "change_pct": 100.0 * (statistics.median(ts) / base - 1.0),
+        }
+        for name, ts in per_layer.items()
+    }
+
+
+def screen(
+    variants: list[Variant], rows: int, keys: int, layers: int, replays: int, rounds: int,
+    dims: Dims, entries: dict | None,
+) -> dict:  # fmt: skip
+    looked_up = chain_keys(dims, rows)
+    chosen = [Variant("base")] + [v for v in variants if applies(v, looked_up)]
+    graphs = {}
+    for variant in chosen:
+        with Applied(variant, entries):
+            chain = Chain(rows, keys, layers, qkv_rope=True, unreduced=True, dims=dims,
+                          engine_attention=True)  # fmt: skip
+            graphs[variant.name] = (chain, capture(chain))  # the chain keeps its buffers alive
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for turn in range(rounds):
+        for name in rotated(list(graphs), turn):
+            times[name].append(replay_us(graphs[name][1], replays))
+    skipped = [v.name for v in variants if v.name not in graphs]
+    return {"rows": rows, "keys": keys, "variants": summarize(times, layers), "skipped": skipped}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(fromfile_prefix_chars="@")  # @FILE: its lines, one argument each
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", choices=sorted(MODELS), default="ouro")
+    ap.add_argument("--rows", type=int, nargs="*", default=[8], help="sequences in decode")
+    ap.add_argument("--keys", type=int, default=96)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--variant", dest="variants", action="append", default=[], type=parse_variant,
+        metavar="NAME;ITEM[;ITEM...]", help="see the module docstring",
+    )  # fmt: skip
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("screen_chain.py times CUDA graphs: it needs a CUDA GPU")
+    names = [v.name for v in args.variants]
+    if len(set(names)) != len(names):
+        raise SystemExit("--variant: two variants share a name")
+    dims = MODELS[args.model]
+    check_rows(args.variants, dims, args.rows)
+    from rlt_engine.kernels import small_gemm
+
+    table = small_gemm.serving_table(torch.device("cuda", 0))
+    entries = None if table is None else table["entries"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for rows in args.rows:
+        shape = (rows, args.keys, args.layers, args.replays, args.rounds)
+        results.append(screen(args.variants, *shape, dims, entries))
+        print(json.dumps(results[-1]), flush=True)
+    (args.out / "screen_chain.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
