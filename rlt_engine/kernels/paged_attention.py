@@ -490,7 +490,7 @@ def _launch(
             # bucket) alone
             global attend_tile, kv_tile
             attend_tile, kv_tile = _kernel(_attend_tile, interpret), _kernel(_kv_tile, interpret)
-            # the first tile's older keys read before the wait (EARLY_KEYS), for few sequences
+            # the first tile's older keys before the wait (EARLY_KEYS): few seqs, the wide tile
             few = max_query_len == 1 and num_seqs <= EARLY_KEYS_SEQS
             early_keys = prefetch_kv and (wide or few)
             _kernel(_paged_attention_kernel, interpret)[grid](
