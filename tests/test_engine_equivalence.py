@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from attention_launches import record_attention_launches
 from engine_helpers import (
     DEPTH,
     ENGINES,
@@ -268,27 +269,11 @@ def test_two_decode_sequences_on_the_wide_tile_equal_the_oracle(ckpt, monkeypatc
     engine on Triton still gives the dense oracle's tokens and exit depths for both."""
     from rlt_engine.kernels import paged_attention as pa
 
-    seen, real = [], pa._kernel
-
-    def spy(fn, interpret):
-        kernel = real(fn, interpret)
-        if fn is not pa._paged_attention_kernel:
-            return kernel
-
-        class Launch:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    seen.append((grid[0], kwargs["NUM_SPLITS"], kwargs["EARLY_KEYS"]))
-                    return kernel[grid](*args, **kwargs)
-
-                return launch
-
-        return Launch()
-
-    monkeypatch.setattr(pa, "_kernel", spy)
+    launches = record_attention_launches(monkeypatch)
     llm = make_llm(ckpt, attention_backend="triton", block_size=4)
     chosen = (3, 7)
     outs = llm.generate([PROMPTS[i] for i in chosen], [params_for(i) for i in chosen])
     for i, out in zip(chosen, outs, strict=True):
         assert (out.token_ids, out.exit_depths) == oracle_greedy(llm, PROMPTS[i], params_for(i))
+    seen = [(grid[0], kw["NUM_SPLITS"], kw["EARLY_KEYS"]) for grid, kw in launches]
     assert (2, pa.WIDE_TILE_SPLITS, True) in seen  # two decode rows, one launch

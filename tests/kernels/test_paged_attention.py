@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_launches import record_attention_launches
 
 pytest.importorskip("triton")
 
@@ -517,24 +518,7 @@ def test_older_keys_before_the_wait_for_few_or_wide_tile_decode_on_the_callers_w
     EARLY_KEYS_SEQS sequences at any context and of at most WIDE_TILE_SEQS below
     LONG_CONTEXT keys (the wide tile), and only where the caller vouches for it
     (`prefetch_kv`); never for prefill or a longer batch."""
-    seen, real = [], pa._kernel
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs["EARLY_KEYS"])
-                return self.kernel[grid](*args, **kwargs)
-
-            return launch
-
-    def spy(fn, interpret):
-        kernel = real(fn, interpret)
-        return Spy(kernel) if fn is pa._paged_attention_kernel else kernel
-
-    monkeypatch.setattr(pa, "_kernel", spy)
+    launches = record_attention_launches(monkeypatch)
     one = Case([(1, 20)], 2, 2, head_dim=16, block_size=4)
     two = Case([(1, 20), (1, 9)], 2, 2, head_dim=16, block_size=4)
     prefill = Case([(3, 20)], 2, 2, head_dim=16, block_size=4)
@@ -544,6 +528,7 @@ def test_older_keys_before_the_wait_for_few_or_wide_tile_decode_on_the_callers_w
     for case, vouched, long_context in runs:
         case.run(kernel="mma", prefetch_kv=vouched, long_context=long_context)
     assert (pa.EARLY_KEYS_SEQS, pa.WIDE_TILE_SEQS) == (1, 2)
+    seen = [kwargs["EARLY_KEYS"] for _, kwargs in launches]
     assert seen == [True, False, True, True, False, False, False]
 
 
