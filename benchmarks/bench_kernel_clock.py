@@ -335,17 +335,8 @@ def measure(
     engine_attention: bool = False,
 ) -> dict:
     chain = Chain(rows, keys, layers, tiles, timeline, qkv_rope, unreduced, dims, engine_attention)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for probes in (True, True, False, False):
-            chain.run(probes)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph, plain = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain.run()
-    with torch.cuda.graph(plain):  # no stamps: what the probes cost, and what they change
-        chain.run(probes=False)
+    graph = capture(chain)
+    plain = capture(chain, probes=False)  # no stamps: what the probes cost, what they change
     keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap", "layer")
     keys_ += (*PHASES, "qkv_to_qkv")
     stats: dict[str, list[float]] = {k: [] for k in keys_}
@@ -397,6 +388,21 @@ def measure(
             for k in lines[0]
         }
     return out
+
+
+def capture(chain: Chain, probes: bool = True) -> torch.cuda.CUDAGraph:
+    """The chain's launches (`probes` False: none stamps) warmed up twice on a side stream,
+    then captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            chain.run(probes)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain.run(probes)
+    return graph
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from ab_decode import parse_row, parse_set  # noqa: E402  (scripts beside this one)
-from bench_kernel_clock import MODELS, Chain, Dims, replay_us  # noqa: E402
+from bench_kernel_clock import MODELS, Chain, Dims, capture, replay_us  # noqa: E402
 
 from rlt_engine.kernels.small_gemm import table_key  # noqa: E402
 
@@ -126,20 +126,6 @@ class Applied:
         self.undo.clear()
 
 
-def capture(chain: Chain) -> torch.cuda.CUDAGraph:
-    """The chain's launches without stamps, warmed up on a side stream, then captured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            chain.run(probes=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain.run(probes=False)
-    return graph
-
-
 def rotated(names: list[str], turn: int) -> list[str]:
     turn %= len(names)
     return names[turn:] + names[:turn]
@@ -170,7 +156,8 @@ def screen(
         with Applied(variant, entries):
             chain = Chain(rows, keys, layers, qkv_rope=True, unreduced=True, dims=dims,
                           engine_attention=True)  # fmt: skip
-            graphs[variant.name] = (chain, capture(chain))  # the chain keeps its buffers alive
+            # the chain kept with its graph: it holds the graph's buffers
+            graphs[variant.name] = (chain, capture(chain, probes=False))
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for turn in range(rounds):
         for name in rotated(list(graphs), turn):
