@@ -74,6 +74,7 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -335,8 +336,8 @@ def measure(
     engine_attention: bool = False,
 ) -> dict:
     chain = Chain(rows, keys, layers, tiles, timeline, qkv_rope, unreduced, dims, engine_attention)
-    graph = capture(chain)
-    plain = capture(chain, probes=False)  # no stamps: what the probes cost, what they change
+    graph = capture(chain.run)
+    plain = capture(lambda: chain.run(probes=False))  # no stamps: what they cost and change
     keys_ = ("early", "wait_spread", "own", "own_cycles", "end_after_last_wait", "gap", "layer")
     keys_ += (*PHASES, "qkv_to_qkv")
     stats: dict[str, list[float]] = {k: [] for k in keys_}
@@ -390,18 +391,18 @@ def measure(
     return out
 
 
-def capture(chain: Chain, probes: bool = True) -> torch.cuda.CUDAGraph:
-    """The chain's launches (`probes` False: none stamps) warmed up twice on a side stream,
-    then captured in a CUDA graph."""
+def capture(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`body`'s launches warmed up twice on a side stream (compiles, autotuning), then
+    captured in a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            chain.run(probes)
+            body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        chain.run(probes)
+        body()
     return graph
 
 

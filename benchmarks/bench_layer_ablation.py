@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from bench_kernel_clock import capture, replay_us  # noqa: E402
 from h200_decode import OURO, _engine, _median_rate  # noqa: E402
 
 DEPTH, LAYERS = 4, 24
@@ -209,18 +210,7 @@ def ablate(cs=(1, 8), runs: dict | None = None, base: str = "base") -> dict:
 
 def _graph_us(body, reps: int = 20) -> float:
     """Median wall time of one replay of a CUDA graph of `body` (CUDA events)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()  # compile + warm
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    from bench_kernel_clock import replay_us  # a script beside this one
-
+    graph = capture(body)
     us = replay_us(graph, reps)
     del graph
     return us

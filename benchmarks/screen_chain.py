@@ -157,7 +157,7 @@ def screen(
             chain = Chain(rows, keys, layers, qkv_rope=True, unreduced=True, dims=dims,
                           engine_attention=True)  # fmt: skip
             # the chain kept with its graph: it holds the graph's buffers
-            graphs[variant.name] = (chain, capture(chain, probes=False))
+            graphs[variant.name] = (chain, capture(lambda c=chain: c.run(probes=False)))
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for turn in range(rounds):
         for name in rotated(list(graphs), turn):
