@@ -22,6 +22,12 @@ of replays instead of an engine's start and decode runs: screen many here, then 
 that gain with ab_decode.py, which stays the verdict. A row whose key no GEMM of the chain
 looks up at any --rows is an error (it would time base twice); at a --rows where none of a
 variant's rows applies and it sets nothing, the variant is skipped.
+
+`--ab-args DIR` writes, for each variant whose layer is at least `--gain` percent shorter than
+base's at some --rows, best first, `DIR/NN-NAME.args`: ab_decode.py's arguments for it (its
+@FILE form, one a line: the label, the screened rows as concurrencies, its --set and --row
+items), and `DIR/winners.json`. `benchmarks/screen_then_ab.sh` runs the screen and those A/Bs
+in one device call.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -44,6 +52,8 @@ from bench_kernel_clock import MODELS, Chain, Dims, capture, replay_us  # noqa: 
 
 from rlt_engine.kernels.small_gemm import table_key  # noqa: E402
 
+NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
 
 @dataclass
 class Variant:
@@ -56,8 +66,11 @@ def parse_variant(text: str) -> Variant:
     """'NAME;KEY=ROW;module.NAME=VALUE' -> a Variant: items that start with a digit are table
     rows (an "NxK:mB:dtype" key), the others module constants."""
     name, *items = [part.strip() for part in text.split(";")]
-    if not name or name == "base" or "=" in name or not items:
-        raise ValueError(f"--variant expects NAME;ITEM[;ITEM...] (NAME not 'base'), got {text!r}")
+    if not NAME.fullmatch(name) or name == "base" or not items:
+        raise ValueError(
+            "--variant expects NAME;ITEM[;ITEM...] (NAME of letters, digits, '_', '-' or '.', "
+            f"not 'base': it becomes an A/B label and a file name), got {text!r}"
+        )
     variant = Variant(name)
     for item in items:
         if item[:1].isdigit():
@@ -166,6 +179,44 @@ def screen(
     return {"rows": rows, "keys": keys, "variants": summarize(times, layers), "skipped": skipped}
 
 
+def winners(results: list[dict], gain_pct: float) -> list[tuple[str, float]]:
+    """(name, its largest shortening's change in percent) of each variant whose layer is at
+    least `gain_pct` percent shorter than base's at some screened row count, best first."""
+    best: dict[str, float] = {}
+    for result in results:
+        for name, v in result["variants"].items():
+            if name != "base":
+                best[name] = min(best.get(name, math.inf), v["change_pct"])
+    return sorted(((n, c) for n, c in best.items() if c <= -gain_pct), key=lambda nc: nc[1])
+
+
+def ab_args(variant: Variant, rows: list[int]) -> list[str]:
+    """ab_decode.py's arguments, one a line (its @FILE form), that run `variant` in the engine
+    at the screened row counts as concurrencies."""
+    lines = [f"--label={variant.name}", "--concurrency=" + ",".join(map(str, rows))]
+    lines += [f"--set={module}.{attr}={value!r}" for module, attr, value in variant.sets]
+    lines += [f"--row={key}={row!r}" for key, row in variant.rows]
+    return lines
+
+
+def write_ab_args(
+    directory: Path, variants: list[Variant], results: list[dict], rows: list[int], gain_pct: float
+) -> list[Path]:
+    """`winners` as ab_decode.py argument files, DIR/NN-NAME.args best first, and
+    DIR/winners.json; returns the files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    by_name = {v.name: v for v in variants}
+    chosen = winners(results, gain_pct)
+    files = []
+    for i, (name, _) in enumerate(chosen, 1):
+        path = directory / f"{i:02d}-{name}.args"
+        path.write_text("\n".join(ab_args(by_name[name], rows)) + "\n")
+        files.append(path)
+    summary = {"gain_pct": gain_pct, "winners": [{"name": n, "change_pct": c} for n, c in chosen]}
+    (directory / "winners.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return files
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(fromfile_prefix_chars="@")  # @FILE: its lines, one argument each
     ap.add_argument("--out", type=Path, required=True)
@@ -179,7 +230,11 @@ def main() -> None:
         "--variant", dest="variants", action="append", default=[], type=parse_variant,
         metavar="NAME;ITEM[;ITEM...]", help="see the module docstring",
     )  # fmt: skip
+    ap.add_argument("--ab-args", type=Path, help="write the winners' ab_decode.py @FILEs here")
+    ap.add_argument("--gain", type=float, default=0.5, help="percent of a layer (--ab-args)")
     args = ap.parse_args()
+    if args.gain < 0:
+        raise SystemExit(f"--gain must be >= 0 (percent of a layer), got {args.gain}")
     if not torch.cuda.is_available():
         raise SystemExit("screen_chain.py times CUDA graphs: it needs a CUDA GPU")
     names = [v.name for v in args.variants]
@@ -198,6 +253,9 @@ def main() -> None:
         results.append(screen(args.variants, *shape, dims, entries))
         print(json.dumps(results[-1]), flush=True)
     (args.out / "screen_chain.json").write_text(json.dumps(results, indent=1) + "\n")
+    if args.ab_args is not None:
+        files = write_ab_args(args.ab_args, args.variants, results, args.rows, args.gain)
+        print(f"{len(files)} variant(s) to A/B: " + " ".join(f.name for f in files), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import benchmark_scripts
 import pytest
 
@@ -89,3 +91,42 @@ def test_rounds_rotate_and_changes_are_against_base(screen):
     assert out["a"]["us_per_layer"] == 49.0
     assert out["a"]["change_pct"] == pytest.approx(100 * (49.0 / 50.5 - 1))
     assert out["a"]["rounds"] == [49.0, 49.5, 47.5]
+
+
+def _result(rows, changes):
+    variants = {"base": {"change_pct": 0.0}}
+    variants.update({name: {"change_pct": c} for name, c in changes.items()})
+    return {"rows": rows, "variants": variants}
+
+
+def test_winners_are_the_variants_that_shorten_the_layer_enough_best_first(screen):
+    results = [_result(1, {"a": -0.2, "b": 0.4, "c": -0.6}), _result(8, {"a": -1.5, "b": -0.4})]
+    # a variant skipped at a row count (c at 8 rows) keeps its change at the others
+    assert screen.winners(results, 0.5) == [("a", -1.5), ("c", -0.6)]
+    assert screen.winners(results, 0.0) == [("a", -1.5), ("c", -0.6), ("b", -0.4)]
+    assert screen.winners(results, 2.0) == []
+
+
+def test_the_winners_argument_files_run_the_same_variant_in_ab_decode(screen, tmp_path):
+    ab = benchmark_scripts.load("ab_decode")
+    o2 = screen.parse_variant(f"o2;{O8}={ROW};kernels.paged_attention.WIDE_TILE_SEQS=4")
+    wide = screen.parse_variant("wide;kernels.norm_chain.RELEASE_EARLY_ROWS={2048: 8}")
+    slow = screen.parse_variant("slow;kernels.paged_attention.SHORT_SPLITS=8")
+    results = [_result(1, {"wide": -0.7, "slow": 1.0}), _result(8, {"o2": -2.0, "wide": 0.1})]
+    files = screen.write_ab_args(tmp_path / "args", [o2, wide, slow], results, [1, 8], 0.5)
+    assert [f.name for f in files] == ["01-o2.args", "02-wide.args"]
+    args = ab.parser().parse_args(["--out", str(tmp_path), f"@{files[0]}"])
+    assert args.label == "o2"
+    assert args.concurrency == "1,8"
+    assert args.sets == o2.sets
+    assert args.rows == o2.rows
+    args = ab.parser().parse_args(["--out", str(tmp_path), f"@{files[1]}"])
+    assert (args.label, args.sets, args.rows) == ("wide", wide.sets, [])
+    summary = json.loads((tmp_path / "args" / "winners.json").read_text())
+    assert [w["name"] for w in summary["winners"]] == ["o2", "wide"]
+
+
+@pytest.mark.parametrize("name", ["o 2", "o/2", "o,2", ""])
+def test_a_variant_name_that_cannot_be_a_label_and_file_name_is_refused(screen, name):
+    with pytest.raises(ValueError, match="NAME of letters"):
+        screen.parse_variant(f"{name};kernels.paged_attention.WIDE_TILE_SEQS=4")
