@@ -130,3 +130,38 @@ def test_the_winners_argument_files_run_the_same_variant_in_ab_decode(screen, tm
 def test_a_variant_name_that_cannot_be_a_label_and_file_name_is_refused(screen, name):
     with pytest.raises(ValueError, match="NAME of letters"):
         screen.parse_variant(f"{name};kernels.paged_attention.WIDE_TILE_SEQS=4")
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((benchmark_scripts.ROOT / "benchmarks" / "variants").glob("*.args")),
+    ids=lambda p: p.name,
+)
+def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(screen, path):
+    """benchmarks/variants/*.args (screen_then_ab.sh's VARIANTS_FILE): each row replaces one the
+    table has, and the ws kernel takes it in the chain's form (the qkv with its RoPE epilogue,
+    the gate/up with SwiGLU): a refused row would fall back to another route and screen that."""
+    from rlt_engine.kernels import ws_gemm
+    from rlt_engine.kernels.small_gemm_tables import TABLES
+
+    ouro = screen.MODELS["ouro"]
+    qkv = ((ouro.heads + 2 * ouro.kv_heads) * ouro.d, ouro.hidden)
+    gate_up = (2 * ouro.inter, ouro.hidden)
+    variants = [
+        screen.parse_variant(line.removeprefix("--variant="))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    assert variants and len({v.name for v in variants}) == len(variants)
+    for variant in variants:
+        for key, row in variant.rows:
+            assert any(key in t["entries"] for t in TABLES), f"{variant.name}: no table has {key}"
+            shape, bucket, _ = key.split(":")
+            n, k = map(int, shape.split("x"))
+            backend, block_n, block_k, split_k, _, stages, *_ = row
+            assert backend == "ws"
+            why = ws_gemm.check(
+                n, k, int(bucket[1:]), block_n, block_k, split_k,
+                swiglu=(n, k) == gate_up, stages=stages, rope=(n, k) == qkv,
+            )  # fmt: skip
+            assert why is None, f"{variant.name}: {why}"
