@@ -140,7 +140,10 @@ def test_a_variant_name_that_cannot_be_a_label_and_file_name_is_refused(screen, 
 def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(screen, path):
     """benchmarks/variants/*.args (screen_then_ab.sh's VARIANTS_FILE): each row replaces one the
     table has, and the ws kernel takes it in the chain's form (the qkv with its RoPE epilogue,
-    the gate/up with SwiGLU): a refused row would fall back to another route and screen that."""
+    the gate/up with SwiGLU): a refused row would fall back to another route and screen that.
+    Each constant names one its module has, set to a value of the type it has now."""
+    import importlib
+
     from rlt_engine.kernels import ws_gemm
     from rlt_engine.kernels.small_gemm_tables import TABLES
 
@@ -165,3 +168,6 @@ def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(s
                 swiglu=(n, k) == gate_up, stages=stages, rope=(n, k) == qkv,
             )  # fmt: skip
             assert why is None, f"{variant.name}: {why}"
+        for module, attr, value in variant.sets:
+            now = getattr(importlib.import_module(f"rlt_engine.{module}"), attr)
+            assert type(value) is type(now), f"{variant.name}: {attr} is a {type(now).__name__}"
