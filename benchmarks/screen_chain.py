@@ -25,9 +25,9 @@ variant's rows applies and it sets nothing, the variant is skipped.
 
 `--ab-args DIR` writes, for each variant whose layer is at least `--gain` percent shorter than
 base's at some --rows, best first, `DIR/NN-NAME.args`: ab_decode.py's arguments for it (its
-@FILE form, one a line: the label, the screened rows as concurrencies, its --set and --row
-items), and `DIR/winners.json`. `benchmarks/screen_then_ab.sh` runs the screen and those A/Bs
-in one device call.
+@FILE form, one a line: the label, the model, the screened rows as concurrencies, its --set and
+--row items), `DIR/base.args` (the same without a variant) and `DIR/winners.json`.
+`benchmarks/screen_then_ab.sh` runs the screen and those A/Bs in one device call.
 """
 
 from __future__ import annotations
@@ -190,28 +190,32 @@ def winners(results: list[dict], gain_pct: float) -> list[tuple[str, float]]:
     return sorted(((n, c) for n, c in best.items() if c <= -gain_pct), key=lambda nc: nc[1])
 
 
-def ab_args(variant: Variant, rows: list[int]) -> list[str]:
-    """ab_decode.py's arguments, one a line (its @FILE form), that run `variant` in the engine
-    at the screened row counts as concurrencies."""
-    lines = [f"--label={variant.name}", "--concurrency=" + ",".join(map(str, rows))]
+def ab_args(variant: Variant, rows: list[int], model: str) -> list[str]:
+    """ab_decode.py's arguments, one a line (its @FILE form), that run `variant` (base: the
+    tree as it is) in the engine of `model` at the screened row counts as concurrencies."""
+    lines = [f"--label={variant.name}", f"--model={model}"]
+    lines += ["--concurrency=" + ",".join(map(str, rows))]
     lines += [f"--set={module}.{attr}={value!r}" for module, attr, value in variant.sets]
     lines += [f"--row={key}={row!r}" for key, row in variant.rows]
     return lines
 
 
 def write_ab_args(
-    directory: Path, variants: list[Variant], results: list[dict], rows: list[int], gain_pct: float
-) -> list[Path]:
-    """`winners` as ab_decode.py argument files, DIR/NN-NAME.args best first, and
-    DIR/winners.json; returns the files."""
+    directory: Path, variants: list[Variant], results: list[dict], rows: list[int],
+    gain_pct: float, model: str,
+) -> list[Path]:  # fmt: skip
+    """`winners` as ab_decode.py argument files, DIR/NN-NAME.args best first, beside
+    DIR/base.args (the tree as it is, the same model and concurrencies) and DIR/winners.json;
+    returns the winners' files."""
     directory.mkdir(parents=True, exist_ok=True)
+    write = lambda path, v: path.write_text("\n".join(ab_args(v, rows, model)) + "\n")  # noqa: E731
+    write(directory / "base.args", Variant("base"))
     by_name = {v.name: v for v in variants}
     chosen = winners(results, gain_pct)
     files = []
     for i, (name, _) in enumerate(chosen, 1):
-        path = directory / f"{i:02d}-{name}.args"
-        path.write_text("\n".join(ab_args(by_name[name], rows)) + "\n")
-        files.append(path)
+        files.append(directory / f"{i:02d}-{name}.args")
+        write(files[-1], by_name[name])
     summary = {"gain_pct": gain_pct, "winners": [{"name": n, "change_pct": c} for n, c in chosen]}
     (directory / "winners.json").write_text(json.dumps(summary, indent=1) + "\n")
     return files
@@ -254,7 +258,9 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     (args.out / "screen_chain.json").write_text(json.dumps(results, indent=1) + "\n")
     if args.ab_args is not None:
-        files = write_ab_args(args.ab_args, args.variants, results, args.rows, args.gain)
+        files = write_ab_args(
+            args.ab_args, args.variants, results, args.rows, args.gain, args.model
+        )
         print(f"{len(files)} variant(s) to A/B: " + " ".join(f.name for f in files), flush=True)
 
 

@@ -6,7 +6,8 @@
 #   bash benchmarks/screen_then_ab.sh OUT_DIR VARIANTS_FILE [SCREEN_ARG...]
 #
 # VARIANTS_FILE: one `--variant=NAME;ITEM[;ITEM...]` a line (screen_chain.py's @FILE form);
-# SCREEN_ARG: more screen_chain.py arguments (default `--rows 8`). Then, best first, each
+# SCREEN_ARG: more screen_chain.py arguments (default `--rows 8`; `--model nanbeige` carries
+# to the A/Bs). Then, best first, each
 # variant whose layer the screen found at least GAIN percent shorter (default 0.5) runs in
 # ab_decode.py alternated with the tree as it is (base, variant, variant, base) at the screened
 # rows as concurrencies, AB_MAX variants at most (default 3). No ab_decode process starts unless
@@ -46,12 +47,11 @@ ab() {  # ab LABEL [ARG...]: one ab_decode process, if it fits before the deadli
 }
 
 n=0
-for args in "$OUT_DIR"/ab-args/*.args; do
+base="@$OUT_DIR/ab-args/base.args"  # the tree as it is: the same model and concurrencies
+for args in "$OUT_DIR"/ab-args/[0-9]*.args; do
   [ -e "$args" ] && [ "$n" -lt "$AB_MAX" ] || break
   n=$((n + 1))
-  concurrency=$(grep -m1 '^--concurrency=' "$args")
-  ab --label=base "$concurrency" && ab "@$args" && ab "@$args" && ab --label=base "$concurrency" \
-    || break
+  ab "$base" && ab "@$args" && ab "@$args" && ab "$base" || break
 done
 if [ -s "$OUT_DIR/ab.jsonl" ]; then
   "$PY" benchmarks/ab_summary.py "$OUT_DIR/ab.jsonl" --base base | tee "$OUT_DIR/ab.md"

@@ -113,10 +113,20 @@ def test_the_winners_argument_files_run_the_same_variant_in_ab_decode(screen, tm
     wide = screen.parse_variant("wide;kernels.norm_chain.RELEASE_EARLY_ROWS={2048: 8}")
     slow = screen.parse_variant("slow;kernels.paged_attention.SHORT_SPLITS=8")
     results = [_result(1, {"wide": -0.7, "slow": 1.0}), _result(8, {"o2": -2.0, "wide": 0.1})]
-    files = screen.write_ab_args(tmp_path / "args", [o2, wide, slow], results, [1, 8], 0.5)
+    files = screen.write_ab_args(
+        tmp_path / "args", [o2, wide, slow], results, [1, 8], 0.5, "nanbeige"
+    )
     assert [f.name for f in files] == ["01-o2.args", "02-wide.args"]
+    base = ab.parser().parse_args(["--out", str(tmp_path), f"@{tmp_path / 'args' / 'base.args'}"])
+    assert (base.label, base.model, base.concurrency, base.sets, base.rows) == (
+        "base",
+        "nanbeige",
+        "1,8",
+        [],
+        [],
+    )
     args = ab.parser().parse_args(["--out", str(tmp_path), f"@{files[0]}"])
-    assert args.label == "o2"
+    assert (args.label, args.model) == ("o2", "nanbeige")
     assert args.concurrency == "1,8"
     assert args.sets == o2.sets
     assert args.rows == o2.rows
@@ -147,9 +157,9 @@ def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(s
     from rlt_engine.kernels import ws_gemm
     from rlt_engine.kernels.small_gemm_tables import TABLES
 
-    ouro = screen.MODELS["ouro"]
-    qkv = ((ouro.heads + 2 * ouro.kv_heads) * ouro.d, ouro.hidden)
-    gate_up = (2 * ouro.inter, ouro.hidden)
+    models = screen.MODELS.values()
+    qkv = {((m.heads + 2 * m.kv_heads) * m.d, m.hidden) for m in models}
+    gate_up = {(2 * m.inter, m.hidden) for m in models}
     variants = [
         screen.parse_variant(line.removeprefix("--variant="))
         for line in path.read_text().splitlines()
@@ -165,7 +175,7 @@ def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(s
             assert backend == "ws"
             why = ws_gemm.check(
                 n, k, int(bucket[1:]), block_n, block_k, split_k,
-                swiglu=(n, k) == gate_up, stages=stages, rope=(n, k) == qkv,
+                swiglu=(n, k) in gate_up, stages=stages, rope=(n, k) in qkv,
             )  # fmt: skip
             assert why is None, f"{variant.name}: {why}"
         for module, attr, value in variant.sets:

@@ -27,17 +27,19 @@ if script == "screen_chain.py":
     screen = benchmark_scripts.load("screen_chain")
     ap = screen.argparse.ArgumentParser(fromfile_prefix_chars="@")
     ap.add_argument("--out"); ap.add_argument("--ab-args"); ap.add_argument("--gain", type=float)
-    ap.add_argument("--rows", type=int, nargs="*")
+    ap.add_argument("--rows", type=int, nargs="*"); ap.add_argument("--model", default="ouro")
     ap.add_argument("--variant", dest="variants", action="append", type=screen.parse_variant)
     a = ap.parse_args(args)
     changes = json.loads(os.environ["CHANGES"])
     results = [{{"rows": r, "variants": {{"base": {{"change_pct": 0.0}},
         **{{v.name: {{"change_pct": changes[v.name]}} for v in a.variants}}}}}} for r in a.rows]
-    screen.write_ab_args(screen.Path(a.ab_args), a.variants, results, a.rows, a.gain)
+    screen.write_ab_args(screen.Path(a.ab_args), a.variants, results, a.rows, a.gain,
+                        a.model)
 elif script == "ab_decode.py":
     a = benchmark_scripts.load("ab_decode").parser().parse_args(args)
     time.sleep(float(os.environ.get("AB_SLEEP", "0")))
-    row = {{"label": a.label, "sets": [list(s) for s in a.sets], "tokens_sha": "t"}}
+    row = {{"label": a.label, "model": a.model, "sets": [list(s) for s in a.sets],
+           "tokens_sha": "t"}}
     row.update({{f"c{{c}}": 100.0 for c in a.concurrency.split(",")}})
     with open(a.out / "ab.jsonl", "a") as f:
         f.write(json.dumps(row) + "\\n")
@@ -46,7 +48,9 @@ else:
 """
 
 
-def _run(tmp_path: Path, changes: dict, **env: str) -> tuple[subprocess.CompletedProcess, list]:
+def _run(
+    tmp_path: Path, changes: dict, *screen_args: str, **env: str
+) -> tuple[subprocess.CompletedProcess, list]:
     stand_in = tmp_path / "stand_in.py"
     stand_in.write_text(STAND_IN.format(root=str(ROOT)))
     python = tmp_path / "python"
@@ -59,7 +63,8 @@ def _run(tmp_path: Path, changes: dict, **env: str) -> tuple[subprocess.Complete
     )  # fmt: skip
     out = tmp_path / "out"
     proc = subprocess.run(
-        ["bash", "benchmarks/screen_then_ab.sh", str(out), str(variants), "--rows", "1", "8"],
+        ["bash", "benchmarks/screen_then_ab.sh", str(out), str(variants),
+         *(screen_args or ("--rows", "1", "8"))],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHON": str(python), "CHANGES": json.dumps(changes), **env},
     )  # fmt: skip
@@ -74,7 +79,7 @@ def test_the_winners_are_alternated_with_base_best_first_at_most_ab_max(tmp_path
     assert proc.returncode == 0, proc.stderr
     assert [r["label"] for r in rows] == ["base", "b", "b", "base", "base", "a", "a", "base"]
     assert rows[1]["sets"] == [["kernels.paged_attention", "SHORT_SPLITS", 2]]
-    assert all(set(r) >= {"c1", "c8"} for r in rows)
+    assert all(set(r) >= {"c1", "c8"} and r["model"] == "ouro" for r in rows)
     assert "| b |" in (tmp_path / "out" / "ab.md").read_text()
     assert "2 variant(s) A/B'd" in proc.stdout
 
@@ -93,3 +98,15 @@ def test_nothing_is_ab_d_when_no_variant_gains(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert rows == []
     assert "0 variant(s) A/B'd" in proc.stdout
+
+
+def test_the_screens_model_and_rows_carry_to_base_and_variant_alike(tmp_path):
+    proc, rows = _run(tmp_path, {"a": -1.0}, "--model", "nanbeige", "--rows", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["label"], r["model"]) for r in rows] == [
+        ("base", "nanbeige"),
+        ("a", "nanbeige"),
+        ("a", "nanbeige"),
+        ("base", "nanbeige"),
+    ]
+    assert all(set(r) == {"label", "model", "sets", "tokens_sha", "c2"} for r in rows)
