@@ -12,7 +12,9 @@ NAME;ITEM[;ITEM...]`, each ITEM a small-GEMM table row (`KEY=ROW`, as ab_decode.
 a module constant (`module.NAME=VALUE`, as its --set), applied before that variant's chain is
 built and captured and undone after. Then `--rounds` rounds replay every graph in turn (the
 order rotated each round), each time the median of `--replays` replays by CUDA events; per
-variant the median over rounds in us per layer, and its change against base.
+variant the median over rounds in us per layer, its change against base, and how far its
+chain's output lies from base's (`wrong` past WRONG_REL_ERR: a variant that computes something
+else is reported, never timed as a gain).
 
 Why: in session 44 this replay ordered two attention forms as the end-to-end A/B did (the
 wide tile at 2 rows 3.4% shorter, c=2 +3.2%) where the kernel's stamps ordered them the wrong
@@ -144,18 +146,42 @@ def rotated(names: list[str], turn: int) -> list[str]:
     return names[turn:] + names[:turn]
 
 
-def summarize(times: dict[str, list[float]], layers: int) -> dict[str, dict]:
-    """Per variant: its rounds (us per layer), their median, and its change against base."""
+# A variant whose chain output lies further than this from base's (relative L2 norm), or is not
+# finite, computes something else: flagged `wrong`, never a winner. Other split-K orders round
+# differently (base's own 0), far below this; a partial no program wrote, far above it.
+WRONG_REL_ERR = 0.25
+
+
+def output_errors(outputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per variant, its chain output's L2 distance from base's over base's norm (inf where
+    not finite)."""
+    base = outputs["base"].double().cpu()
+    errors = {}
+    for name, out in outputs.items():
+        out = out.double().cpu()
+        finite = bool(torch.isfinite(out).all())
+        errors[name] = float((out - base).norm() / base.norm()) if finite else math.inf
+    return errors
+
+
+def summarize(
+    times: dict[str, list[float]], layers: int, errors: dict[str, float] | None = None
+) -> dict[str, dict]:
+    """Per variant: its rounds (us per layer), their median, its change against base, and
+    (`errors`) its output's distance from base's and whether that makes it `wrong`."""
     per_layer = {name: [t / layers for t in ts] for name, ts in times.items()}
     base = statistics.median(per_layer["base"])
-    return {
-        name: {
+    out = {}
+    for name, ts in per_layer.items():
+        out[name] = {
             "us_per_layer": statistics.median(ts),
             "rounds": ts,
             "change_pct": 100.0 * (statistics.median(ts) / base - 1.0),
         }
-        for name, ts in per_layer.items()
-    }
+        if errors is not None:
+            out[name]["output_rel_err"] = errors[name]
+            out[name]["wrong"] = not errors[name] <= WRONG_REL_ERR
+    return out
 
 
 def screen(
@@ -164,28 +190,40 @@ def screen(
 ) -> dict:  # fmt: skip
     looked_up = chain_keys(dims, rows)
     chosen = [Variant("base")] + [v for v in variants if applies(v, looked_up)]
-    graphs = {}
+    graphs, outputs = {}, {}
     for variant in chosen:
         with Applied(variant, entries):
             chain = Chain(rows, keys, layers, qkv_rope=True, unreduced=True, dims=dims,
                           engine_attention=True)  # fmt: skip
+
+            def body(c: Chain = chain, name: str = variant.name) -> None:
+                outputs[name] = c.run(probes=False)  # captured last: the graph's output
+
             # the chain kept with its graph: it holds the graph's buffers
-            graphs[variant.name] = (chain, capture(lambda c=chain: c.run(probes=False)))
+            graphs[variant.name] = (chain, capture(body))
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for turn in range(rounds):
         for name in rotated(list(graphs), turn):
             times[name].append(replay_us(graphs[name][1], replays))
+    errors = output_errors(outputs)  # (every graph replayed: each output is its own)
     skipped = [v.name for v in variants if v.name not in graphs]
-    return {"rows": rows, "keys": keys, "variants": summarize(times, layers), "skipped": skipped}
+    variants_out = summarize(times, layers, errors)
+    for name, v in variants_out.items():
+        if v["wrong"]:
+            print(f"screen_chain: {name} at {rows} rows is wrong (output {v['output_rel_err']:.3g}"
+                  " from base's): not a winner", file=sys.stderr)  # fmt: skip
+    return {"rows": rows, "keys": keys, "variants": variants_out, "skipped": skipped}
 
 
 def winners(results: list[dict], gain_pct: float) -> list[tuple[str, float]]:
     """(name, its largest shortening's change in percent) of each variant whose layer is at
-    least `gain_pct` percent shorter than base's at some screened row count, best first."""
+    least `gain_pct` percent shorter than base's at some screened row count, best first; a
+    variant `wrong` at any row count is none."""
     best: dict[str, float] = {}
+    wrong = {n for r in results for n, v in r["variants"].items() if v.get("wrong")}
     for result in results:
         for name, v in result["variants"].items():
-            if name != "base":
+            if name != "base" and name not in wrong:
                 best[name] = min(best.get(name, math.inf), v["change_pct"])
     return sorted(((n, c) for n, c in best.items() if c <= -gain_pct), key=lambda nc: nc[1])
 

@@ -181,3 +181,29 @@ def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(s
         for module, attr, value in variant.sets:
             now = getattr(importlib.import_module(f"rlt_engine.{module}"), attr)
             assert type(value) is type(now), f"{variant.name}: {attr} is a {type(now).__name__}"
+
+
+def test_a_variant_whose_output_is_not_base_s_is_wrong_and_never_a_winner(screen):
+    import torch
+
+    base = torch.linspace(-1.0, 1.0, 64).reshape(8, 8).bfloat16()
+    rounded = base.clone()
+    rounded[0, 0] += 2**-7  # another split-K order: an element an ulp or so off
+    garbage = torch.zeros_like(base)  # a partial no program wrote
+    nan = base.clone()
+    nan[3, 3] = float("nan")
+    errors = screen.output_errors({"base": base, "r": rounded, "g": garbage, "n": nan})
+    assert errors["base"] == 0.0 and 0.0 < errors["r"] < 1e-2
+    assert errors["g"] == pytest.approx(1.0) and errors["n"] == float("inf")
+    times = {name: [400.0, 400.0, 400.0] for name in ("base", "r", "g", "n")}
+    times["g"] = times["n"] = [200.0, 200.0, 200.0]  # "faster": they skip the work
+    times["r"] = [392.0, 392.0, 392.0]
+    out = screen.summarize(times, 8, errors)
+    assert [name for name, v in out.items() if v["wrong"]] == ["g", "n"]
+    assert out["r"]["output_rel_err"] == errors["r"]
+    # wrong at one row count is wrong at all: only r wins
+    other = screen.summarize({"base": [400.0], "g": [380.0], "n": [390.0], "r": [399.0]}, 8,
+                             {"base": 0.0, "g": 0.0, "n": 0.0, "r": 0.0})  # fmt: skip
+    assert screen.winners([{"variants": out}, {"variants": other}], 0.5) == [
+        ("r", pytest.approx(-2.0))
+    ]
