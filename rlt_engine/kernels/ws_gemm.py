@@ -314,6 +314,66 @@ def refusal(
     return why
 
 
+class Launch(NamedTuple):
+    """What `ws_gemm` launches for a shape and config (`launch`): the grid (N tiles, splits),
+    the kernel's constexprs, the rows of a weight descriptor's box, and the register cap a
+    thread (None: the whole register file)."""
+
+    grid: tuple[int, int]
+    constexprs: dict[str, object]
+    box: int
+    maxnreg: int | None
+
+
+def launch(
+    n: int,
+    k: int,
+    m: int,
+    config,
+    swiglu: bool = False,
+    rope_d: int = 0,
+    unreduced: bool = False,
+    sms: int = 132,
+    pdl: bool = True,
+    probe: bool = False,
+) -> Launch:
+    """The launch of `ws_gemm` for w [n, k], m rows and `config` on a GPU of `sms` SMs: one
+    place for what the kernel is specialised on, which the sm_90 compile tests build as the
+    launch does. `rope_d`: the RoPE epilogue's head dim (0: none); `unreduced`: split-K
+    partials left to the next kernel (with split-K only)."""
+    bk, splits, stages = config.block_k, config.split_k, config.num_stages
+    rope = rope_d > 0
+    parts = 2 if swiglu else 1
+    pair = halves(swiglu, config.block_n)  # one MMA of both halves: its rows are block_n
+    bn = config.block_n // (1 if pair else parts)
+    n_tiles = n // parts // (bn // 2 if pair else bn)  # output columns / those a program writes
+    kt = k // (splits * bk)  # weight tiles a program streams
+    exchange = rope or pair
+    two = two_per_sm(n_tiles * splits, sms, k, m, config, exchange)
+    xt = x_tiles(k, m, config.block_n, bk, splits, stages, exchange,
+                 HALF_SM_SHARED if two else SHARED_LIMIT)  # fmt: skip
+    constexprs = dict(
+        ROPE=rope, D=rope_d or 1, LATE=rope and m >= LATE_RELEASE_ROWS.get((n, k), 2),
+        KT=kt, XT=xt, BM=rows_tile(m), BN=bn, BK=bk, STAGES=stages, SPLIT=splits,
+        PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe,
+        UNREDUCED=unreduced and splits > 1,
+        XLOAD=m <= X_BY_LOADS_ROWS and xt == kt,
+        # (a SwiGLU stage counted twice: block_n has its gate and up rows. Its own bytes moved
+        # the gate/up's rows from 8 rows, H200 c=8 / 16 / 32 +0.45% / +0.61% / -0.48%: kept
+        # as the rows were tuned, results/2026-12-07-w2-prototype-and-ring-bound-h200.md)
+        AHEAD=_ahead(parts * config.block_n * bk * 2, stages, m),  # 16-bit elements
+    )  # fmt: skip
+    # two half boxes a tile: RoPE's halves of head dims, or `halves`' gate and up rows
+    box = bn // 2 if exchange else bn
+    # launched with the whole register file (Triton's default here), so no other kernel's
+    # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
+    # programs started beside the gate/up's and streamed under it, c=8 -2.5%
+    # (results/2026-12-03-split-sums-h200.md); the o_proj alone at 128, to sit beside
+    # attention, gained nothing (results/2026-12-04-tail-h200.md). Where `two_per_sm`, half
+    # of it: two programs an SM
+    return Launch((n_tiles, splits), constexprs, box, TWO_PER_SM_REGISTERS if two else None)
+
+
 def ws_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -353,25 +413,27 @@ def ws_gemm(
     unreduced = unreduced and splits > 1  # (SwiGLU takes no split-K: `check`)
     if not available(x.device):
         raise RuntimeError(f"the warp-specialised GEMM does not run on {x.device}")
-    parts = 2 if swiglu else 1
-    pair = halves(swiglu, config.block_n)  # one MMA of both halves: its rows are block_n
-    n_out, bn = n // parts, config.block_n // (1 if pair else parts)
+    pdl = _pdl.enabled(x.device)
+    rope_d = 0 if rope is None else rope.k_pool.shape[-1]
+    plan = launch(
+        n, k, m, config, swiglu, rope_d, unreduced, _sms(x.device), pdl, probe is not None
+    )
+    n_tiles = plan.grid[0]
+    n_out = n // 2 if swiglu else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n_out)
     gl_dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     # descriptors are built per call (the launcher encodes them at every launch anyway): one
     # kept would keep its tensor alive
+    bn = plan.constexprs["BN"]
     w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl_dtype)
-    # two half boxes a tile: RoPE's halves of head dims, or `halves`' gate and up rows
-    box = bn // 2 if rope is not None or pair else bn
-    w_desc = TensorDescriptor.from_tensor(w, [box, bk], w_layout)
-    bm = rows_tile(m)
+    w_desc = TensorDescriptor.from_tensor(w, [plan.box, bk], w_layout)
+    bm = plan.constexprs["BM"]
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dtype)
     x_desc = TensorDescriptor.from_tensor(x2, [bm, bk], x_layout)
     from rlt_engine.kernels.small_gemm import split_buffers
 
-    n_tiles = n_out // (bn // 2 if pair else bn)  # output columns / those a program writes
     if probe is not None and probe.shape != (n_tiles * splits, len(PROBE_FIELDS)):
         raise ValueError(f"probe: int64 [{n_tiles * splits}, {len(PROBE_FIELDS)}]")
     if unreduced:
@@ -385,35 +447,14 @@ def ws_gemm(
     else:
         cos, sin, k_pool, v_pool, slots, num_heads = rope
         kv_heads = k_pool.shape[1]
-    pdl = _pdl.enabled(x.device)
-    kt = k // (splits * bk)  # weight tiles a program streams
-    exchange = rope is not None or pair
-    two = two_per_sm(n_tiles * splits, _sms(x.device), k, m, config, exchange)
-    limit = HALF_SM_SHARED if two else SHARED_LIMIT
-    xt = x_tiles(k, m, config.block_n, bk, splits, config.num_stages, exchange, limit)
-    _kernel()[(n_tiles, splits)](
+    _kernel()[plan.grid](
         x_desc, w_desc, out, partials, counters, m, n_out, out if probe is None else probe,
         x_ptr=x2, K=k,
         cos_ptr=cos, sin_ptr=sin, stride_cos=cos.stride(0), stride_sin=sin.stride(0),
         kpool_ptr=k_pool, vpool_ptr=v_pool, slot_ptr=slots, H=num_heads, KVH=kv_heads,
-        ROPE=rope is not None, D=1 if rope is None else k_pool.shape[-1],
-        LATE=rope is not None and m >= LATE_RELEASE_ROWS.get((n, k), 2),
-        KT=kt, XT=xt, BM=bm, BN=bn, BK=bk, STAGES=config.num_stages, SPLIT=splits,
-        PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe is not None,
-        UNREDUCED=unreduced,
-        XLOAD=m <= X_BY_LOADS_ROWS and xt == kt,
-        # (a SwiGLU stage counted twice: block_n has its gate and up rows. Its own bytes moved
-        # the gate/up's rows from 8 rows, H200 c=8 / 16 / 32 +0.45% / +0.61% / -0.48%: kept
-        # as the rows were tuned, results/2026-12-07-w2-prototype-and-ring-bound-h200.md)
-        AHEAD=_ahead(parts * config.block_n * bk * x.element_size(), config.num_stages, m),
+        **plan.constexprs,
         num_warps=4,
-        # launched with the whole register file (Triton's default here), so no other kernel's
-        # program shares an SM with a GEMM program: at 80 registers a thread the down_proj's
-        # programs started beside the gate/up's and streamed under it, c=8 -2.5%
-        # (results/2026-12-03-split-sums-h200.md); the o_proj alone at 128, to sit beside
-        # attention, gained nothing (results/2026-12-04-tail-h200.md). Where `two_per_sm`,
-        # half of it: two programs an SM
-        **({"maxnreg": TWO_PER_SM_REGISTERS} if two else {}),
+        **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
         **_pdl.launch_options(pdl),
     )  # fmt: skip
     if unreduced:  # rows flattened: [splits, rows, N]

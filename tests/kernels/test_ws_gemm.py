@@ -10,6 +10,7 @@ replay = eager. Its place in a PDL chain of decode layers: kernels/test_pdl.py."
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 
 import pytest
@@ -799,3 +800,110 @@ def test_gpu_unreduced_partials_sum_to_the_gemm_bit_for_bit(name, m):
     want = add_rms_norm(ws_gemm(x, w, config), res, norm_w, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(captured, want, strict=True))
     assert int(small_gemm._counters(x.device).abs().sum()) == 0
+
+
+# Every ws row of the small-GEMM tables and of the screens' variants files
+# (benchmarks/variants/*.args), compiled for sm_90 as `ws_gemm.launch` launches it: the qkv of
+# a bundled model's config with its RoPE epilogue, its gate/up with SwiGLU, every other
+# weight with its split-K partials left to the add + norm (decode's routes), at the bucket's
+# largest row count.
+_COMPILE_ROWS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from rlt_engine.kernels import ws_gemm
+from rlt_engine.kernels.small_gemm import GemmConfig
+
+fn = ws_gemm._build()
+names = fn.arg_names
+jobs = json.loads(sys.argv[2])
+report = {}
+for job in jobs:
+    config = GemmConfig(*job["config"], kernel="ws")
+    plan = ws_gemm.launch(job["n"], job["k"], job["m"], config, job["swiglu"], job["rope_d"],
+                          job["unreduced"])
+    c, bk, g = plan.constexprs, config.block_k, gl.bfloat16
+    def desc(rows, layout_rows):
+        layout = gl.NVMMASharedLayout.get_default_for([layout_rows, bk], g)
+        return f"tensordesc<bf16[{rows}, {bk}],{layout!r}>"
+    sig = {n: "i32" for n in names} | dict.fromkeys(c, "constexpr") | {
+        "x_ptr": "*bf16", "x_desc": desc(c["BM"], c["BM"]), "w_desc": desc(plan.box, c["BN"]),
+        "out_ptr": "*bf16", "part_ptr": "*fp32", "tick_ptr": "*i32", "probe_ptr": "*i64",
+        "cos_ptr": "*bf16", "sin_ptr": "*bf16", "kpool_ptr": "*bf16", "vpool_ptr": "*bf16",
+        "slot_ptr": "*i64"}
+    aligned = [a for a in names if a.endswith("_ptr") or a == "K"]
+    src = GluonASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in c.items()},
+                         attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    options = dict(num_warps=4) | ({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    report[job["name"]] = {"usage": ptxas_usage(kernel.asm["ptx"]), "maxnreg": plan.maxnreg,
+                           "shared": kernel.metadata.shared}
+print(json.dumps(report))
+"""
+
+
+def _decode_forms() -> dict[tuple[int, int], dict]:
+    """(N, K) -> the form decode launches that weight in, for every bundled model config."""
+    from rlt_engine.checkpoints.resolve import KNOWN_CONFIGS
+
+    forms = {}
+    for path in sorted(KNOWN_CONFIGS.glob("*/config.json")):
+        c = json.loads(path.read_text())
+        h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+        d = c.get("head_dim") or h // heads
+        forms[((heads + 2 * kv) * d, h)] = {"rope_d": d}
+        forms[(2 * c["intermediate_size"], h)] = {"swiglu": True}
+    return forms
+
+
+def _row_jobs() -> list[dict]:
+    import benchmark_scripts
+
+    from rlt_engine.kernels.small_gemm_tables import TABLES
+
+    screen = benchmark_scripts.load("screen_chain")
+    rows = [
+        (f"{t['device']}[{key}]", key, row) for t in TABLES for key, row in t["entries"].items()
+    ]
+    for path in sorted((benchmark_scripts.ROOT / "benchmarks" / "variants").glob("*.args")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                variant = screen.parse_variant(line.removeprefix("--variant="))
+                rows += [(f"{path.name}:{variant.name}[{k}]", k, r) for k, r in variant.rows]
+    forms, jobs, seen = _decode_forms(), [], set()
+    for name, key, row in rows:
+        shape, bucket, dtype = key.split(":")
+        if row[0] != "ws" or dtype != "bfloat16":
+            continue
+        n, k = map(int, shape.split("x"))
+        form = {"swiglu": False, "rope_d": 0} | forms.get((n, k), {})
+        job = {"n": n, "k": k, "m": int(bucket[1:]), "config": list(row[1:6]), **form}
+        job["unreduced"] = not (job["swiglu"] or job["rope_d"])
+        ident = json.dumps(job, sort_keys=True)
+        if ident not in seen:
+            seen.add(ident)
+            jobs.append({"name": name, **job})
+    return jobs
+
+
+def test_every_table_and_variant_row_compiles_as_launched_without_spills():
+    """Each ws row the engine may run (the tables) or a screen may try (the variants files)
+    builds for sm_90a in its decode form as `ws_gemm.launch` gives it: no spill stores (local
+    memory traffic in the weight stream), at most TWO_PER_SM_REGISTERS a thread where two
+    programs share an SM, and shared memory within what that leaves a program."""
+    from rlt_engine.kernels.ws_gemm import HALF_SM_SHARED, SHARED_LIMIT, TWO_PER_SM_REGISTERS
+
+    jobs = _row_jobs()
+    assert len(jobs) > 20
+    script = TRITON_PTX + _COMPILE_ROWS.replace("sys.argv[2]", repr(json.dumps(jobs)))
+    report = run_compile_script(script)
+    assert set(report) == {job["name"] for job in jobs}
+    for name, r in report.items():
+        registers, spilled = r["usage"]
+        assert spilled == 0, (name, registers, spilled)
+        two = r["maxnreg"] is not None
+        assert not two or (r["maxnreg"] == TWO_PER_SM_REGISTERS and registers <= r["maxnreg"])
+        assert r["shared"] <= (HALF_SM_SHARED if two else SHARED_LIMIT), (name, r["shared"])
