@@ -241,6 +241,10 @@ ROWS_SPLIT_BUDGET = 128
 # split rows kernel: c=12 / 16 +2.0% / +2.4% at 64-token prompts, c=8 +2.7% / +4.8% at 110 /
 # 150 and equal at 64; from 2 sequences on, c=4 lost 2.1% (2026-12-04-wide-tile-h200.md)
 ROWS_SHORT_SEQS = 8
+# Keys a tile of the split rows kernel (bf16, d=128): 16. At 8 x 2,000 keys split 16 ways 37.5
+# against 43.9 us with 32 (before a merge launch; 2026-12-04-rows-long-h200.md); at 96 keys 32
+# would leave 3 splits with keys to merge where 16 leave 6, not measured. An A/B switch
+ROWS_SPLIT_KEYS = 16
 MAX_SPLITS = 32
 
 
@@ -604,9 +608,8 @@ def _rows_wins(num_seqs: int, num_heads: int, num_splits: int, long_context: boo
 def _rows_tiles(row_bytes: int, num_splits: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the rows kernel for K/V rows of `row_bytes`: one
     warp per program was best at every measured shape (more programs resident per SM, more
-    loads in flight). Split, 16 keys a tile (bf16 d=128): 8 sequences x 2,000 keys split 16
-    ways 37.5 us against 43.9 with 32 (before a merge launch; 2026-12-04-rows-long-h200.md)."""
-    keys = 16 if num_splits > 1 else 32
+    loads in flight). Split, ROWS_SPLIT_KEYS keys a tile (bf16 d=128)."""
+    keys = ROWS_SPLIT_KEYS if num_splits > 1 else 32
     block_n = max(16, min(keys, keys * 256 // row_bytes))
     return block_n, 1, 2
 

@@ -383,6 +383,15 @@ def test_auto_takes_the_rows_kernel_for_many_short_or_split_long_decode_rows(mon
     assert decode_splits(8, False) == 1  # GQA: the tensor-core walk, unsplit
 
 
+def test_the_split_rows_kernel_takes_rows_split_keys_a_tile(monkeypatch):
+    """ROWS_SPLIT_KEYS (an A/B switch) sets the split rows kernel's tile (bf16 d=128 rows of
+    256 bytes; fp32 rows of 512 take half, at least 16); the unsplit kernel keeps 32."""
+    assert pa._rows_tiles(256, 16) == (16, 1, 2) and pa._rows_tiles(256, 1) == (32, 1, 2)
+    monkeypatch.setattr(pa, "ROWS_SPLIT_KEYS", 32)
+    assert pa._rows_tiles(256, 16)[0] == 32 and pa._rows_tiles(512, 16)[0] == 16
+    assert pa._rows_tiles(256, 1)[0] == 32
+
+
 @pytest.mark.parametrize("settled", [False, True])
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("num_splits", [2, 5, 16])
