@@ -87,6 +87,11 @@ RING_AHEAD_ROWS = 8
 # wait c=2 +1.6%, c=4 / 8 -0.8% / -0.7% (2026-12-07-norm-release-early-h100.md). An A/B
 # switch (ab_decode --set)
 LATE_RELEASE_ROWS: dict[tuple[int, int], int] = {(6144, 2048): 4}
+# From these rows a launch of this weight (N, K) without the RoPE epilogue releases at its end
+# too; none does. An A/B switch for Nanbeige's down_proj (96 programs leave 36 SMs free): the
+# add + norm after it, released early (norm_chain.RELEASE_EARLY_ROWS), then cannot launch the
+# next qkv beside the down's stream (2026-12-07-attention-window-h100.md, section 3)
+LATE_RELEASE_PLAIN_ROWS: dict[tuple[int, int], int] = {}
 # Two programs an SM where a launch has more programs than SMs. Nanbeige's gate/up in the ws
 # form takes 168 programs of 128 weight rows; at the whole register file (one program an SM)
 # they ran on 132 SMs in two waves, a 19 us tail (2026-12-06-nanbeige-gate-up-timeline-h100.md).
@@ -353,7 +358,9 @@ def launch(
     xt = x_tiles(k, m, config.block_n, bk, splits, stages, exchange,
                  HALF_SM_SHARED if two else SHARED_LIMIT)  # fmt: skip
     constexprs = dict(
-        ROPE=rope, D=rope_d or 1, LATE=rope and m >= LATE_RELEASE_ROWS.get((n, k), 2),
+        ROPE=rope, D=rope_d or 1,
+        LATE=m >= (LATE_RELEASE_ROWS.get((n, k), 2) if rope else
+                   LATE_RELEASE_PLAIN_ROWS.get((n, k), MAX_M + 1)),
         KT=kt, XT=xt, BM=rows_tile(m), BN=bn, BK=bk, STAGES=stages, SPLIT=splits,
         PARTS=1 if pair else parts, HALVES=pair, PDL=pdl, PROBE=probe,
         UNREDUCED=unreduced and splits > 1,

@@ -907,3 +907,18 @@ def test_every_table_and_variant_row_compiles_as_launched_without_spills():
         two = r["maxnreg"] is not None
         assert not two or (r["maxnreg"] == TWO_PER_SM_REGISTERS and registers <= r["maxnreg"])
         assert r["shared"] <= (HALF_SM_SHARED if two else SHARED_LIMIT), (name, r["shared"])
+
+
+def test_which_launches_release_their_successor_at_their_end(monkeypatch):
+    """LATE: the qkv with its RoPE epilogue from LATE_RELEASE_ROWS' rows (2 unless listed); a
+    plain GEMM only from LATE_RELEASE_PLAIN_ROWS' (an A/B switch, empty)."""
+    from rlt_engine.kernels import ws_gemm
+
+    cfg = GemmConfig(64, 256, 2, 4, 5, kernel="ws")
+    late = lambda n, k, m, **kw: ws_gemm.launch(n, k, m, cfg, **kw).constexprs["LATE"]  # noqa: E731
+    assert [late(6144, 2048, m, rope_d=128) for m in (1, 2, 4)] == [False, False, True]
+    assert [late(8192, 3072, m, rope_d=128) for m in (1, 2)] == [False, True]
+    assert not any(late(3072, 10752, m) or late(6144, 2048, m) for m in (1, 8, 64))
+    monkeypatch.setattr(ws_gemm, "LATE_RELEASE_PLAIN_ROWS", {(3072, 10752): 1})
+    assert late(3072, 10752, 1, unreduced=True) and not late(3072, 6144, 1)
+    assert not late(6144, 2048, 2, rope_d=128)  # the RoPE rule unchanged
