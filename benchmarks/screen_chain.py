@@ -259,8 +259,10 @@ def write_ab_args(
     return files
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(fromfile_prefix_chars="@")  # @FILE: its lines, one argument each
+def parser() -> argparse.ArgumentParser:
+    """The command line; `@FILE` stands for FILE's lines, one argument a line (a variants
+    file: its --variant lines, and the --rows / --model it is meant for)."""
+    ap = argparse.ArgumentParser(fromfile_prefix_chars="@")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", choices=sorted(MODELS), default="ouro")
     ap.add_argument("--rows", type=int, nargs="*", default=[8], help="sequences in decode")
@@ -274,16 +276,20 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--ab-args", type=Path, help="write the winners' ab_decode.py @FILEs here")
     ap.add_argument("--gain", type=float, default=0.5, help="percent of a layer (--ab-args)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.gain < 0:
         raise SystemExit(f"--gain must be >= 0 (percent of a layer), got {args.gain}")
-    if not torch.cuda.is_available():
-        raise SystemExit("screen_chain.py times CUDA graphs: it needs a CUDA GPU")
     names = [v.name for v in args.variants]
     if len(set(names)) != len(names):
         raise SystemExit("--variant: two variants share a name")
     dims = MODELS[args.model]
     check_rows(args.variants, dims, args.rows)
+    if not torch.cuda.is_available():
+        raise SystemExit("screen_chain.py times CUDA graphs: it needs a CUDA GPU")
     from rlt_engine.kernels import small_gemm
 
     table = small_gemm.serving_table(torch.device("cuda", 0))

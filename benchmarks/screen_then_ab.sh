@@ -5,9 +5,10 @@
 #
 #   bash benchmarks/screen_then_ab.sh OUT_DIR VARIANTS_FILE [SCREEN_ARG...]
 #
-# VARIANTS_FILE: one `--variant=NAME;ITEM[;ITEM...]` a line (screen_chain.py's @FILE form);
-# SCREEN_ARG: more screen_chain.py arguments (default `--rows 8`; `--model nanbeige` carries
-# to the A/Bs). Then, best first, each
+# VARIANTS_FILE: one `--variant=NAME;ITEM[;ITEM...]` a line (screen_chain.py's @FILE form),
+# and the `--rows` / `--model` lines it is meant for (benchmarks/variants/*.args); SCREEN_ARG:
+# more screen_chain.py arguments, after the file's (a `--rows` here replaces its). The model
+# carries to the A/Bs. Then, best first, each
 # variant whose layer the screen found at least GAIN percent shorter (default 0.5) runs in
 # ab_decode.py alternated with the tree as it is (base, variant, variant, base) at the screened
 # rows as concurrencies, AB_MAX variants at most (default 3). No ab_decode process starts unless
@@ -20,7 +21,6 @@ set -uo pipefail
 OUT_DIR=${1:?usage: screen_then_ab.sh OUT_DIR VARIANTS_FILE [SCREEN_ARG...]}
 VARIANTS=${2:?usage: screen_then_ab.sh OUT_DIR VARIANTS_FILE [SCREEN_ARG...]}
 shift 2
-[ $# -gt 0 ] || set -- --rows 8
 PY=${PYTHON:-python3}
 GAIN=${GAIN:-0.5} AB_MAX=${AB_MAX:-3} DEADLINE_S=${DEADLINE_S:-540} AB_FIRST_S=${AB_FIRST_S:-180}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}

@@ -160,12 +160,10 @@ def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(s
     models = screen.MODELS.values()
     qkv = {((m.heads + 2 * m.kv_heads) * m.d, m.hidden) for m in models}
     gate_up = {(2 * m.inter, m.hidden) for m in models}
-    variants = [
-        screen.parse_variant(line.removeprefix("--variant="))
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+    args = screen.parser().parse_args(["--out", "unused", f"@{path}"])
+    variants = args.variants
     assert variants and len({v.name for v in variants}) == len(variants)
+    screen.check_rows(variants, screen.MODELS[args.model], args.rows)  # the file's own rows
     for variant in variants:
         for key, row in variant.rows:
             assert any(key in t["entries"] for t in TABLES), f"{variant.name}: no table has {key}"

@@ -25,11 +25,7 @@ import benchmark_scripts
 script, args = os.path.basename(sys.argv[1]), sys.argv[2:]
 if script == "screen_chain.py":
     screen = benchmark_scripts.load("screen_chain")
-    ap = screen.argparse.ArgumentParser(fromfile_prefix_chars="@")
-    ap.add_argument("--out"); ap.add_argument("--ab-args"); ap.add_argument("--gain", type=float)
-    ap.add_argument("--rows", type=int, nargs="*"); ap.add_argument("--model", default="ouro")
-    ap.add_argument("--variant", dest="variants", action="append", type=screen.parse_variant)
-    a = ap.parse_args(args)
+    a = screen.parser().parse_args(args)
     changes = json.loads(os.environ["CHANGES"])
     results = [{{"rows": r, "variants": {{"base": {{"change_pct": 0.0}},
         **{{v.name: {{"change_pct": changes[v.name]}} for v in a.variants}}}}}} for r in a.rows]

@@ -869,10 +869,8 @@ def _row_jobs() -> list[dict]:
         (f"{t['device']}[{key}]", key, row) for t in TABLES for key, row in t["entries"].items()
     ]
     for path in sorted((benchmark_scripts.ROOT / "benchmarks" / "variants").glob("*.args")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                variant = screen.parse_variant(line.removeprefix("--variant="))
-                rows += [(f"{path.name}:{variant.name}[{k}]", k, r) for k, r in variant.rows]
+        for variant in screen.parser().parse_args(["--out", "unused", f"@{path}"]).variants:
+            rows += [(f"{path.name}:{variant.name}[{k}]", k, r) for k, r in variant.rows]
     forms, jobs, seen = _decode_forms(), [], set()
     for name, key, row in rows:
         shape, bucket, dtype = key.split(":")
