@@ -920,3 +920,5 @@ def test_which_launches_release_their_successor_at_their_end(monkeypatch):
     monkeypatch.setattr(ws_gemm, "LATE_RELEASE_PLAIN_ROWS", {(3072, 10752): 1})
     assert late(3072, 10752, 1, unreduced=True) and not late(3072, 6144, 1)
     assert not late(6144, 2048, 2, rope_d=128)  # the RoPE rule unchanged
+    # the launch's PDL word is the caller's (pdl.enabled on the device)
+    assert ws_gemm.launch(3072, 10752, 1, cfg, pdl=False).constexprs["PDL"] is False
