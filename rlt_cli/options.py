@@ -29,6 +29,9 @@ HELP: dict[str, str] = {
     "dtype": "auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA, float32 on CPU).",
     "device": "auto, cpu, cuda or cuda:N (auto: cuda when available).",
     "load_format": "auto, safetensors or dummy (random weights from the real config).",
+    "max_model_len": "Context a request may use, in positions: its prompt + max_tokens - 1 (the "
+    "last sampled token is never run). Default: the model's max_position_embeddings; a "
+    "smaller one also shrinks RoPE's table and the KV one request can reserve.",
     "block_size": "Tokens per KV-cache block.",
     "num_blocks": "KV-cache blocks in the pool, all planes together (default: automatic).",
     "kv_layout": "last_exited (exact, one KV plane per loop) or shared (one plane, "

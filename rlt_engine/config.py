@@ -45,8 +45,18 @@ class ModelConfig:
     dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto = cuda when available
     load_format: str = "auto"  # auto | safetensors | dummy
+    # the context one request may use, in positions (prompt + max_tokens - 1: the last sampled
+    # token is never run); None = the model's max_position_embeddings. A smaller one also
+    # shrinks RoPE's table and the KV one request can reserve
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        n = self.max_model_len
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 2):
+            raise ValueError(
+                f"max_model_len must be an integer >= 2 (a prompt token and an output token), "
+                f"got {n!r}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

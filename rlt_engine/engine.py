@@ -71,8 +71,9 @@ class LLMEngine:
         self.model_name, self.notice = (mc.model, None) if mc.model else default_model()
         self.model_dir: Path = resolve_model_dir(self.model_name, mc.revision, mc.load_format)
         self.model = load_model(
-            self.model_dir, dtype=self.dtype, device=self.device, load_format=mc.load_format
-        )
+            self.model_dir, dtype=self.dtype, device=self.device, load_format=mc.load_format,
+            max_model_len=mc.max_model_len,
+        )  # fmt: skip
         self.model_config = self.model.config
         if has_tokenizer_files(self.model_dir):  # a broken tokenizer is an error, not "none"
             self.tokenizer = load_tokenizer(self.model_dir)
@@ -257,11 +258,14 @@ class LLMEngine:
         )
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
-        max_len = self.model_config.max_position_embeddings
+        max_len = self.model_config.max_position_embeddings  # max_model_len where given
         if req.max_positions > max_len:
+            limit = f"the model's context of {max_len} positions"
+            if self.config.model.max_model_len is not None:
+                limit = f"max_model_len={max_len}"
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context of {max_len} positions"
+                f"{limit}"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")

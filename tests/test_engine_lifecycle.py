@@ -9,6 +9,7 @@ KV block.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -408,6 +409,25 @@ def test_request_that_can_never_fit_is_rejected(ckpt):
         llm.generate([PROMPTS[0], PROMPTS[7]], SamplingParams(max_tokens=2))
 
 
+def test_max_model_len_caps_requests_and_changes_no_output(ckpt, llm):
+    """`max_model_len` below the model's 2,048 positions: the engine reports it, refuses a
+    request past it by its name, and answers those within it as the uncapped engine does (token
+    ids and exit depths, fp32)."""
+    capped = make_llm(ckpt, max_model_len=40)
+    assert capped.info.max_model_len == 40 and capped.info.max_request_positions == 40
+    assert capped.engine.model.config.max_position_embeddings == 40
+    # every prompt runs to the cap: 40 positions (its last token is sampled, never run)
+    params = [replace(params_for(i), max_tokens=41 - len(q)) for i, q in enumerate(PROMPTS)]
+    got = capped.generate(PROMPTS, params)
+    want = llm.generate(PROMPTS, params)
+    assert [(o.token_ids, o.exit_depths) for o in got] == [
+        (o.token_ids, o.exit_depths) for o in want
+    ]
+    with pytest.raises(ValueError, match=r"max_tokens \(\d+\) exceeds max_model_len=40$"):
+        capped.generate([PROMPTS[0]], SamplingParams(max_tokens=42 - len(PROMPTS[0])))
+    assert capped.engine.blocks.num_used == 0
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
@@ -421,6 +441,9 @@ def test_request_that_can_never_fit_is_rejected(ckpt):
         (dict(prefill_chunk_size=0), r"prefill_chunk_size must be >= 1, got 0"),
         (dict(dtype="float64"), r"dtype must be one of .*, got 'float64'"),
         (dict(no_such_option=1), r"unknown engine option\(s\): no_such_option"),
+        (dict(max_model_len=1), r"max_model_len must be an integer >= 2 .*, got 1"),
+        (dict(max_model_len=True), r"max_model_len must be an integer >= 2 .*, got True"),
+        (dict(max_model_len=4096), r"max_model_len=4096 exceeds the model's context of 2048"),
     ],
 )
 def test_bad_engine_options_raise(ckpt, options, match):

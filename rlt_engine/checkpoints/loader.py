@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,14 +84,25 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    max_model_len: int | None = None,
 ) -> LoopedCausalLM:
-    """The model of `model_dir`, in eval mode, without gradients, on `device` in `dtype`."""
+    """The model of `model_dir`, in eval mode, without gradients, on `device` in `dtype`.
+    `max_model_len`: the context it runs with, at most its config's max_position_embeddings
+    (which sizes nothing but tables: no learned positions, no RoPE scaling)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}"
         )
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
+    if max_model_len is not None:
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context of "
+                f"{cfg.max_position_embeddings} positions (max_position_embeddings in "
+                f"{model_dir / 'config.json'})"
+            )
+        cfg = replace(cfg, max_position_embeddings=max_model_len)
     device = torch.device(device)
     if load_format != "dummy":
         # Read every file header (a truncated or garbage file fails here) before allocating.

@@ -107,3 +107,28 @@ def test_serve_lets_the_defaults_be_turned_off() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "--no-incremental-kv" in out.stdout and "--no-enable-preemption" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def capped():  # type: ignore[no-untyped-def]
+    """A server whose requests may take 96 positions of the demo's 2,048 (--max-model-len)."""
+    proc = ServerProcess(*DEMO_ARGS, "--max-model-len", "96").wait_healthy()
+    yield proc
+    proc.stop()
+
+
+def test_max_model_len_bounds_what_a_chat_may_run_to(capped) -> None:  # type: ignore[no-untyped-def]
+    client = openai.OpenAI(base_url=capped.url + "/v1", api_key="unused", max_retries=0)
+    (card,) = client.models.list().data
+    assert (card.model_extra or {})["max_model_len"] == 96
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    got = client.chat.completions.create(
+        model="demo", messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    # no max_tokens: as vLLM, prompt and output fill the 96
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens == 96
+    with pytest.raises(openai.BadRequestError, match="exceeds max_model_len=96") as refused:
+        client.chat.completions.create(model="demo", messages=messages, max_tokens=200)
+    assert refused.value.body["param"] == "messages"  # type: ignore[index]
+    assert capped.metric("rlt:kv_blocks_used") == 0
