@@ -7,16 +7,15 @@
 #
 # VARIANTS_FILE: one `--variant=NAME;ITEM[;ITEM...]` a line (screen_chain.py's @FILE form),
 # and the `--rows` / `--model` lines it is meant for (benchmarks/variants/*.args); SCREEN_ARG:
-# more screen_chain.py arguments, after the file's (a `--rows` here replaces its). The model
-# carries to the A/Bs. Then, best first, each
-# variant whose layer the screen found at least GAIN percent shorter (default 0.5) runs in
-# ab_decode.py alternated with the tree as it is (base, variant, variant, base) at the screened
-# rows as concurrencies, AB_MAX variants at most (default 3). No ab_decode process starts unless
-# DEADLINE_S (default 540) seconds since the start leave room for it: AB_FIRST_S (default 180:
-# the engine's start, Triton's compile, the graphs' capture) for the first, then the longest
-# after the first (its compiles are on disk by then).
-# OUT_DIR: screen/ (the screen's JSON), ab-args/ (the winners' argument files), ab.jsonl and
-# ab.md (ab_summary.py's table).
+# more screen_chain.py arguments, after the file's (a `--rows` here replaces its). Then, best
+# first, each variant whose layer the screen found at least GAIN percent shorter (default 0.5)
+# runs in ab_decode.py alternated with the tree as it is (base, variant, variant, base), with
+# the screen's model and its rows as concurrencies, AB_MAX variants at most (default 3). No
+# ab_decode process starts unless DEADLINE_S (default 540) seconds since the start leave room
+# for it: AB_FIRST_S (default 180: the engine's start, Triton's compile, the graphs' capture)
+# for the first, then the longest after the first (its compiles are on disk by then).
+# OUT_DIR: screen/ (the screen's JSON), ab-args/ (base's and the winners' argument files),
+# ab.jsonl and ab.md (ab_summary.py's table).
 set -uo pipefail
 OUT_DIR=${1:?usage: screen_then_ab.sh OUT_DIR VARIANTS_FILE [SCREEN_ARG...]}
 VARIANTS=${2:?usage: screen_then_ab.sh OUT_DIR VARIANTS_FILE [SCREEN_ARG...]}
@@ -31,7 +30,7 @@ mkdir -p "$OUT_DIR"
   --gain "$GAIN" "@$VARIANTS" "$@" || { echo "screen_then_ab: the screen failed" >&2; exit 1; }
 
 longest=$AB_FIRST_S runs=0
-ab() {  # ab LABEL [ARG...]: one ab_decode process, if it fits before the deadline
+ab() {  # ab @ARGS_FILE: one ab_decode process, if it fits before the deadline
   local left=$((DEADLINE_S - ($(date +%s) - start)))
   if [ "$left" -lt "$longest" ]; then
     echo "screen_then_ab: ${left} s left, an A/B process may take ${longest}: $1 not run" >&2
