@@ -81,9 +81,10 @@ def test_the_winners_are_alternated_with_base_best_first_at_most_ab_max(tmp_path
 
 
 def test_no_ab_decode_process_starts_past_the_deadline(tmp_path):
-    # the stand-in screen takes a few seconds (it imports torch), each A/B process over 6: the
-    # first starts (AB_FIRST_S 1 s is left), the second does not fit the time left
-    proc, rows = _run(tmp_path, {"a": -1.0}, AB_SLEEP="6", DEADLINE_S="11", AB_FIRST_S="1")
+    # the stand-in screen takes S seconds (it imports torch: 1-17 s on a loaded CI machine), an
+    # A/B process 10: the first starts (18 - S >= AB_FIRST_S), the second, with 8 - S s left,
+    # does not fit a process as long as the first
+    proc, rows = _run(tmp_path, {"a": -1.0}, AB_SLEEP="10", DEADLINE_S="18", AB_FIRST_S="1")
     assert proc.returncode == 0, proc.stderr
     assert [r["label"] for r in rows] == ["base"]
     assert "not run" in proc.stderr
