@@ -52,11 +52,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         n = self.max_model_len
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 2):
-            raise ValueError(
-                f"max_model_len must be an integer >= 2 (a prompt token and an output token), "
-                f"got {n!r}"
-            )
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {n!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
