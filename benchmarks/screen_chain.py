@@ -49,7 +49,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from ab_decode import parse_row, parse_set  # noqa: E402  (scripts beside this one)
+# (scripts beside this one)
+from ab_decode import apply_rows, apply_sets, parse_row, parse_set  # noqa: E402
 from bench_kernel_clock import MODELS, Chain, Dims, capture, replay_us  # noqa: E402
 
 from rlt_engine.kernels.small_gemm import table_key  # noqa: E402
@@ -122,18 +123,21 @@ class Applied:
             raise
 
     def _apply(self) -> None:
-        name = self.variant.name
-        for module, attr, value in self.variant.sets:
+        # the values to restore, then ab_decode's own --set / --row (their checks: a name the
+        # module lacks, a key the table lacks, a row of the wrong length)
+        for module, attr, _ in self.variant.sets:
             mod = importlib.import_module(f"rlt_engine.{module}")
-            if not hasattr(mod, attr):
-                raise ValueError(f"--variant {name}: rlt_engine.{module} has no {attr}")
-            self.undo.append((setattr, mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, value)
-        for key, row in self.variant.rows:
-            if self.entries is None or key not in self.entries:
-                raise ValueError(f"--variant {name}: the table has no {key}")
-            self.undo.append((dict.__setitem__, self.entries, key, self.entries[key]))
-            self.entries[key] = row
+            if hasattr(mod, attr):
+                self.undo.append((setattr, mod, attr, getattr(mod, attr)))
+        entries = self.entries or {}
+        for key, _ in self.variant.rows:
+            if key in entries:
+                self.undo.append((dict.__setitem__, entries, key, entries[key]))
+        try:
+            apply_sets(self.variant.sets)
+            apply_rows(self.variant.rows, self.entries)
+        except ValueError as exc:
+            raise ValueError(f"--variant {self.variant.name}: {exc}") from None
 
     def __exit__(self, *exc: object) -> None:
         for undo, target, name, old in reversed(self.undo):
