@@ -6,6 +6,7 @@ import json
 
 import benchmark_scripts
 import pytest
+from decode_forms import decode_forms
 
 pytest.importorskip("triton")
 
@@ -157,9 +158,7 @@ def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(s
     from rlt_engine.kernels import ws_gemm
     from rlt_engine.kernels.small_gemm_tables import TABLES
 
-    models = screen.MODELS.values()
-    qkv = {((m.heads + 2 * m.kv_heads) * m.d, m.hidden) for m in models}
-    gate_up = {(2 * m.inter, m.hidden) for m in models}
+    forms = decode_forms()
     args = screen.parser().parse_args(["--out", "unused", f"@{path}"])
     variants = args.variants
     assert variants and len({v.name for v in variants}) == len(variants)
@@ -173,7 +172,8 @@ def test_a_committed_variants_file_holds_rows_the_ws_kernel_takes_in_the_chain(s
             assert backend == "ws"
             why = ws_gemm.check(
                 n, k, int(bucket[1:]), block_n, block_k, split_k,
-                swiglu=(n, k) in gate_up, stages=stages, rope=(n, k) in qkv,
+                swiglu=forms.get((n, k), {}).get("swiglu", False), stages=stages,
+                rope="rope_d" in forms.get((n, k), {}),
             )  # fmt: skip
             assert why is None, f"{variant.name}: {why}"
         for module, attr, value in variant.sets:

@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from decode_forms import decode_forms
 from sm90_compile import TRITON_PTX, run_compile_script
 
 pytest.importorskip("triton")
@@ -845,20 +846,6 @@ print(json.dumps(report))
 """
 
 
-def _decode_forms() -> dict[tuple[int, int], dict]:
-    """(N, K) -> the form decode launches that weight in, for every bundled model config."""
-    from rlt_engine.checkpoints.resolve import KNOWN_CONFIGS
-
-    forms = {}
-    for path in sorted(KNOWN_CONFIGS.glob("*/config.json")):
-        c = json.loads(path.read_text())
-        h, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-        d = c.get("head_dim") or h // heads
-        forms[((heads + 2 * kv) * d, h)] = {"rope_d": d}
-        forms[(2 * c["intermediate_size"], h)] = {"swiglu": True}
-    return forms
-
-
 def _row_jobs() -> list[dict]:
     import benchmark_scripts
 
@@ -871,7 +858,7 @@ def _row_jobs() -> list[dict]:
     for path in sorted((benchmark_scripts.ROOT / "benchmarks" / "variants").glob("*.args")):
         for variant in screen.parser().parse_args(["--out", "unused", f"@{path}"]).variants:
             rows += [(f"{path.name}:{variant.name}[{k}]", k, r) for k, r in variant.rows]
-    forms, jobs, seen = _decode_forms(), [], set()
+    forms, jobs, seen = decode_forms(), [], set()
     for name, key, row in rows:
         shape, bucket, dtype = key.split(":")
         if row[0] != "ws" or dtype != "bfloat16":
