@@ -211,7 +211,9 @@ class LLMEngine:
             per_plane = num_blocks // self.model_config.num_loops
             init = SlotInit(
                 0,
-                SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, logprobs=20),
+                SamplingParams(
+                    max_tokens=2, temperature=1.0, top_p=0.9, logprobs=20, repetition_penalty=1.1
+                ),
                 0,
                 self.loop_controls(SamplingParams()),
                 (),
@@ -220,11 +222,13 @@ class LLMEngine:
                     tuple(range(p * per_plane, (p + 1) * per_plane))
                     for p in range(runner.slots.block_tables.shape[1])
                 ),
+                (0,) * rows,
             )
             chunk = PrefillChunk("profile", 0, 0, (0,) * rows, last=True)
             runner.execute(StepPlan(slot_inits=(init,), prefill=((chunk,),)))
-            # the widest decode traversal: every slot, every sampling variant, exit copies
-            runner.traversal(runner.slots.num_slots, Flags(True, True, 20, True))
+            # the widest decode traversal: every slot, every sampling variant (penalties, whose
+            # `seen` table it makes), exit copies
+            runner.traversal(runner.slots.num_slots, Flags(True, True, 20, True, any_penalty=True))
 
         return profile_kv_budget(
             self.device,

@@ -16,6 +16,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS + chat end token
     logprobs: int | None = None  # None = off; n = chosen token + top-n
+    # OpenAI's and vLLM's penalties, applied to the logits before temperature and the
+    # filters (logprobs stay those of the raw logits): repetition divides a positive logit
+    # (multiplies a negative one) of every token seen in the prompt or the output; then
+    # frequency x (times in the output) and presence x (in the output at all) are subtracted
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # Loop controls; None = model defaults (1, depth, config's early_exit_threshold).
     min_loops: int | None = None
     max_loops: int | None = None
@@ -39,6 +46,14 @@ class SamplingParams:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must lie in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                f"{self.repetition_penalty}"
+            )
         if any(not s for s in self.stop):
             raise ValueError("stop must not hold an empty string (it would match at once)")
         if self.min_loops is not None and self.min_loops < 1:
@@ -51,3 +66,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (the sampler's `any_penalty` variant)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -77,6 +77,7 @@ def oracle_greedy(
         p.min_loops,
         p.max_loops,
         p.exit_threshold,
+        penalties := (p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
     )
     if key not in _ORACLE:
         decode = shared_greedy if layout == "shared" else reference_greedy
@@ -90,6 +91,7 @@ def oracle_greedy(
             exit_threshold=(
                 model.config.early_exit_threshold if p.exit_threshold is None else p.exit_threshold
             ),
+            penalties=penalties,
         )
     return _ORACLE[key]
 

@@ -203,6 +203,7 @@ class Admission:
                 tuple(sorted(cand.stop_token_ids)),
                 cand.prompt_len,
                 _frozen(tables),
+                tuple(cand.prompt_token_ids) if cand.params.repetition_penalty != 1.0 else (),
             )
         )
         self.running.append(cand)

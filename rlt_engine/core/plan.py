@@ -40,6 +40,9 @@ class SlotInit:
     stop_token_ids: tuple[int, ...]
     prompt_len: int
     block_tables: Tables
+    # the prompt's token ids where the repetition penalty needs them (otherwise none: a plan
+    # carries diffs, not every prompt)
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

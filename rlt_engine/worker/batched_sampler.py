@@ -58,6 +58,36 @@ class SamplingTensors:
 
 
 @dataclass
+class Penalties:
+    """Per-row penalties (SamplingParams') and what each row has seen, on the logits' device.
+
+    `seen` int32 [rows, vocab] packs, per token, 2 x its count in the row's output plus 1 if it
+    is in the prompt: one tensor keeps both what repetition asks (seen at all: > 0) and what
+    frequency and presence ask (the output count: >> 1)."""
+
+    presence: torch.Tensor  # fp32 [rows]; 0 = off
+    frequency: torch.Tensor  # fp32 [rows]; 0 = off
+    repetition: torch.Tensor  # fp32 [rows]; 1 = off
+    seen: torch.Tensor  # int32 [rows, vocab]
+
+
+SEEN_OUTPUT = 2  # what one output token adds to its `seen` entry (the prompt bit is 1)
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """fp32 logits with the penalties applied, as vLLM applies them: repetition over the tokens
+    seen in the prompt or the output (a positive logit divided, a negative one multiplied),
+    then frequency x count and presence x (count > 0) over the output's. A row with every
+    penalty off comes back bit for bit (x * 1, x / 1 and x - 0 are exact)."""
+    seen = p.seen
+    count = (seen >> 1).to(torch.float32)
+    repetition = torch.where(seen > 0, p.repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - p.frequency[:, None] * count
+    return logits - p.presence[:, None] * (count > 0).to(torch.float32)
+
+
+@dataclass
 class SampleOutput:
     token: torch.Tensor  # int64 [rows]
     logprob: torch.Tensor | None  # fp32 [rows]: log_softmax(raw fp32 logits)[token]
@@ -170,6 +200,7 @@ def sample(
     any_filter: bool,
     num_logprobs: int | None,
     gate: torch.Tensor | None = None,
+    penalties: Penalties | None = None,
 ) -> SampleOutput:
     """Sample one token per row of `logits` [rows, vocab] (any float dtype; fp32 inside).
 
@@ -182,12 +213,17 @@ def sample(
     `gate` (the fused decode path, Triton backends only): a one-element device tensor. The
     greedy-only variant then takes the argmax with kernels/argmax, which a zero gate skips
     (no row needs a token: the tokens are undefined).
+
+    `penalties` (the `any_penalty` variant): applied to the logits the token is drawn from,
+    greedy rows' too (`apply_penalties`); the logprobs stay those of the raw logits.
     """
-    if gate is not None and not any_random and num_logprobs is None:
+    if gate is not None and not any_random and num_logprobs is None and penalties is None:
         from rlt_engine.kernels.argmax import argmax_rows
 
         return SampleOutput(argmax_rows(logits, gate), None, None, None)
-    logits = logits.float()
+    raw = logits = logits.float()
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties)
     greedy = logits.argmax(dim=-1)
     if any_random:
         temperature = t.temperature.to(torch.float32)
@@ -203,7 +239,7 @@ def sample(
 
     if num_logprobs is None:
         return SampleOutput(token, None, None, None)
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = raw.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token[:, None]).squeeze(1)
     if num_logprobs > 0:
         top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)

@@ -117,8 +117,9 @@ class ModelRunner:
             self.device,
         )
         self.slots = SlotBatch(
-            num_slots, num_planes, max_blocks, cfg.hidden_size, self.dtype, self.device
-        )
+            num_slots, num_planes, max_blocks, cfg.hidden_size, self.dtype, self.device,
+            vocab_size=model.lm_head.weight.shape[0],  # the logits' width
+        )  # fmt: skip
         self.events = EventBuffers(execution.decode_window, num_slots, MAX_LOGPROBS, self.device)
         cuda = self.device.type == "cuda"
         self._read_back_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -248,6 +249,8 @@ class ModelRunner:
         slots = [wave[i].slot for i in last]
         index = upload(torch.tensor(slots), dev)
         drawn = self._sample(self.model.coda(hidden[rows]), index, slots)
+        if self.slots.any_penalty(slots):
+            s.count_output(index, drawn.token, torch.ones_like(index, dtype=torch.bool))
         positions = upload(torch.tensor([wave[i].start + counts[i] for i in last]), dev)
         s.start_decode(index, drawn.token, positions, self.refill)
         return _FirstTokens(slots, drawn)
@@ -267,6 +270,7 @@ class ModelRunner:
             any_random=any_random,
             any_filter=any_filter,
             num_logprobs=num_logprobs,
+            penalties=s.penalties(index) if s.any_penalty(slots) else None,
         )
 
     def _rider(self, wave: tuple[PrefillChunk, ...], layout: WaveLayout) -> RidingWave:
@@ -320,7 +324,11 @@ class ModelRunner:
         b = self.slots.span()
         if b == 0:
             return None
-        flags = Flags(*self.slots.flags(), long_context=self.long_context(keys))
+        flags = Flags(
+            *self.slots.flags(),
+            long_context=self.long_context(keys),
+            any_penalty=self.slots.any_penalty(),
+        )
         ev = self.events
         if traversals > ev.window:
             raise ValueError(f"a window of {traversals} traversals exceeds {ev.window}")

@@ -15,6 +15,7 @@ import torch
 
 from rlt_engine.core.plan import SlotInit, Tables
 from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.worker.batched_sampler import SEEN_OUTPUT, Penalties
 
 MAX_STOP_IDS = 32  # stop token ids per request the device checks
 
@@ -48,6 +49,9 @@ class SlotBatch:
         "top_k",
         "top_p",
         "seed",
+        "presence",
+        "frequency",
+        "repetition",
     )
 
     def __init__(
@@ -58,12 +62,14 @@ class SlotBatch:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        vocab_size: int,
     ) -> None:
         def zeros(*shape: int, dt: torch.dtype = torch.long) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=device)
 
         n = num_slots
         self.num_slots, self.max_blocks, self.device = n, max_blocks, device
+        self.vocab_size = vocab_size
         self.token = zeros(n)  # the token to embed at loop 0
         self.hidden = zeros(n, hidden_size, dt=dtype)  # input of the next loop (loop > 0)
         self.loop = zeros(n)  # loops finished by the token in flight
@@ -81,6 +87,14 @@ class SlotBatch:
         self.top_k = zeros(n)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = zeros(n)
+        self.presence = zeros(n, dt=torch.float32)
+        self.frequency = zeros(n, dt=torch.float32)
+        self.repetition = torch.ones(n, dtype=torch.float32, device=device)
+        # int32 [slots, vocab] (batched_sampler.Penalties.seen), made when the first
+        # penalized request arrives (4 bytes x slots x vocab: 50 MB at 256 slots of Ouro's
+        # vocabulary) and kept: only penalized rows' entries are kept true, and only the
+        # `any_penalty` variant reads them
+        self.seen: torch.Tensor | None = None
         self.block_tables = zeros(n, num_planes, max_blocks, dt=torch.int32)
         self.host: dict[int, SlotHost] = {}
         self._rows: dict[str, dict[int, object]] = {}  # field -> slot -> value, until flush
@@ -111,9 +125,24 @@ class SlotBatch:
             top_k=p.top_k,
             top_p=p.top_p,
             seed=_int64(op.seed),
+            presence=p.presence_penalty,
+            frequency=p.frequency_penalty,
+            repetition=p.repetition_penalty,
         )
+        if p.penalized:  # nothing seen yet but the prompt's tokens (the prompt bit)
+            seen = self._seen()[s]
+            seen.zero_()
+            if op.prompt_token_ids:
+                ids = upload(torch.tensor(op.prompt_token_ids, dtype=torch.long), self.device)
+                seen.index_fill_(0, ids, 1)
         self.host[s] = SlotHost(p, c.may_exit_early(depth), 0)
         self.append(s, op.block_tables)
+
+    def _seen(self) -> torch.Tensor:
+        if self.seen is None:
+            shape = (self.num_slots, self.vocab_size)
+            self.seen = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        return self.seen
 
     def append(self, slot: int, blocks: Tables) -> None:
         host = self.host[slot]
@@ -207,6 +236,8 @@ class SlotBatch:
     def snapshot(self, slot: int) -> tuple[dict[str, torch.Tensor], SlotHost]:
         self.flush()
         state = {name: to_host(getattr(self, name)[slot]) for name in self.FIELDS}
+        if self.host[slot].params.penalized:
+            state["seen"] = to_host(self._seen()[slot])
         return state, self.host[slot]
 
     def restore(
@@ -216,6 +247,8 @@ class SlotBatch:
         self.flush()  # a pending clear of this slot must not land on the restored row
         for name in self.FIELDS:
             getattr(self, name)[slot] = upload(state[name], self.device)
+        if "seen" in state:
+            self._seen()[slot] = upload(state["seen"], self.device)
         self.host[slot] = SlotHost(host.params, host.early_exit, 0)
         self.append(slot, tables)
 
@@ -228,6 +261,32 @@ class SlotBatch:
         """(any random, any top-k/top-p, logprobs width, any early exit) over slots in use."""
         early = any(h.early_exit for h in self.host.values())
         return (*self.sampling_flags(list(self.host)), early)
+
+    def any_penalty(self, slots: list[int] | None = None) -> bool:
+        """Whether a penalty applies to any of `slots` (None: the slots in use)."""
+        slots = list(self.host) if slots is None else slots
+        return any(self.host[i].params.penalized for i in slots)
+
+    def penalties(self, rows: slice | torch.Tensor) -> Penalties:
+        """The sampler's penalties of `rows` (a slice keeps the fixed addresses a graph needs)."""
+        return Penalties(
+            self.presence[rows], self.frequency[rows], self.repetition[rows], self._seen()[rows]
+        )
+
+    def count_output(
+        self, rows: slice | torch.Tensor, tokens: torch.Tensor, committed: torch.Tensor
+    ) -> None:
+        """`tokens` [rows] joins each row's output where `committed` [rows] (bool) holds.
+        Written, not accumulated: rows repeated in `rows` (a padded wave repeats its first)
+        write the same value."""
+        seen = self._seen()
+        at = tokens[:, None]
+        if isinstance(rows, slice):
+            now = seen[rows].gather(1, at)
+            seen[rows].scatter_(1, at, now + SEEN_OUTPUT * committed[:, None].to(torch.int32))
+        else:
+            now = seen[rows, tokens]
+            seen.index_put_((rows, tokens), now + SEEN_OUTPUT * committed.to(torch.int32))
 
     def sampling_flags(self, slots: list[int]) -> tuple[bool, bool, int | None]:
         """The sampler's static variant for these slots: (any random, any top-k/top-p,
