@@ -69,6 +69,12 @@ HELP: dict[str, str] = {
     "stop": "Stop at this string, which is left out of the text (repeatable).",
     "stop_token_ids": "Also stop at this token id (repeatable).",
     "logprobs": "Record the chosen token's logprob plus the top N (0 to 20).",
+    "presence_penalty": "Subtract this from the logit of every token already in the output, "
+    "in [-2, 2]; 0 = off.",
+    "frequency_penalty": "Subtract this times its count in the output from each token's logit, "
+    "in [-2, 2]; 0 = off.",
+    "repetition_penalty": "Divide the positive logits (multiply the negative ones) of tokens in "
+    "the prompt or output by this, > 0; 1 = off.",
     "min_loops": "Least loops per token before it may exit (default 1).",
     "max_loops": "Most loops per generated token (default: the model depth); the prompt, "
     "and so the first token, always runs the full depth.",

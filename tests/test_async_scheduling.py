@@ -34,15 +34,32 @@ def _llm(ckpt, asynchronous: bool) -> LLM:  # type: ignore[no-untyped-def]
     )
 
 
-def _run(llm: LLM, sampled: bool) -> tuple[dict, list[StepPlan]]:
+# greedy with penalties: each request its own, so a slot's `seen` row that travels wrong shows
+PENALTIES = {
+    1: dict(repetition_penalty=1.3, frequency_penalty=0.4),
+    2: dict(presence_penalty=0.8),
+    3: dict(repetition_penalty=0.8, frequency_penalty=-0.5),
+}
+MODES = ["greedy", "seeded-sampling", "penalized"]
+
+
+def _params(mode: str, n: int, priority: int, seed: int) -> SamplingParams:
+    extra = {
+        "greedy": {},
+        "seeded-sampling": dict(temperature=0.9, top_p=0.9),
+        "penalized": PENALTIES[seed],
+    }[mode]
+    return SamplingParams(max_tokens=n, ignore_eos=True, priority=priority, seed=seed, **extra)
+
+
+def _run(llm: LLM, mode: str) -> tuple[dict, list[StepPlan]]:
     """A and B decode in both slots; U (urgent) arrives mid-decode, preempts one of them,
     takes its slot and finishes; the victim resumes."""
     engine = llm.engine
     engine.scheduler.trace = []
-    extra = dict(temperature=0.9, top_p=0.9) if sampled else {}
 
     def params(n: int, priority: int, seed: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, ignore_eos=True, priority=priority, seed=seed, **extra)
+        return _params(mode, n, priority, seed)
 
     engine.add_request(PROMPT_A, params(14, 5, 1), request_id="a")
     engine.add_request(PROMPT_B, params(14, 5, 2), request_id="b")
@@ -83,21 +100,25 @@ def _slot_reused_while_preempted(trace: list[StepPlan]) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling"])
-def test_preempted_and_resumed_into_a_reused_slot_is_exact(ckpt, sampled: bool) -> None:
-    got, trace = _run(_llm(ckpt, asynchronous=True), sampled)
+@pytest.mark.parametrize("mode", MODES)
+def test_preempted_and_resumed_into_a_reused_slot_is_exact(ckpt, mode: str) -> None:
+    got, trace = _run(_llm(ckpt, asynchronous=True), mode)
     assert _slot_reused_while_preempted(trace), "the scenario did not happen"
-    want, sync_trace = _run(_llm(ckpt, asynchronous=False), sampled)
+    want, sync_trace = _run(_llm(ckpt, asynchronous=False), mode)
     assert _slot_reused_while_preempted(sync_trace)
     assert sorted(got) == ["a", "b", "u"]
     for rid in got:
         assert got[rid].token_ids == want[rid].token_ids, rid
         assert got[rid].exit_depths == want[rid].exit_depths, rid
-    if not sampled:
+    if mode != "seeded-sampling":
         llm = _llm(ckpt, asynchronous=False)
-        for rid, prompt, n in (("a", PROMPT_A, 14), ("b", PROMPT_B, 14), ("u", PROMPT_U, 4)):
-            p = SamplingParams(max_tokens=n, ignore_eos=True)
+        cases = (("a", PROMPT_A, 14, 1), ("b", PROMPT_B, 14, 2), ("u", PROMPT_U, 4, 3))
+        for rid, prompt, n, seed in cases:
+            p = _params(mode, n, 0, seed)
             assert (got[rid].token_ids, got[rid].exit_depths) == oracle_greedy(llm, prompt, p)
+    if mode == "penalized":  # the penalties changed what greedy decodes
+        plain, _ = _run(_llm(ckpt, asynchronous=False), "greedy")
+        assert any(plain[rid].token_ids != got[rid].token_ids for rid in got)
 
 
 def test_abort_in_flight_and_id_reuse(ckpt) -> None:

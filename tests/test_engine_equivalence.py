@@ -263,6 +263,78 @@ def test_seeded_sampling_is_batch_invariant(ckpt, llm):
     assert other_seed.token_ids != alone.token_ids
 
 
+# -- penalties -------------------------------------------------------------------------------
+
+# strong enough that counts left by a slot's earlier request would change the tokens
+PENALTY_MIX = [
+    dict(repetition_penalty=1.8),
+    dict(frequency_penalty=2.0),
+    dict(presence_penalty=-2.0, repetition_penalty=0.6),
+    {},  # penalty-free rows share the penalized traversals unchanged
+    dict(frequency_penalty=-1.5, presence_penalty=1.0, repetition_penalty=1.2),
+]
+
+
+NO_PENALTY = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+
+
+def _penalized(i: int, **extra) -> SamplingParams:
+    return dataclasses.replace(params_for(i, **extra), max_tokens=10, **PENALTY_MIX[i % 5])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(block_size=2, max_num_seqs=2),  # a queue: slots reused by later requests
+        dict(block_size=4, refill=False, max_num_seqs=9, prefill_chunk_size=3),
+        dict(block_size=1, kv_layout="shared", max_num_seqs=3),
+        dict(block_size=4, attention_backend="triton", decode_window=3),  # the riding waves
+    ],
+    ids=["slots-reused", "no-refill", "shared", "triton"],
+)
+def test_penalized_greedy_equals_the_dense_oracle(ckpt, options):
+    llm = make_llm(ckpt, **options)
+    chosen = INTERPRETED_PROMPTS if options.get("attention_backend") == "triton" else range(9)
+    prompts, params = [PROMPTS[i] for i in chosen], [_penalized(i) for i in chosen]
+    layout = options.get("kv_layout", "last_exited")
+    outs = llm.generate(prompts, params)
+    for out, prompt, p in zip(outs, prompts, params, strict=True):
+        assert (out.token_ids, out.exit_depths) == oracle_greedy(llm, prompt, p, layout)
+    plain = llm.generate(prompts, [dataclasses.replace(p, **NO_PENALTY) for p in params])
+    changed = sum(a.token_ids != b.token_ids for a, b in zip(outs, plain, strict=True))
+    assert changed >= len(prompts) // 2, "the penalties must change what greedy decodes"
+
+
+def test_penalized_sampling_is_batch_invariant_and_keeps_raw_logprobs(ckpt, llm):
+    sampled = SamplingParams(
+        max_tokens=8, temperature=0.5, top_p=0.95, seed=7, ignore_eos=True, logprobs=2,
+        presence_penalty=-2.0, repetition_penalty=0.5,
+    )  # fmt: skip
+    (alone,) = llm.generate([PROMPTS[6]], sampled)
+    params = [_penalized(i) for i in range(len(PROMPTS))]
+    params[6] = sampled
+    other = make_llm(ckpt, block_size=1, refill=False, max_num_seqs=4)
+    for engine in (llm, other):
+        outs = engine.generate(PROMPTS, params)
+        assert (outs[6].token_ids, outs[6].exit_depths) == (alone.token_ids, alone.exit_depths)
+        for got, want in zip(outs[6].logprobs, alone.logprobs, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=LOGPROB_ABS)
+    (unpenalized,) = llm.generate([PROMPTS[6]], dataclasses.replace(sampled, **NO_PENALTY))
+    assert unpenalized.token_ids != alone.token_ids
+    # the logprobs are the raw logits': those of the same tokens without the penalties
+    ref = reference_forward(
+        llm.engine.model.state_dict(),
+        llm.engine.model_config,
+        PROMPTS[6] + alone.token_ids[:-1],
+        [DEPTH] * len(PROMPTS[6]) + alone.exit_depths[1:],
+    )
+    for i, (lp, token, depth) in enumerate(
+        zip(alone.logprobs, alone.token_ids, alone.exit_depths, strict=True)
+    ):
+        full = ref.logits[depth - 1, len(PROMPTS[6]) - 1 + i].log_softmax(-1)
+        assert lp.logprob == pytest.approx(float(full[token]), abs=LOGPROB_ABS)
+
+
 def test_two_decode_sequences_on_the_wide_tile_equal_the_oracle(ckpt, monkeypatch):
     """Two decode sequences below LONG_CONTEXT keys take the wide tile (WIDE_TILE_SPLITS ways
     of 128-key tiles) with their older keys read before the wait, as one sequence does; the

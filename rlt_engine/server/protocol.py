@@ -6,7 +6,8 @@ unless `tool_choice` is "none", `functions`): ignoring them would answer free te
 client asked for JSON or a tool call (vLLM refuses tools likewise without a tool parser).
 
 Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, `priority`; every choice
-returns its per-token exit depths as `exit_depths`.
+returns its per-token exit depths as `exit_depths`. vLLM's: `top_k`, `ignore_eos`,
+`stop_token_ids`, `repetition_penalty`.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     response_format: dict[str, object] | None = None
     logit_bias: dict[str, float] | None = None
     # looped-model extensions
@@ -59,11 +60,9 @@ class _Common(BaseModel):
     max_loops: int | None = Field(default=None, ge=1)
     exit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     priority: int = 0
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)  # vLLM's
 
     def _check_common(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ParamError(name, f"{name} is not supported (only 0)")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ParamError(
                 "response_format", 'response_format is not supported (only {"type": "text"})'
@@ -99,6 +98,9 @@ class _Common(BaseModel):
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             min_loops=self.min_loops,
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,
