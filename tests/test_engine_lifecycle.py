@@ -353,6 +353,11 @@ def test_outputs_come_back_in_input_order(llm):
         (dict(max_loops=0), r"max_loops must be >= 1, got 0"),
         (dict(exit_threshold=1.5), r"exit_threshold must lie in \[0, 1\], got 1\.5"),
         (dict(exit_threshold=-0.1), r"exit_threshold must lie in \[0, 1\], got -0\.1"),
+        (dict(presence_penalty=2.5), r"presence_penalty must lie in \[-2, 2\], got 2\.5"),
+        (dict(frequency_penalty=-3), r"frequency_penalty must lie in \[-2, 2\], got -3"),
+        (dict(frequency_penalty=float("nan")), r"frequency_penalty must lie in \[-2, 2\]"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be a finite number > 0"),
+        (dict(repetition_penalty=float("inf")), r"repetition_penalty must be a finite number"),
     ],
 )
 def test_bad_sampling_params_raise(kwargs, match):

@@ -66,6 +66,31 @@ def test_cuda_seeded_sampling_is_batch_invariant(tiny_ouro_dir):
     assert alone == batched
 
 
+def test_cuda_penalized_greedy_matches_cpu_in_a_tight_pool(tiny_ouro_dir):
+    """Penalties in the graphs' `any_penalty` variant, beside penalty-free rows, with slots
+    reused and snapshots carrying each row's `seen` table: the CPU's tokens."""
+
+    def run(device: str) -> list:
+        llm = LLM(
+            str(tiny_ouro_dir), dtype="float32", device=device, block_size=4, num_blocks=56,
+            incremental_kv=True, enable_preemption=True, watermark=0.0, max_num_seqs=4,
+        )  # fmt: skip
+        prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+        mix = [
+            dict(repetition_penalty=1.8), dict(frequency_penalty=2.0), {},
+            dict(presence_penalty=-2.0, repetition_penalty=0.6),
+        ]  # fmt: skip
+        params = [
+            SamplingParams(max_tokens=24, ignore_eos=True, exit_threshold=0.6, **mix[i % 4])
+            for i in range(6)
+        ]
+        outs = llm.generate(prompts, params)
+        assert llm.engine.blocks.num_used == 0 and llm.engine.runner.snapshots == {}
+        return [(o.token_ids, o.exit_depths) for o in outs]
+
+    assert run("cuda") == run("cpu")
+
+
 def test_cuda_graph_captures_are_counted(tiny_ouro_dir):
     """Start-up captures the common graphs; a new variant (top-k sampling) is captured on
     first use, and the engine's stats count both, with the host time they took."""

@@ -35,7 +35,9 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
         ({"model": "demo", "prompt": "x", "min_loops": 3, "max_loops": 2}, "min_loops"),
         ({"model": "demo", "prompt": "x", "max_loops": 9}, "prompt"),  # past the model depth
         ({"model": "demo", "prompt": "x", "exit_threshold": 1.5}, "exit_threshold"),
-        ({"model": "demo", "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+        ({"model": "demo", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"model": "demo", "prompt": "x", "frequency_penalty": "hot"}, "frequency_penalty"),
+        ({"model": "demo", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         (
             {"model": "demo", "prompt": "x", "response_format": {"type": "json_object"}},
             "response_format",

@@ -47,6 +47,29 @@ def test_chat_greedy_equals_in_process(client, demo_llm) -> None:
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_penalties_equal_in_process(client, demo_llm) -> None:
+    """presence / frequency (OpenAI's) and repetition_penalty (vLLM's, in the body) reach the
+    engine: the tokens are the in-process engine's with the same penalties, and not those
+    without them."""
+    penalties = dict(presence_penalty=0.7, frequency_penalty=1.2)
+    got = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.3},
+        **penalties,
+    )
+    params = SamplingParams(max_tokens=24, repetition_penalty=1.3, **penalties)
+    (want,) = demo_llm.chat([{"role": "user", "content": PROMPTS[0]}], params)
+    (plain,) = demo_llm.chat(
+        [{"role": "user", "content": PROMPTS[0]}], SamplingParams(max_tokens=24)
+    )
+    assert (got.choices[0].model_extra or {})["token_ids"] == want.token_ids
+    assert got.choices[0].message.content == want.text
+    assert want.token_ids != plain.token_ids
+
+
 def test_token_id_prompts_and_loop_controls(client, demo_llm) -> None:
     ids = demo_llm.tokenizer.encode(PROMPTS[1])
     controls = {"max_loops": 2, "exit_threshold": 1.0}

@@ -6,11 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from rlt_engine.oracle.reference import penalized_greedy
 from rlt_engine.sampling_params import SamplingParams
 from rlt_engine.worker.batched_sampler import (
+    SEEN_OUTPUT,
+    Penalties,
     SamplingTensors,
     _filter_thresholds,
     _mul32,
+    apply_penalties,
     random_words,
     row_keys,
     sample,
@@ -439,3 +443,68 @@ def test_cuda_noise_is_bit_identical_and_graph_replay_equals_eager():
             )
             cpu = sample(logits.cpu(), cpu_t, **kw)
             assert (cpu.token == eager.token.cpu()).float().mean() >= 0.9
+
+
+# -- penalties ----------------------------------------------------------------------------------
+
+
+def _seen(prompts: list[list[int]], outputs: list[list[int]], vocab: int = VOCAB) -> torch.Tensor:
+    seen = torch.zeros(len(prompts), vocab, dtype=torch.int32)
+    for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        seen[row, prompt] = 1
+        for t in output:
+            seen[row, t] += SEEN_OUTPUT
+    return seen
+
+
+def _penalties(rows: int, presence=0.0, frequency=0.0, repetition=1.0, seen=None) -> Penalties:
+    def full(v: float) -> torch.Tensor:
+        return torch.full((rows,), v, dtype=torch.float32)
+
+    seen = torch.zeros(rows, VOCAB, dtype=torch.int32) if seen is None else seen
+    return Penalties(full(presence), full(frequency), full(repetition), seen)
+
+
+def test_penalties_off_leave_every_logit_bit_for_bit():
+    logits = _logits(6, seed=3)
+    seen = torch.randint(0, 9, (6, VOCAB), dtype=torch.int32)
+    assert torch.equal(apply_penalties(logits, _penalties(6, seen=seen)), logits)
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_penalties_agree_with_the_oracles_token_by_token_form(case):
+    rng = np.random.default_rng(case)
+    rows = 3
+    prompts = [list(rng.integers(0, VOCAB, rng.integers(1, 8))) for _ in range(rows)]
+    outputs = [list(rng.integers(0, VOCAB, rng.integers(0, 12))) for _ in range(rows)]
+    presence, frequency = (float(np.float32(x)) for x in rng.uniform(-2, 2, 2))
+    repetition = float(np.float32(rng.uniform(0.3, 2.5)))
+    logits = _logits(rows, seed=case) / 4  # near ties: the penalties decide
+    p = _penalties(rows, presence, frequency, repetition, _seen(prompts, outputs))
+    got = apply_penalties(logits, p).argmax(-1).tolist()
+    want = [
+        penalized_greedy(logits[r], prompts[r], outputs[r], (presence, frequency, repetition))
+        for r in range(rows)
+    ]
+    assert got == want
+
+
+def test_penalties_act_as_documented():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    seen = torch.tensor([[1, 1, 2 * SEEN_OUTPUT, 0]], dtype=torch.int32)  # prompt, prompt, 2x out
+    rep = apply_penalties(logits, Penalties(*torch.tensor([[0.0], [0.0], [2.0]]), seen))
+    assert rep.tolist() == [[1.0, -4.0, 0.5, 0.5]]  # positive halved, negative doubled
+    freq = apply_penalties(logits, Penalties(*torch.tensor([[0.5], [0.25], [1.0]]), seen))
+    assert freq.tolist() == [[2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5]]  # output tokens only
+
+
+def test_sample_with_penalties_draws_from_the_penalized_logits_and_logs_the_raw_ones():
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0], [0.0, 1.0, 2.0, 3.0]])
+    seen = torch.tensor([[SEEN_OUTPUT, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.int32)
+    penalties = Penalties(*torch.tensor([[2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]), seen)
+    t = _tensors(2, temperature=0.0)
+    out = sample(logits, t, any_random=False, any_filter=False, num_logprobs=1, penalties=penalties)
+    assert out.token.tolist() == [1, 3]  # token 0 lost 2 to the presence penalty
+    raw = logits.log_softmax(-1)
+    assert torch.equal(out.logprob, raw[[0, 1], [1, 3]])
+    assert out.top_ids.tolist() == [[0], [3]]  # the raw logits' best

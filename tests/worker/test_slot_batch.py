@@ -3,19 +3,23 @@ each had been written in order; on CUDA they never wait for the stream."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from rlt_engine.core.exit_rule import LoopControls
 from rlt_engine.core.plan import SlotInit
 from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.worker.batched_sampler import SEEN_OUTPUT
 from rlt_engine.worker.slot_batch import MAX_STOP_IDS, SlotBatch
 
 DEPTH = 4
+VOCAB = 10
 
 
 def batch(device: str = "cpu", num_slots: int = 4) -> SlotBatch:
-    return SlotBatch(num_slots, 2, 8, 16, torch.float32, torch.device(device))
+    return SlotBatch(num_slots, 2, 8, 16, torch.float32, torch.device(device), vocab_size=VOCAB)
 
 
 def slot_init(slot: int, stop: tuple[int, ...] = (7, 9), **params: object) -> SlotInit:
@@ -184,3 +188,35 @@ def test_snapshot_and_restore_never_wait_for_the_stream() -> None:
     assert row(s, 2)["generated"] == 3 and row(s, 2)["position"] == 9
     assert row(s, 2)["max_tokens"] == 5 and row(s, 1)["max_tokens"] == 5  # a clear keeps it
     assert s.block_tables[2, :, 0].tolist() == [5, 6] and not s.active[1].item()
+
+
+def test_penalized_rows_keep_what_they_have_seen_through_reuse_and_preemption() -> None:
+    s = batch()
+    assert s.seen is None and not s.any_penalty(), "made by the first penalized request only"
+    s.init(slot_init(0), DEPTH)
+    assert s.seen is None
+    penalized = dataclasses.replace(
+        slot_init(1, repetition_penalty=1.2), prompt_token_ids=(3, 5, 3)
+    )
+    s.init(penalized, DEPTH)
+    s.flush()
+    assert s.any_penalty() and not s.any_penalty([0])
+    assert s.seen[1].tolist() == [0, 0, 0, 1, 0, 1, 0, 0, 0, 0]  # the prompt bit
+    assert s.repetition[1].item() == pytest.approx(1.2)
+    # slot 1's outputs 5 (committed) and 7 (not); slot 0's 2 (not penalized: harmless)
+    s.count_output(slice(0, 2), torch.tensor([2, 5]), torch.tensor([True, True]))
+    s.count_output(slice(1, 2), torch.tensor([7]), torch.tensor([False]))
+    assert s.seen[1, 5].item() == 1 + SEEN_OUTPUT and s.seen[1, 7].item() == 0
+    # repeated rows (a padded wave repeats its first) write once
+    s.count_output(torch.tensor([1, 1, 1]), torch.tensor([8, 8, 8]), torch.tensor([True] * 3))
+    assert s.seen[1, 8].item() == SEEN_OUTPUT
+    saved = s.snapshot(1)
+    s.clear(1)
+    s.init(dataclasses.replace(slot_init(1, frequency_penalty=1.0), prompt_token_ids=()), DEPTH)
+    s.flush()
+    assert s.seen[1].tolist() == [0] * VOCAB, "a new request starts with nothing seen"
+    s.clear(1)
+    s.restore(2, saved, ((6,), (7,)))
+    s.flush()
+    assert s.seen[2].tolist() == [0, 0, 0, 1, 0, 1 + SEEN_OUTPUT, 0, 0, SEEN_OUTPUT, 0]
+    assert s.repetition[2].item() == pytest.approx(1.2)
