@@ -145,6 +145,7 @@ def sampling(draw: st.DrawFn, sampled: bool, priority: bool, late: bool) -> Samp
     latecomers (`late`) mostly more urgent, so they overtake or preempt the earlier ones."""
     max_loops = draw(st.sampled_from([DEPTH, 3, DEPTH, 2, 1]))
     temperature = draw(st.sampled_from([0.0, 1.0, 0.0, 0.0])) if sampled else 0.0
+    presence, frequency, repetition = draw(st.sampled_from(PENALTIES))
     return SamplingParams(
         max_tokens=draw(st.one_of(st.integers(MAX_NEW // 2, MAX_NEW), st.integers(1, MAX_NEW))),
         ignore_eos=True,
@@ -155,7 +156,15 @@ def sampling(draw: st.DrawFn, sampled: bool, priority: bool, late: bool) -> Samp
         top_k=50 if temperature else 0,
         seed=draw(st.integers(0, 999)) if temperature else None,
         priority=draw(st.integers(0, 1) if late else st.integers(1, 3)) if priority else 0,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
     )
+
+
+# (presence, frequency, repetition): mostly none, so that penalized and penalty-free requests
+# share batches, slots and snapshots
+PENALTIES = [(0.0, 0.0, 1.0), (0.0, 0.0, 1.0), (0.0, 0.0, 1.0), (1.0, 1.5, 1.4), (-2.0, 0.0, 0.7)]
 
 
 ABORTS = st.one_of(
@@ -531,12 +540,18 @@ _ORACLE: dict[tuple, tuple[list[int], list[int]]] = {}
 def oracle(ckpt: Path, layout: str, prompt: tuple[int, ...], p: SamplingParams, n: int):
     """Dense fp32 greedy output (token ids, exit depths) of the first `n` tokens, read from the
     checkpoint file itself; memoised across examples (a longer run answers shorter ones)."""
-    key = (str(ckpt), layout, prompt, p.min_loops, p.max_loops, p.exit_threshold)
+    penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+    key = (str(ckpt), layout, prompt, p.min_loops, p.max_loops, p.exit_threshold, penalties)
     have = _ORACLE.get(key)
     if have is None or len(have[0]) < n:
         sd, cfg = _weights(str(ckpt))
         fn = shared_greedy if layout == "shared" else reference_greedy
-        kw = dict(min_loops=p.min_loops, max_loops=p.max_loops, exit_threshold=p.exit_threshold)
+        kw = dict(
+            min_loops=p.min_loops,
+            max_loops=p.max_loops,
+            exit_threshold=p.exit_threshold,
+            penalties=penalties,
+        )
         have = _ORACLE[key] = fn(sd, cfg, list(prompt), n, **kw)
     return have[0][:n], have[1][:n]
 
