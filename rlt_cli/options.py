@@ -18,7 +18,8 @@ from rlt_engine.config import CacheConfig, ExecutionConfig, ModelConfig, Schedul
 from rlt_engine.sampling_params import SamplingParams
 
 ENGINE_CLASSES: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
-NOT_FLAGS = frozenset({"priority"})  # SamplingParams fields that a one-shot CLI run has no use for
+# SamplingParams fields with no CLI flag: a queue priority, a map of token ids
+NOT_FLAGS = frozenset({"priority", "logit_bias"})
 LOOP_FIELDS = frozenset({"min_loops", "max_loops", "exit_threshold"})
 
 HELP: dict[str, str] = {

@@ -228,7 +228,7 @@ class LLMEngine:
             runner.execute(StepPlan(slot_inits=(init,), prefill=((chunk,),)))
             # the widest decode traversal: every slot, every sampling variant (penalties, whose
             # `seen` table it makes), exit copies
-            runner.traversal(runner.slots.num_slots, Flags(True, True, 20, True, any_penalty=True))
+            runner.traversal(runner.slots.num_slots, Flags(True, True, 20, True, logit_edits=True))
 
         return profile_kv_budget(
             self.device,
@@ -252,6 +252,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self._encode(prompt)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         req = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,

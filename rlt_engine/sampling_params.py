@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # token id -> added to its logit before the penalties, in [-100, 100] (OpenAI's): given as
+    # a dict, kept as sorted (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Loop controls; None = model defaults (1, depth, config's early_exit_threshold).
     min_loops: int | None = None
     max_loops: int | None = None
@@ -54,6 +60,17 @@ class SamplingParams:
                 f"repetition_penalty must be a finite number > 0 (1 = off), got "
                 f"{self.repetition_penalty}"
             )
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens")
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+        for t, b in self.logit_bias:
+            if t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise ValueError(
+                    f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {t}: {b}"
+                )
         if any(not s for s in self.stop):
             raise ValueError("stop must not hold an empty string (it would match at once)")
         if self.min_loops is not None and self.min_loops < 1:
@@ -68,8 +85,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def edits_logits(self) -> bool:
+        """Whether a penalty or a logit bias changes the logits (the sampler's `logit_edits`
+        variant)."""
+        return self.penalized or bool(self.logit_bias)
+
+    @property
     def penalized(self) -> bool:
-        """Whether any penalty changes the logits (the sampler's `any_penalty` variant)."""
+        """Whether any penalty changes the logits."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0

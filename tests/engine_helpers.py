@@ -77,7 +77,10 @@ def oracle_greedy(
         p.min_loops,
         p.max_loops,
         p.exit_threshold,
-        penalties := (p.presence_penalty, p.frequency_penalty, p.repetition_penalty),
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+        p.logit_bias,
     )
     if key not in _ORACLE:
         decode = shared_greedy if layout == "shared" else reference_greedy
@@ -91,7 +94,7 @@ def oracle_greedy(
             exit_threshold=(
                 model.config.early_exit_threshold if p.exit_threshold is None else p.exit_threshold
             ),
-            penalties=penalties,
+            edits=p,
         )
     return _ORACLE[key]
 

@@ -145,7 +145,7 @@ def sampling(draw: st.DrawFn, sampled: bool, priority: bool, late: bool) -> Samp
     latecomers (`late`) mostly more urgent, so they overtake or preempt the earlier ones."""
     max_loops = draw(st.sampled_from([DEPTH, 3, DEPTH, 2, 1]))
     temperature = draw(st.sampled_from([0.0, 1.0, 0.0, 0.0])) if sampled else 0.0
-    presence, frequency, repetition = draw(st.sampled_from(PENALTIES))
+    presence, frequency, repetition, bias = draw(st.sampled_from(LOGIT_EDITS))
     return SamplingParams(
         max_tokens=draw(st.one_of(st.integers(MAX_NEW // 2, MAX_NEW), st.integers(1, MAX_NEW))),
         ignore_eos=True,
@@ -159,12 +159,20 @@ def sampling(draw: st.DrawFn, sampled: bool, priority: bool, late: bool) -> Samp
         presence_penalty=presence,
         frequency_penalty=frequency,
         repetition_penalty=repetition,
+        logit_bias=bias,
     )
 
 
-# (presence, frequency, repetition): mostly none, so that penalized and penalty-free requests
-# share batches, slots and snapshots
-PENALTIES = [(0.0, 0.0, 1.0), (0.0, 0.0, 1.0), (0.0, 0.0, 1.0), (1.0, 1.5, 1.4), (-2.0, 0.0, 0.7)]
+# (presence, frequency, repetition, logit bias): mostly none, so that requests with and
+# without them share batches, slots and snapshots
+LOGIT_EDITS = [
+    (0.0, 0.0, 1.0, {}),
+    (0.0, 0.0, 1.0, {}),
+    (0.0, 0.0, 1.0, {}),
+    (1.0, 1.5, 1.4, {}),
+    (-2.0, 0.0, 0.7, {5: 2.0, 300: -1.0}),
+    (0.0, 0.0, 1.0, {t: 1.0 for t in range(3, 303, 7)}),
+]
 
 
 ABORTS = st.one_of(
@@ -540,8 +548,8 @@ _ORACLE: dict[tuple, tuple[list[int], list[int]]] = {}
 def oracle(ckpt: Path, layout: str, prompt: tuple[int, ...], p: SamplingParams, n: int):
     """Dense fp32 greedy output (token ids, exit depths) of the first `n` tokens, read from the
     checkpoint file itself; memoised across examples (a longer run answers shorter ones)."""
-    penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-    key = (str(ckpt), layout, prompt, p.min_loops, p.max_loops, p.exit_threshold, penalties)
+    edits = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias)
+    key = (str(ckpt), layout, prompt, p.min_loops, p.max_loops, p.exit_threshold, edits)
     have = _ORACLE.get(key)
     if have is None or len(have[0]) < n:
         sd, cfg = _weights(str(ckpt))
@@ -550,7 +558,7 @@ def oracle(ckpt: Path, layout: str, prompt: tuple[int, ...], p: SamplingParams, 
             min_loops=p.min_loops,
             max_loops=p.max_loops,
             exit_threshold=p.exit_threshold,
-            penalties=penalties,
+            edits=p,
         )
         have = _ORACLE[key] = fn(sd, cfg, list(prompt), n, **kw)
     return have[0][:n], have[1][:n]

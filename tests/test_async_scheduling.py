@@ -38,7 +38,7 @@ def _llm(ckpt, asynchronous: bool) -> LLM:  # type: ignore[no-untyped-def]
 PENALTIES = {
     1: dict(repetition_penalty=1.3, frequency_penalty=0.4),
     2: dict(presence_penalty=0.8),
-    3: dict(repetition_penalty=0.8, frequency_penalty=-0.5),
+    3: dict(repetition_penalty=0.8, frequency_penalty=-0.5, logit_bias={7: 2.0, 12: -1.0}),
 }
 MODES = ["greedy", "seeded-sampling", "penalized"]
 

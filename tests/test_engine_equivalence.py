@@ -263,23 +263,24 @@ def test_seeded_sampling_is_batch_invariant(ckpt, llm):
     assert other_seed.token_ids != alone.token_ids
 
 
-# -- penalties -------------------------------------------------------------------------------
+# -- logit edits: penalties and bias ---------------------------------------------------------
 
 # strong enough that counts left by a slot's earlier request would change the tokens
 PENALTY_MIX = [
     dict(repetition_penalty=1.8),
     dict(frequency_penalty=2.0),
-    dict(presence_penalty=-2.0, repetition_penalty=0.6),
-    {},  # penalty-free rows share the penalized traversals unchanged
+    dict(presence_penalty=-2.0, repetition_penalty=0.6, logit_bias={77: 1.5, 5000: -0.5}),
+    {},  # rows without edits share the edited traversals unchanged
     dict(frequency_penalty=-1.5, presence_penalty=1.0, repetition_penalty=1.2),
+    dict(logit_bias={t: 2.0 for t in range(100, 400, 3)}),
 ]
-
-
-NO_PENALTY = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+NO_PENALTY = dict(
+    presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={}
+)
 
 
 def _penalized(i: int, **extra) -> SamplingParams:
-    return dataclasses.replace(params_for(i, **extra), max_tokens=10, **PENALTY_MIX[i % 5])
+    return dataclasses.replace(params_for(i, **extra), max_tokens=10, **PENALTY_MIX[i % 6])
 
 
 @pytest.mark.parametrize(
@@ -302,7 +303,7 @@ def test_penalized_greedy_equals_the_dense_oracle(ckpt, options):
         assert (out.token_ids, out.exit_depths) == oracle_greedy(llm, prompt, p, layout)
     plain = llm.generate(prompts, [dataclasses.replace(p, **NO_PENALTY) for p in params])
     changed = sum(a.token_ids != b.token_ids for a, b in zip(outs, plain, strict=True))
-    assert changed >= len(prompts) // 2, "the penalties must change what greedy decodes"
+    assert changed >= len(prompts) // 2, "the edits must change what greedy decodes"
 
 
 def test_penalized_sampling_is_batch_invariant_and_keeps_raw_logprobs(ckpt, llm):

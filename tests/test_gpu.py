@@ -67,8 +67,8 @@ def test_cuda_seeded_sampling_is_batch_invariant(tiny_ouro_dir):
 
 
 def test_cuda_penalized_greedy_matches_cpu_in_a_tight_pool(tiny_ouro_dir):
-    """Penalties in the graphs' `any_penalty` variant, beside penalty-free rows, with slots
-    reused and snapshots carrying each row's `seen` table: the CPU's tokens."""
+    """Penalties and a logit bias in the graphs' `logit_edits` variant, beside rows without,
+    with slots reused and snapshots carrying each row's `seen` table: the CPU's tokens."""
 
     def run(device: str) -> list:
         llm = LLM(
@@ -78,7 +78,7 @@ def test_cuda_penalized_greedy_matches_cpu_in_a_tight_pool(tiny_ouro_dir):
         prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(6)]
         mix = [
             dict(repetition_penalty=1.8), dict(frequency_penalty=2.0), {},
-            dict(presence_penalty=-2.0, repetition_penalty=0.6),
+            dict(presence_penalty=-2.0, repetition_penalty=0.6, logit_bias={7: 3.0, 400: -2.0}),
         ]  # fmt: skip
         params = [
             SamplingParams(max_tokens=24, ignore_eos=True, exit_threshold=0.6, **mix[i % 4])

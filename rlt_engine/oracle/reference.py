@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_engine.models.configs import LoopedLMConfig
+from rlt_engine.sampling_params import SamplingParams
 
 StateDict = dict[str, torch.Tensor]
 
@@ -184,17 +185,17 @@ def reference_greedy(
     min_loops: int = 1,
     max_loops: int | None = None,
     exit_threshold: float = 1.0,
-    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0),
+    edits: SamplingParams | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy decoding by full recomputation; returns (tokens, the depth each came from).
-    `penalties`: (presence, frequency, repetition), as SamplingParams' (`penalized_greedy`)."""
+    `edits`: params whose logit bias and penalties apply (`edited_greedy`; None: none)."""
     depth = cfg.num_loops
     max_loops = depth if max_loops is None else max_loops
     tokens = [int(t) for t in torch.as_tensor(prompt_ids).flatten().tolist()]
     prompt = list(tokens)
     kv_depths = [depth] * len(tokens)  # prompt tokens always run full depth
     out = reference_forward(state_dict, cfg, tokens, kv_depths)
-    generated = [penalized_greedy(out.logits[depth - 1, -1], prompt, [], penalties)]
+    generated = [edited_greedy(out.logits[depth - 1, -1], prompt, [], edits)]
     out_depths = [depth]
     while len(generated) < max_new_tokens:
         tokens.append(generated[-1])
@@ -205,22 +206,27 @@ def reference_greedy(
             hazards, min_loops=min_loops, max_loops=max_loops, exit_threshold=exit_threshold
         )
         kv_depths.append(e)
-        generated.append(penalized_greedy(out.logits[e - 1, -1], prompt, generated, penalties))
+        generated.append(edited_greedy(out.logits[e - 1, -1], prompt, generated, edits))
         out_depths.append(e)
     return generated[:max_new_tokens], out_depths[:max_new_tokens]
 
 
-def penalized_greedy(
-    logits: torch.Tensor,
-    prompt: list[int],
-    output: list[int],
-    penalties: tuple[float, float, float],
+def edited_greedy(
+    logits: torch.Tensor, prompt: list[int], output: list[int], edits: SamplingParams | None
 ) -> int:
-    """The greedy token of fp32 `logits` after the penalties, token by token: repetition on
-    each token seen in the prompt or the output, then frequency x its count and presence on
-    each output token (the sampler's `apply_penalties` for one row, written apart from it)."""
-    presence, frequency, repetition = (torch.tensor(p, dtype=torch.float32) for p in penalties)
+    """The greedy token of fp32 `logits` after the logit bias and the penalties, token by
+    token: each bias added, then repetition on each token seen in the prompt or the output,
+    then frequency x its count and presence on each output token (the sampler's
+    `apply_logit_edits` for one row, written apart from it)."""
+    if edits is None:
+        return int(logits.argmax())
+    presence, frequency, repetition = (
+        torch.tensor(p, dtype=torch.float32)
+        for p in (edits.presence_penalty, edits.frequency_penalty, edits.repetition_penalty)
+    )
     logits = logits.to(torch.float32).clone()
+    for t, bias in edits.logit_bias:
+        logits[t] = logits[t] + torch.tensor(bias, dtype=torch.float32)
     if bool(repetition != 1):
         for t in set(prompt) | set(output):
             logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition

@@ -34,9 +34,10 @@ from rlt_engine.oracle.reference import (
     _norm,
     _rope,
     _rope_tables,
-    penalized_greedy,
+    edited_greedy,
     reference_exit_depth,
 )
+from rlt_engine.sampling_params import SamplingParams
 
 __all__ = ["shared_forward", "shared_greedy"]
 
@@ -191,7 +192,7 @@ def shared_greedy(
     min_loops: int = 1,
     max_loops: int | None = None,
     exit_threshold: float = 1.0,
-    penalties: tuple[float, float, float] = (0.0, 0.0, 1.0),
+    edits: SamplingParams | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy decoding under SHARED semantics; returns (tokens, the depth each came from).
 
@@ -211,13 +212,13 @@ def shared_greedy(
     for token in prompt:
         out = _run_position(sd, cfg, token, rope, plane)
         plane.commit(out, depth)
-    tokens, depths = [penalized_greedy(out.logits[depth - 1], prompt, [], penalties)], [depth]
+    tokens, depths = [edited_greedy(out.logits[depth - 1], prompt, [], edits)], [depth]
     while len(tokens) < max_new_tokens:
         out = _run_position(sd, cfg, tokens[-1], rope, plane)
         e = reference_exit_depth(
             out.hazards, min_loops=min_loops, max_loops=max_loops, exit_threshold=exit_threshold
         )
         plane.commit(out, e)
-        tokens.append(penalized_greedy(out.logits[e - 1], prompt, tokens, penalties))
+        tokens.append(edited_greedy(out.logits[e - 1], prompt, tokens, edits))
         depths.append(e)
     return tokens, depths

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models, and their mapping onto
 `SamplingParams`. Unknown fields are ignored (as OpenAI-compatible servers do); fields we know
 but cannot honour with the value given are refused with a 400 naming the field. Among those:
-structured output (`response_format` other than text), `logit_bias`, and tool calling (`tools`
+structured output (`response_format` other than text) and tool calling (`tools`
 unless `tool_choice` is "none", `functions`): ignoring them would answer free text where the
 client asked for JSON or a tool call (vLLM refuses tools likewise without a tool parser).
 
@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -54,7 +54,7 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     response_format: dict[str, object] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     # looped-model extensions
     min_loops: int | None = Field(default=None, ge=1)
     max_loops: int | None = Field(default=None, ge=1)
@@ -67,8 +67,7 @@ class _Common(BaseModel):
             raise ParamError(
                 "response_format", 'response_format is not supported (only {"type": "text"})'
             )
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported")
+        self.token_biases()
         stops = self.stop_strings()
         if any(not s for s in stops):
             raise ParamError("stop", "stop strings must be non-empty")
@@ -78,6 +77,19 @@ class _Common(BaseModel):
             raise ParamError("min_loops", "min_loops must be <= max_loops")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options needs stream: true")
+
+    def token_biases(self) -> dict[int, float]:
+        """`logit_bias` with its keys (token ids as JSON strings) as ints, checked."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ParamError("logit_bias", f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens")
+        try:
+            ids = {int(t): b for t, b in bias.items()}
+        except ValueError:
+            raise ParamError("logit_bias", "logit_bias keys must be token ids") from None
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in ids.items()):
+            raise ParamError("logit_bias", "logit_bias maps token ids to biases in [-100, 100]")
+        return ids
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -101,6 +113,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias=self.token_biases(),
             min_loops=self.min_loops,
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,

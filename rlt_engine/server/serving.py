@@ -187,8 +187,11 @@ class Serving:
             job.streams = await self.engine.add_all(requests, final_only=not stream)
         except BaseException as exc:
             job.abort()
-            if isinstance(exc, ValueError):
-                raise ParamError("prompt" if kind == "cmpl" else "messages", str(exc)) from None
+            if isinstance(exc, ValueError):  # the engine's checks: its message names the field
+                field = "prompt" if kind == "cmpl" else "messages"
+                if str(exc).startswith("logit_bias"):
+                    field = "logit_bias"
+                raise ParamError(field, str(exc)) from None
             if isinstance(exc, EngineNotReadyError | EngineDeadError):
                 raise APIError(503, str(exc)) from None
             raise

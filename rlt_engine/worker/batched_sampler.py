@@ -58,33 +58,39 @@ class SamplingTensors:
 
 
 @dataclass
-class Penalties:
-    """Per-row penalties (SamplingParams') and what each row has seen, on the logits' device.
+class LogitEdits:
+    """Per-row logit biases and penalties (SamplingParams') and what each row has seen, on the
+    logits' device.
 
     `seen` int32 [rows, vocab] packs, per token, 2 x its count in the row's output plus 1 if it
     is in the prompt: one tensor keeps both what repetition asks (seen at all: > 0) and what
-    frequency and presence ask (the output count: >> 1)."""
+    frequency and presence ask (the output count: >> 1). `bias_ids` / `bias_values` [rows,
+    MAX_LOGIT_BIAS]: each row's biased tokens, padded with token 0 and a bias of 0."""
 
     presence: torch.Tensor  # fp32 [rows]; 0 = off
     frequency: torch.Tensor  # fp32 [rows]; 0 = off
     repetition: torch.Tensor  # fp32 [rows]; 1 = off
     seen: torch.Tensor  # int32 [rows, vocab]
+    bias_ids: torch.Tensor  # int64 [rows, MAX_LOGIT_BIAS]
+    bias_values: torch.Tensor  # fp32 [rows, MAX_LOGIT_BIAS]
 
 
 SEEN_OUTPUT = 2  # what one output token adds to its `seen` entry (the prompt bit is 1)
 
 
-def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    """fp32 logits with the penalties applied, as vLLM applies them: repetition over the tokens
-    seen in the prompt or the output (a positive logit divided, a negative one multiplied),
-    then frequency x count and presence x (count > 0) over the output's. A row with every
-    penalty off comes back bit for bit (x * 1, x / 1 and x - 0 are exact)."""
-    seen = p.seen
+def apply_logit_edits(logits: torch.Tensor, e: LogitEdits) -> torch.Tensor:
+    """fp32 logits [rows, vocab] with the edits applied in vLLM's order: the logit bias added,
+    then repetition over the tokens seen in the prompt or the output (a positive logit divided,
+    a negative one multiplied), then frequency x count and presence x (count > 0) over the
+    output's. A row with every edit off comes back unchanged (x + 0, x * 1, x / 1 and x - 0
+    are exact; only a -0.0 logit comes back +0.0)."""
+    logits = logits.scatter_add(1, e.bias_ids, e.bias_values)
+    seen = e.seen
     count = (seen >> 1).to(torch.float32)
-    repetition = torch.where(seen > 0, p.repetition[:, None], 1.0)
+    repetition = torch.where(seen > 0, e.repetition[:, None], 1.0)
     logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = logits - p.frequency[:, None] * count
-    return logits - p.presence[:, None] * (count > 0).to(torch.float32)
+    logits = logits - e.frequency[:, None] * count
+    return logits - e.presence[:, None] * (count > 0).to(torch.float32)
 
 
 @dataclass
@@ -200,7 +206,7 @@ def sample(
     any_filter: bool,
     num_logprobs: int | None,
     gate: torch.Tensor | None = None,
-    penalties: Penalties | None = None,
+    edits: LogitEdits | None = None,
 ) -> SampleOutput:
     """Sample one token per row of `logits` [rows, vocab] (any float dtype; fp32 inside).
 
@@ -214,16 +220,17 @@ def sample(
     greedy-only variant then takes the argmax with kernels/argmax, which a zero gate skips
     (no row needs a token: the tokens are undefined).
 
-    `penalties` (the `any_penalty` variant): applied to the logits the token is drawn from,
-    greedy rows' too (`apply_penalties`); the logprobs stay those of the raw logits.
+    `edits` (the `logit_edits` variant): logit biases and penalties, applied to the logits the
+    token is drawn from, greedy rows' too (`apply_logit_edits`); the logprobs stay those of the
+    raw logits.
     """
-    if gate is not None and not any_random and num_logprobs is None and penalties is None:
+    if gate is not None and not any_random and num_logprobs is None and edits is None:
         from rlt_engine.kernels.argmax import argmax_rows
 
         return SampleOutput(argmax_rows(logits, gate), None, None, None)
     raw = logits = logits.float()
-    if penalties is not None:
-        logits = apply_penalties(logits, penalties)
+    if edits is not None:
+        logits = apply_logit_edits(logits, edits)
     greedy = logits.argmax(dim=-1)
     if any_random:
         temperature = t.temperature.to(torch.float32)

@@ -44,7 +44,7 @@ class Flags:
     num_logprobs: int | None
     early_exits: bool
     long_context: bool = False  # rows may attend to LONG_CONTEXT keys: attention's launch plan
-    any_penalty: bool = False  # a row's penalties change its logits (batched_sampler.Penalties)
+    logit_edits: bool = False  # a row's bias or penalties change its logits (LogitEdits)
 
 
 class EventBuffers:
@@ -178,7 +178,7 @@ class DecodeTraversal:
         # the lm_head's weight read; its draws are then never recorded or used
         if (
             self.fused
-            and not (flags.any_random or flags.any_penalty)
+            and not (flags.any_random or flags.logit_edits)
             and flags.num_logprobs is None
         ):
             # greedy: the lm_head gives the argmax's partials (its epilogue's), and the
@@ -194,11 +194,11 @@ class DecodeTraversal:
                 any_random=flags.any_random,
                 any_filter=flags.any_filter,
                 num_logprobs=flags.num_logprobs,
-                penalties=s.penalties(slice(0, b)) if flags.any_penalty else None,
+                edits=s.logit_edits(slice(0, b)) if flags.logit_edits else None,
             )
             self._record_logprobs(b, drawn)
             drawn = drawn.token
-            if flags.any_penalty:  # the exiting rows' tokens join their outputs
+            if flags.logit_edits:  # the exiting rows' tokens join their outputs
                 s.count_output(slice(0, b), drawn, exits)
         if flags.early_exits and not self.shared and self.depth > 1:
             # a token that exits after loop e lends its K/V to each deeper plane, so later
@@ -255,9 +255,9 @@ class DecodeTraversal:
             any_filter=flags.any_filter,
             num_logprobs=flags.num_logprobs,
             gate=gate if self.fused else None,
-            penalties=s.penalties(slots) if flags.any_penalty else None,
+            edits=s.logit_edits(slots) if flags.logit_edits else None,
         )  # fmt: skip
-        if flags.any_penalty:
+        if flags.logit_edits:
             s.count_output(slots, drawn.token, last.expand_as(slots))
         s.start_decode(slots, drawn.token, wave.prompt_lens, self.refill, when=last)
         self._record_first(wave, drawn, last)

@@ -249,7 +249,7 @@ class ModelRunner:
         slots = [wave[i].slot for i in last]
         index = upload(torch.tensor(slots), dev)
         drawn = self._sample(self.model.coda(hidden[rows]), index, slots)
-        if self.slots.any_penalty(slots):
+        if self.slots.any_logit_edits(slots):
             s.count_output(index, drawn.token, torch.ones_like(index, dtype=torch.bool))
         positions = upload(torch.tensor([wave[i].start + counts[i] for i in last]), dev)
         s.start_decode(index, drawn.token, positions, self.refill)
@@ -270,7 +270,7 @@ class ModelRunner:
             any_random=any_random,
             any_filter=any_filter,
             num_logprobs=num_logprobs,
-            penalties=s.penalties(index) if s.any_penalty(slots) else None,
+            edits=s.logit_edits(index) if s.any_logit_edits(slots) else None,
         )
 
     def _rider(self, wave: tuple[PrefillChunk, ...], layout: WaveLayout) -> RidingWave:
@@ -327,7 +327,7 @@ class ModelRunner:
         flags = Flags(
             *self.slots.flags(),
             long_context=self.long_context(keys),
-            any_penalty=self.slots.any_penalty(),
+            logit_edits=self.slots.any_logit_edits(),
         )
         ev = self.events
         if traversals > ev.window:

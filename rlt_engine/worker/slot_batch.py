@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from rlt_engine.core.plan import SlotInit, Tables
-from rlt_engine.sampling_params import SamplingParams
-from rlt_engine.worker.batched_sampler import SEEN_OUTPUT, Penalties
+from rlt_engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from rlt_engine.worker.batched_sampler import SEEN_OUTPUT, LogitEdits
 
 MAX_STOP_IDS = 32  # stop token ids per request the device checks
 
@@ -52,6 +52,8 @@ class SlotBatch:
         "presence",
         "frequency",
         "repetition",
+        "bias_ids",
+        "bias_values",
     )
 
     def __init__(
@@ -90,10 +92,12 @@ class SlotBatch:
         self.presence = zeros(n, dt=torch.float32)
         self.frequency = zeros(n, dt=torch.float32)
         self.repetition = torch.ones(n, dtype=torch.float32, device=device)
-        # int32 [slots, vocab] (batched_sampler.Penalties.seen), made when the first
-        # penalized request arrives (4 bytes x slots x vocab: 50 MB at 256 slots of Ouro's
-        # vocabulary) and kept: only penalized rows' entries are kept true, and only the
-        # `any_penalty` variant reads them
+        self.bias_ids = zeros(n, MAX_LOGIT_BIAS)  # padding: token 0, bias 0
+        self.bias_values = zeros(n, MAX_LOGIT_BIAS, dt=torch.float32)
+        # int32 [slots, vocab] (batched_sampler.LogitEdits.seen), made when the first request
+        # that edits logits arrives (before the `logit_edits` variant's graphs that read it;
+        # 4 bytes x slots x vocab: 50 MB at 256 slots of Ouro's vocabulary) and kept: only
+        # penalized rows' entries are kept true (for the others they change nothing)
         self.seen: torch.Tensor | None = None
         self.block_tables = zeros(n, num_planes, max_blocks, dt=torch.int32)
         self.host: dict[int, SlotHost] = {}
@@ -128,7 +132,11 @@ class SlotBatch:
             presence=p.presence_penalty,
             frequency=p.frequency_penalty,
             repetition=p.repetition_penalty,
+            bias_ids=[t for t, _ in p.logit_bias] + [0] * (MAX_LOGIT_BIAS - len(p.logit_bias)),
+            bias_values=[b for _, b in p.logit_bias] + [0.0] * (MAX_LOGIT_BIAS - len(p.logit_bias)),
         )
+        if p.edits_logits:
+            self._seen()
         if p.penalized:  # nothing seen yet but the prompt's tokens (the prompt bit)
             seen = self._seen()[s]
             seen.zero_()
@@ -262,15 +270,22 @@ class SlotBatch:
         early = any(h.early_exit for h in self.host.values())
         return (*self.sampling_flags(list(self.host)), early)
 
-    def any_penalty(self, slots: list[int] | None = None) -> bool:
-        """Whether a penalty applies to any of `slots` (None: the slots in use)."""
+    def any_logit_edits(self, slots: list[int] | None = None) -> bool:
+        """Whether a bias or a penalty edits the logits of any of `slots` (None: the slots in
+        use)."""
         slots = list(self.host) if slots is None else slots
-        return any(self.host[i].params.penalized for i in slots)
+        return any(self.host[i].params.edits_logits for i in slots)
 
-    def penalties(self, rows: slice | torch.Tensor) -> Penalties:
-        """The sampler's penalties of `rows` (a slice keeps the fixed addresses a graph needs)."""
-        return Penalties(
-            self.presence[rows], self.frequency[rows], self.repetition[rows], self._seen()[rows]
+    def logit_edits(self, rows: slice | torch.Tensor) -> LogitEdits:
+        """The sampler's logit edits of `rows` (a slice keeps the fixed addresses a graph
+        needs)."""
+        return LogitEdits(
+            self.presence[rows],
+            self.frequency[rows],
+            self.repetition[rows],
+            self._seen()[rows],
+            self.bias_ids[rows],
+            self.bias_values[rows],
         )
 
     def count_output(

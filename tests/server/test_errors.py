@@ -42,7 +42,10 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
             {"model": "demo", "prompt": "x", "response_format": {"type": "json_object"}},
             "response_format",
         ),
-        ({"model": "demo", "prompt": "x", "logit_bias": {"50": 5}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"50": 101}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"fifty": 5}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
+        ({"model": "demo", "prompt": "x", "logit_bias": {str(10**9): 5}}, "logit_bias"),  # vocab
         ({"model": "demo", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"model": "demo", "prompt": []}, "prompt"),
         ({"model": "demo", "prompt": [-1, 2]}, None),

@@ -70,6 +70,23 @@ def test_penalties_equal_in_process(client, demo_llm) -> None:
     assert want.token_ids != plain.token_ids
 
 
+def test_logit_bias_equals_in_process(client, demo_llm) -> None:
+    """A bias of -100 keeps the greedy tokens out; +100 on one token makes it every token."""
+    (plain,) = demo_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8))
+    banned = {str(t): -100 for t in set(plain.token_ids)}
+    got = client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=8, temperature=0, logit_bias=banned
+    )
+    ids = (got.choices[0].model_extra or {})["token_ids"]
+    params = SamplingParams(max_tokens=8, logit_bias={int(t): -100 for t in banned})
+    (want,) = demo_llm.generate([PROMPTS[0]], params)
+    assert ids == want.token_ids and not set(ids) & set(plain.token_ids)
+    forced = client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=3, temperature=0.8, logit_bias={"300": 100}
+    )
+    assert (forced.choices[0].model_extra or {})["token_ids"] == [300, 300, 300]
+
+
 def test_token_id_prompts_and_loop_controls(client, demo_llm) -> None:
     ids = demo_llm.tokenizer.encode(PROMPTS[1])
     controls = {"max_loops": 2, "exit_threshold": 1.0}

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from rlt_engine.oracle.reference import penalized_greedy
-from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.oracle.reference import edited_greedy
+from rlt_engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from rlt_engine.worker.batched_sampler import (
     SEEN_OUTPUT,
-    Penalties,
+    LogitEdits,
     SamplingTensors,
     _filter_thresholds,
     _mul32,
-    apply_penalties,
+    apply_logit_edits,
     random_words,
     row_keys,
     sample,
@@ -445,7 +445,7 @@ def test_cuda_noise_is_bit_identical_and_graph_replay_equals_eager():
             assert (cpu.token == eager.token.cpu()).float().mean() >= 0.9
 
 
-# -- penalties ----------------------------------------------------------------------------------
+# -- logit edits: bias and penalties -----------------------------------------------------------
 
 
 def _seen(prompts: list[list[int]], outputs: list[list[int]], vocab: int = VOCAB) -> torch.Tensor:
@@ -457,54 +457,82 @@ def _seen(prompts: list[list[int]], outputs: list[list[int]], vocab: int = VOCAB
     return seen
 
 
-def _penalties(rows: int, presence=0.0, frequency=0.0, repetition=1.0, seen=None) -> Penalties:
-    def full(v: float) -> torch.Tensor:
-        return torch.full((rows,), v, dtype=torch.float32)
+def _edits(
+    per_row: list[SamplingParams], seen: torch.Tensor | None = None, vocab: int = VOCAB
+) -> LogitEdits:
+    """The sampler's edits of these rows' params, padded as SlotBatch pads them."""
+    rows = len(per_row)
 
-    seen = torch.zeros(rows, VOCAB, dtype=torch.int32) if seen is None else seen
-    return Penalties(full(presence), full(frequency), full(repetition), seen)
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in per_row], dtype=torch.float32)
+
+    pad = [MAX_LOGIT_BIAS - len(p.logit_bias) for p in per_row]
+    ids = [[t for t, _ in p.logit_bias] + [0] * n for p, n in zip(per_row, pad, strict=True)]
+    values = [[b for _, b in p.logit_bias] + [0.0] * n for p, n in zip(per_row, pad, strict=True)]
+    return LogitEdits(
+        column("presence_penalty"),
+        column("frequency_penalty"),
+        column("repetition_penalty"),
+        torch.zeros(rows, vocab, dtype=torch.int32) if seen is None else seen,
+        torch.tensor(ids),
+        torch.tensor(values, dtype=torch.float32),
+    )
 
 
-def test_penalties_off_leave_every_logit_bit_for_bit():
+def test_edits_off_leave_every_logit_bit_for_bit():
     logits = _logits(6, seed=3)
     seen = torch.randint(0, 9, (6, VOCAB), dtype=torch.int32)
-    assert torch.equal(apply_penalties(logits, _penalties(6, seen=seen)), logits)
+    edited = apply_logit_edits(logits, _edits([SamplingParams()] * 6, seen))
+    assert torch.equal(edited, logits)
 
 
 @pytest.mark.parametrize("case", range(40))
-def test_penalties_agree_with_the_oracles_token_by_token_form(case):
+def test_edits_agree_with_the_oracles_token_by_token_form(case):
     rng = np.random.default_rng(case)
     rows = 3
     prompts = [list(rng.integers(0, VOCAB, rng.integers(1, 8))) for _ in range(rows)]
     outputs = [list(rng.integers(0, VOCAB, rng.integers(0, 12))) for _ in range(rows)]
-    presence, frequency = (float(np.float32(x)) for x in rng.uniform(-2, 2, 2))
-    repetition = float(np.float32(rng.uniform(0.3, 2.5)))
-    logits = _logits(rows, seed=case) / 4  # near ties: the penalties decide
-    p = _penalties(rows, presence, frequency, repetition, _seen(prompts, outputs))
-    got = apply_penalties(logits, p).argmax(-1).tolist()
-    want = [
-        penalized_greedy(logits[r], prompts[r], outputs[r], (presence, frequency, repetition))
-        for r in range(rows)
-    ]
-    assert got == want
+
+    def params() -> SamplingParams:
+        presence, frequency = (float(np.float32(x)) for x in rng.uniform(-2, 2, 2))
+        biased = rng.choice(VOCAB, rng.integers(0, 5), replace=False)
+        return SamplingParams(
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=float(np.float32(rng.uniform(0.3, 2.5))),
+            logit_bias={int(t): float(np.float32(rng.uniform(-3, 3))) for t in biased},
+        )
+
+    per_row = [params() for _ in range(rows)]
+    logits = _logits(rows, seed=case) / 4  # near ties: the edits decide
+    got = apply_logit_edits(logits, _edits(per_row, _seen(prompts, outputs))).argmax(-1)
+    want = [edited_greedy(logits[r], prompts[r], outputs[r], per_row[r]) for r in range(rows)]
+    assert got.tolist() == want
 
 
-def test_penalties_act_as_documented():
+def test_edits_act_as_documented():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     seen = torch.tensor([[1, 1, 2 * SEEN_OUTPUT, 0]], dtype=torch.int32)  # prompt, prompt, 2x out
-    rep = apply_penalties(logits, Penalties(*torch.tensor([[0.0], [0.0], [2.0]]), seen))
-    assert rep.tolist() == [[1.0, -4.0, 0.5, 0.5]]  # positive halved, negative doubled
-    freq = apply_penalties(logits, Penalties(*torch.tensor([[0.5], [0.25], [1.0]]), seen))
-    assert freq.tolist() == [[2.0, -2.0, 1.0 - 0.5 - 0.5, 0.5]]  # output tokens only
+
+    def edit(**params) -> list[list[float]]:
+        return apply_logit_edits(logits, _edits([SamplingParams(**params)], seen, 4)).tolist()
+
+    assert edit(repetition_penalty=2.0) == [[1.0, -4.0, 0.5, 0.5]]  # positive halved, negative x2
+    assert edit(presence_penalty=0.5, frequency_penalty=0.25) == [[2.0, -2.0, 0.0, 0.5]]
+    assert edit(logit_bias={3: 4.0, 0: -1.0}) == [[1.0, -2.0, 1.0, 4.5]]
+    # the bias first, then the penalties: (2 - 1) / 2 for token 0
+    assert edit(logit_bias={0: -1.0}, repetition_penalty=2.0)[0][0] == 0.5
 
 
-def test_sample_with_penalties_draws_from_the_penalized_logits_and_logs_the_raw_ones():
+def test_sample_with_edits_draws_from_the_edited_logits_and_logs_the_raw_ones():
     logits = torch.tensor([[3.0, 2.0, 0.0, -1.0], [0.0, 1.0, 2.0, 3.0]])
     seen = torch.tensor([[SEEN_OUTPUT, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.int32)
-    penalties = Penalties(*torch.tensor([[2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]), seen)
+    edits = _edits(
+        [SamplingParams(presence_penalty=2.0), SamplingParams(logit_bias={0: 5.0})], seen, 4
+    )
     t = _tensors(2, temperature=0.0)
-    out = sample(logits, t, any_random=False, any_filter=False, num_logprobs=1, penalties=penalties)
-    assert out.token.tolist() == [1, 3]  # token 0 lost 2 to the presence penalty
+    out = sample(logits, t, any_random=False, any_filter=False, num_logprobs=1, edits=edits)
+    assert out.token.tolist() == [1, 0]  # token 0 lost 2 to presence; row 1's gained 5
     raw = logits.log_softmax(-1)
-    assert torch.equal(out.logprob, raw[[0, 1], [1, 3]])
+    assert torch.equal(out.logprob, raw[[0, 1], [1, 0]])
     assert out.top_ids.tolist() == [[0], [3]]  # the raw logits' best

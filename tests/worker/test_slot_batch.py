@@ -192,7 +192,7 @@ def test_snapshot_and_restore_never_wait_for_the_stream() -> None:
 
 def test_penalized_rows_keep_what_they_have_seen_through_reuse_and_preemption() -> None:
     s = batch()
-    assert s.seen is None and not s.any_penalty(), "made by the first penalized request only"
+    assert s.seen is None and not s.any_logit_edits(), "made by the first penalized request only"
     s.init(slot_init(0), DEPTH)
     assert s.seen is None
     penalized = dataclasses.replace(
@@ -200,7 +200,7 @@ def test_penalized_rows_keep_what_they_have_seen_through_reuse_and_preemption() 
     )
     s.init(penalized, DEPTH)
     s.flush()
-    assert s.any_penalty() and not s.any_penalty([0])
+    assert s.any_logit_edits() and not s.any_logit_edits([0])
     assert s.seen[1].tolist() == [0, 0, 0, 1, 0, 1, 0, 0, 0, 0]  # the prompt bit
     assert s.repetition[1].item() == pytest.approx(1.2)
     # slot 1's outputs 5 (committed) and 7 (not); slot 0's 2 (not penalized: harmless)
