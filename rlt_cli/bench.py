@@ -102,6 +102,7 @@ def bench_command() -> Callable[..., None]:
         *SERVING_PARAMETERS,
         *engine_flags(),
         *LOOP_PARAMETERS,
+        *PENALTY_PARAMETERS,
         JSON_PARAMETER,
     ]
     flags = {**WORKLOAD_FLAGS, **SERVING_FLAGS}
@@ -203,6 +204,15 @@ LOOP_PARAMETERS = [
     ),
     option("min_loops", int | None, None, "Least loops per token (default 1).", "Loop controls"),
     option("max_loops", int | None, None, OPTION_HELP["max_loops"], "Loop controls"),
+]
+# the sampler's logit-edit variant (its cost), greedy otherwise
+PENALTY_PARAMETERS = [
+    option(name, float, default, OPTION_HELP[name], "Sampling")
+    for name, default in (
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+    )
 ]
 JSON_PARAMETER = keyword(
     "json_output",
@@ -307,6 +317,7 @@ def parse_workload(values: dict[str, Any], default_concurrency: tuple[int, ...])
         min_loops=values["min_loops"],
         max_loops=values["max_loops"],
         exit_threshold=values["exit_threshold"],
+        **{p.name: values[p.name] for p in PENALTY_PARAMETERS},
     )
     lo, hi = params.min_loops, params.max_loops
     if lo is not None and hi is not None and lo > hi:
@@ -362,7 +373,8 @@ def _parse_serving(values: dict[str, Any]) -> ServingBenchConfig:
             given[0], "the serving benchmark loads no model (give engine flags to the server)"
         )
         raise ValueError(f"{_flag(given[0])} cannot be used with --url: {why}")
-    loops = {name: values[name] for name in _given([p.name for p in LOOP_PARAMETERS])}
+    sent = [p.name for p in (*LOOP_PARAMETERS, *PENALTY_PARAMETERS)]
+    loops = {name: values[name] for name in _given(sent)}
     return ServingBenchConfig(
         url=values["url"],
         num_prompts=values["num_prompts"],
@@ -424,6 +436,7 @@ def engine_summary(engine: LLMEngine, w: Workload) -> dict[str, Any]:
         "min_loops": controls.min_loops,
         "max_loops": controls.max_loops,
         "exit_threshold": controls.exit_threshold,
+        **{p.name: getattr(w.params, p.name) for p in PENALTY_PARAMETERS},
     }
 
 

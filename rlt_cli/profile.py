@@ -32,6 +32,7 @@ from rich.table import Table
 from rlt_cli.bench import (
     JSON_PARAMETER,
     LOOP_PARAMETERS,
+    PENALTY_PARAMETERS,
     WORKLOAD_FLAGS,
     Workload,
     copy_bandwidth,
@@ -83,6 +84,7 @@ def profile_command() -> Callable[..., None]:
         option("top", int, 15, "Kernels (CPU ops on CPU) in the top list.", "Profile"),
         *engine_flags(),
         *LOOP_PARAMETERS,
+        *PENALTY_PARAMETERS,
         JSON_PARAMETER,
     ]
     return callback(lambda values: _profile(_parse(values)), parameters, HELP, flags=WORKLOAD_FLAGS)

@@ -79,6 +79,33 @@ def test_loop_controls_reach_the_requests(tiny_ouro_dir: Path) -> None:
     assert sum(adaptive["exit_depths"].values()) == 8
 
 
+def test_penalties_reach_the_requests(tiny_ouro_dir: Path, monkeypatch) -> None:
+    """--presence/frequency/repetition-penalty: every request runs the sampler's logit-edit
+    variant (its cost is what they measure), and the report says so."""
+    from rlt_engine.engine import LLMEngine
+
+    seen = []
+    add = LLMEngine.add_request
+
+    def spy(self, prompt, params=None, **kw):  # type: ignore[no-untyped-def]
+        seen.append(params)
+        return add(self, prompt, params, **kw)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    data = run_json(
+        tiny_ouro_dir, "-c", "2", "--repetition-penalty", "1.3", "--frequency-penalty", "-1"
+    )
+    assert (data["repetition_penalty"], data["frequency_penalty"], data["presence_penalty"]) == (
+        1.3,
+        -1.0,
+        0.0,
+    )
+    assert seen and all(p.repetition_penalty == 1.3 and p.frequency_penalty == -1 for p in seen)
+    assert_one_error_line(
+        run_tiny(tiny_ouro_dir, "--presence-penalty", "3"), "--presence-penalty", "[-2, 2]"
+    )
+
+
 def test_works_without_a_tokenizer(tmp_path: Path) -> None:
     model_dir = tiny_checkpoints.write_tiny_ouro(tmp_path, tokenizer_from=None)
     data = run_json(model_dir, "-c", "1")
