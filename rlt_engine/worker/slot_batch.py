@@ -52,8 +52,6 @@ class SlotBatch:
         "presence",
         "frequency",
         "repetition",
-        "bias_ids",
-        "bias_values",
     )
 
     def __init__(
@@ -92,8 +90,11 @@ class SlotBatch:
         self.presence = zeros(n, dt=torch.float32)
         self.frequency = zeros(n, dt=torch.float32)
         self.repetition = torch.ones(n, dtype=torch.float32, device=device)
-        self.bias_ids = zeros(n, MAX_LOGIT_BIAS)  # padding: token 0, bias 0
+        # each slot's logit bias (padding: token 0, bias 0), written from its params only where
+        # a request has one or the slot's last one had (`_biased`): most admissions write none
+        self.bias_ids = zeros(n, MAX_LOGIT_BIAS)
         self.bias_values = zeros(n, MAX_LOGIT_BIAS, dt=torch.float32)
+        self._biased: set[int] = set()
         # int32 [slots, vocab] (batched_sampler.LogitEdits.seen), made when the first request
         # that edits logits arrives (before the `logit_edits` variant's graphs that read it;
         # 4 bytes x slots x vocab: 50 MB at 256 slots of Ouro's vocabulary) and kept: only
@@ -132,9 +133,8 @@ class SlotBatch:
             presence=p.presence_penalty,
             frequency=p.frequency_penalty,
             repetition=p.repetition_penalty,
-            bias_ids=[t for t, _ in p.logit_bias] + [0] * (MAX_LOGIT_BIAS - len(p.logit_bias)),
-            bias_values=[b for _, b in p.logit_bias] + [0.0] * (MAX_LOGIT_BIAS - len(p.logit_bias)),
         )
+        self._set_bias(s, p.logit_bias)
         if p.edits_logits:
             self._seen()
         if p.penalized:  # nothing seen yet but the prompt's tokens (the prompt bit)
@@ -145,6 +145,20 @@ class SlotBatch:
                 seen.index_fill_(0, ids, 1)
         self.host[s] = SlotHost(p, c.may_exit_early(depth), 0)
         self.append(s, op.block_tables)
+
+    def _set_bias(self, slot: int, bias: tuple[tuple[int, float], ...]) -> None:
+        if not bias and slot not in self._biased:
+            return  # the row is all padding already
+        pad = MAX_LOGIT_BIAS - len(bias)
+        self._write(
+            slot,
+            bias_ids=[t for t, _ in bias] + [0] * pad,
+            bias_values=[b for _, b in bias] + [0.0] * pad,
+        )
+        if bias:
+            self._biased.add(slot)
+        else:
+            self._biased.discard(slot)
 
     def _seen(self) -> torch.Tensor:
         if self.seen is None:
@@ -257,6 +271,7 @@ class SlotBatch:
             getattr(self, name)[slot] = upload(state[name], self.device)
         if "seen" in state:
             self._seen()[slot] = upload(state["seen"], self.device)
+        self._set_bias(slot, host.params.logit_bias)  # (from the params: not in the snapshot)
         self.host[slot] = SlotHost(host.params, host.early_exit, 0)
         self.append(slot, tables)
 
