@@ -179,6 +179,10 @@ class Serving:
         work: list[tuple[str | list[int], SamplingParams]],
         stream: bool,
     ) -> _Job:
+        assert self.engine.info is not None
+        vocab = self.engine.info.vocab_size  # (the engine checks it too, naming no field)
+        if any(t >= vocab for _, params in work for t, _ in params.logit_bias):
+            raise ParamError("logit_bias", f"logit_bias token ids must lie in [0, {vocab})")
         job = _Job(f"{kind}-{uuid.uuid4().hex}", model, int(time.time()))
         requests = [(prompt, params, f"{job.id}-{i}") for i, (prompt, params) in enumerate(work)]
         try:
@@ -187,11 +191,8 @@ class Serving:
             job.streams = await self.engine.add_all(requests, final_only=not stream)
         except BaseException as exc:
             job.abort()
-            if isinstance(exc, ValueError):  # the engine's checks: its message names the field
-                field = "prompt" if kind == "cmpl" else "messages"
-                if str(exc).startswith("logit_bias"):
-                    field = "logit_bias"
-                raise ParamError(field, str(exc)) from None
+            if isinstance(exc, ValueError):
+                raise ParamError("prompt" if kind == "cmpl" else "messages", str(exc)) from None
             if isinstance(exc, EngineNotReadyError | EngineDeadError):
                 raise APIError(503, str(exc)) from None
             raise
