@@ -62,6 +62,8 @@ HELP: dict[str, str] = {
     "one window late; exact). Default: on with CUDA, off on the CPU.",
     # sampling (SamplingParams)
     "max_tokens": "Most tokens to generate per prompt.",
+    "min_tokens": "Least tokens to generate per prompt: no stop token id or stop string ends "
+    "the first N.",
     "temperature": "Sampling temperature; 0 = greedy.",
     "top_k": "Keep the k most likely tokens; 0 = off.",
     "top_p": "Nucleus sampling mass, in (0, 1].",

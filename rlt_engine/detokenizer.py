@@ -3,6 +3,9 @@
 Text is only emitted once it is final: a token that ends inside a multi-byte character
 decodes to U+FFFD and is held back until the following tokens complete it, and the last
 characters that could still be the start of a stop string are held back until they cannot.
+As vLLM, stop strings are looked for only once the output is longer than `min_tokens`, and
+then only in the text the newest token adds (with what a stop string may straddle): one that
+ended within the first `min_tokens` tokens is never found.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 class IncrementalDetokenizer:
     tokenizer: Any
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0
     text: str = ""
     _ids: list[int] = field(default_factory=list)
     _prefix: int = 0  # tokens before this index are already final text
@@ -58,7 +62,7 @@ class IncrementalDetokenizer:
     def _append(self, new: str) -> bool:
         before = len(self.text)
         self.text += new
-        if not self.stop:
+        if not self.stop or len(self._ids) <= self.min_tokens:
             return False
         # a stop string may straddle the previous text and the new piece
         search_from = max(0, before - max(len(s) for s in self.stop) + 1)

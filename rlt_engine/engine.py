@@ -278,7 +278,7 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
         self.scheduler.add(req)
         self._requests[request_id] = _Tracked(req, detok)
         return request_id

@@ -11,6 +11,9 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
+    # the first min_tokens tokens can be no stop token id (their logits are set to -inf) and end
+    # no stop string (vLLM's)
+    min_tokens: int = 0
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -44,6 +47,11 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r} "
+                f"(max_tokens={self.max_tokens})"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -86,9 +94,15 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether a penalty or a logit bias changes the logits (the sampler's `logit_edits`
-        variant)."""
-        return self.penalized or bool(self.logit_bias)
+        """Whether a penalty, a logit bias or min_tokens changes the logits (the sampler's
+        `logit_edits` variant)."""
+        return self.penalized or bool(self.logit_bias) or self.holds_back_stops
+
+    @property
+    def holds_back_stops(self) -> bool:
+        """Whether min_tokens holds back any stop token id: with ignore_eos and no
+        stop_token_ids the request has none."""
+        return self.min_tokens > 0 and not (self.ignore_eos and not self.stop_token_ids)
 
     @property
     def penalized(self) -> bool:

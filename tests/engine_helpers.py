@@ -81,6 +81,8 @@ def oracle_greedy(
         p.frequency_penalty,
         p.repetition_penalty,
         p.logit_bias,
+        p.min_tokens,
+        p.stop_token_ids,
     )
     if key not in _ORACLE:
         decode = shared_greedy if layout == "shared" else reference_greedy

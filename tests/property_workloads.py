@@ -549,6 +549,7 @@ def oracle(ckpt: Path, layout: str, prompt: tuple[int, ...], p: SamplingParams, 
     """Dense fp32 greedy output (token ids, exit depths) of the first `n` tokens, read from the
     checkpoint file itself; memoised across examples (a longer run answers shorter ones)."""
     edits = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias)
+    edits += (p.min_tokens, p.stop_token_ids)
     key = (str(ckpt), layout, prompt, p.min_loops, p.max_loops, p.exit_threshold, edits)
     have = _ORACLE.get(key)
     if have is None or len(have[0]) < n:

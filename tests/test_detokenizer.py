@@ -129,3 +129,22 @@ def test_streamed_pieces_never_include_part_of_a_stop_string(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, stop=(stop,))
     pieces, _ = _push_all(detok, ids)
     assert "".join(pieces) == detok.text
+
+
+def test_min_tokens_skips_stop_strings_in_the_first_tokens(tokenizer):
+    """As vLLM: a stop string is looked for once the output is longer than min_tokens, in
+    the newest token's text (with what it may straddle): one that ended inside the first
+    min_tokens tokens is passed over, the next one found."""
+    text = "one. two three four. five"
+    ids = tokenizer.encode(text)
+    ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
+    first_stop = next(i for i, e in enumerate(ends) if e > text.index("."))
+    _, at = _push_all(IncrementalDetokenizer(tokenizer, (".",)), ids)
+    assert at == first_stop
+    detok = IncrementalDetokenizer(tokenizer, (".",), min_tokens=first_stop + 1)
+    pieces, at = _push_all(detok, ids)
+    assert at == next(i for i, e in enumerate(ends) if e > text.rindex("."))
+    assert "".join(pieces) == detok.text == "one. two three four"
+    # min_tokens past every stop string: none ends it
+    detok = IncrementalDetokenizer(tokenizer, (".",), min_tokens=len(ids))
+    assert _push_all(detok, ids)[1] is None and detok.text == text

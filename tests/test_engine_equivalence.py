@@ -336,6 +336,54 @@ def test_penalized_sampling_is_batch_invariant_and_keeps_raw_logprobs(ckpt, llm)
         assert lp.logprob == pytest.approx(float(full[token]), abs=LOGPROB_ABS)
 
 
+def _ten(i: int, **extra) -> SamplingParams:
+    return dataclasses.replace(params_for(i), max_tokens=10, **extra)
+
+
+def _stopped(tokens: list[int], depths: list[int], stops: tuple[int, ...]) -> tuple:
+    """(tokens, depths, finish reason) of an oracle run cut after its first stop id."""
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
+    if cut is None:
+        return tokens, depths, "length"
+    return tokens[:cut], depths[:cut], "stop"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(block_size=2, max_num_seqs=2),  # a queue: slots reused by later requests
+        dict(block_size=4, attention_backend="triton", decode_window=3),  # the riding waves
+    ],
+    ids=["slots-reused", "triton"],
+)
+def test_min_tokens_greedy_equals_the_dense_oracle(ckpt, options):
+    """Stop ids chosen among each prompt's own early greedy tokens (its first, second or
+    fourth) would end it at once; min_tokens holds them back for its first tokens, on the
+    prefill's first token, the riding wave's and every decode window's, and the request then
+    stops at the first stop id the oracle (with the same stop ids held back) reaches."""
+    llm = make_llm(ckpt, **options)
+    chosen = INTERPRETED_PROMPTS if options.get("attention_backend") == "triton" else range(9)
+    prompts = [PROMPTS[i] for i in chosen]
+    free = llm.generate(prompts, [_ten(i) for i in chosen])
+    params = []
+    for k, (i, out) in enumerate(zip(chosen, free, strict=True)):
+        early = out.token_ids[(0, 1, 3)[k % 3]]
+        min_tokens = (0, 2, 5, 9)[k % 4]  # 0: the stop id ends it where it appears
+        stops = (early, (early + 1) % 300) if k % 2 else (early,)
+        params.append(_ten(i, min_tokens=min_tokens, stop_token_ids=stops))
+    outs = llm.generate(prompts, params)
+    held = 0
+    for out, prompt, p in zip(outs, prompts, params, strict=True):
+        want = _stopped(
+            *oracle_greedy(llm, prompt, p, options.get("kv_layout", "last_exited")),
+            p.stop_token_ids,
+        )
+        assert (out.token_ids, out.exit_depths, out.finish_reason) == want
+        assert len(out.token_ids) >= p.min_tokens
+        held += p.min_tokens > 0 and len(out.token_ids) > 4
+    assert held >= 2, "min_tokens must keep some requests going past their early stop ids"
+
+
 def test_two_decode_sequences_on_the_wide_tile_equal_the_oracle(ckpt, monkeypatch):
     """Two decode sequences below LONG_CONTEXT keys take the wide tile (WIDE_TILE_SPLITS ways
     of 128-key tiles) with their older keys read before the wait, as one sequence does; the

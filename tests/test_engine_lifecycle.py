@@ -358,11 +358,20 @@ def test_outputs_come_back_in_input_order(llm):
         (dict(frequency_penalty=float("nan")), r"frequency_penalty must lie in \[-2, 2\]"),
         (dict(repetition_penalty=0.0), r"repetition_penalty must be a finite number > 0"),
         (dict(repetition_penalty=float("inf")), r"repetition_penalty must be a finite number"),
+        (dict(min_tokens=-1), r"min_tokens must be an integer in \[0, max_tokens\], got -1"),
+        (dict(max_tokens=4, min_tokens=5), r"got 5 \(max_tokens=4\)"),
     ],
 )
 def test_bad_sampling_params_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_min_tokens_edits_logits_only_where_it_holds_back_a_stop_id():
+    assert SamplingParams(min_tokens=3).edits_logits  # the model's EOS
+    assert SamplingParams(min_tokens=3, ignore_eos=True, stop_token_ids=[5]).edits_logits
+    assert not SamplingParams(min_tokens=3, ignore_eos=True).edits_logits  # nothing to hold
+    assert not SamplingParams(min_tokens=0).edits_logits
 
 
 @pytest.mark.parametrize(

@@ -66,9 +66,14 @@ def test_cuda_seeded_sampling_is_batch_invariant(tiny_ouro_dir):
     assert alone == batched
 
 
+# tokens the tiny Ouro's rows 4 and 5 below repeat from their first tokens on
+STOPS = (22481, 44225)
+
+
 def test_cuda_penalized_greedy_matches_cpu_in_a_tight_pool(tiny_ouro_dir):
-    """Penalties and a logit bias in the graphs' `logit_edits` variant, beside rows without,
-    with slots reused and snapshots carrying each row's `seen` table: the CPU's tokens."""
+    """Penalties, a logit bias and min_tokens in the graphs' `logit_edits` variant, beside
+    rows without, with slots reused and snapshots carrying each row's `seen` table: the CPU's
+    tokens."""
 
     def run(device: str) -> list:
         llm = LLM(
@@ -79,16 +84,19 @@ def test_cuda_penalized_greedy_matches_cpu_in_a_tight_pool(tiny_ouro_dir):
         mix = [
             dict(repetition_penalty=1.8), dict(frequency_penalty=2.0), {},
             dict(presence_penalty=-2.0, repetition_penalty=0.6, logit_bias={7: 3.0, 400: -2.0}),
+            dict(min_tokens=12, stop_token_ids=STOPS), dict(min_tokens=3, stop_token_ids=STOPS),
         ]  # fmt: skip
         params = [
-            SamplingParams(max_tokens=24, ignore_eos=True, exit_threshold=0.6, **mix[i % 4])
+            SamplingParams(max_tokens=24, ignore_eos=True, exit_threshold=0.6, **mix[i])
             for i in range(6)
         ]
         outs = llm.generate(prompts, params)
         assert llm.engine.blocks.num_used == 0 and llm.engine.runner.snapshots == {}
-        return [(o.token_ids, o.exit_depths) for o in outs]
+        return [(o.token_ids, o.exit_depths, o.finish_reason) for o in outs]
 
-    assert run("cuda") == run("cpu")
+    cpu = run("cpu")
+    assert [finish for _, _, finish in cpu[4:]] == ["stop", "stop"]  # after min_tokens
+    assert run("cuda") == cpu
 
 
 def test_cuda_graph_captures_are_counted(tiny_ouro_dir):

@@ -188,7 +188,8 @@ def reference_greedy(
     edits: SamplingParams | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy decoding by full recomputation; returns (tokens, the depth each came from).
-    `edits`: params whose logit bias and penalties apply (`edited_greedy`; None: none)."""
+    `edits`: params whose logit bias, penalties and min_tokens apply (`edited_greedy`; None:
+    none)."""
     depth = cfg.num_loops
     max_loops = depth if max_loops is None else max_loops
     tokens = [int(t) for t in torch.as_tensor(prompt_ids).flatten().tolist()]
@@ -214,12 +215,16 @@ def reference_greedy(
 def edited_greedy(
     logits: torch.Tensor, prompt: list[int], output: list[int], edits: SamplingParams | None
 ) -> int:
-    """The greedy token of fp32 `logits` after the logit bias and the penalties, token by
-    token: each bias added, then repetition on each token seen in the prompt or the output,
-    then frequency x its count and presence on each output token (the sampler's
-    `apply_logit_edits` for one row, written apart from it)."""
+    """The greedy token of fp32 `logits` after the logit bias, the penalties and min_tokens,
+    token by token: each bias added, then repetition on each token seen in the prompt or the
+    output, then frequency x its count and presence on each output token; while the output is
+    shorter than min_tokens, its stop token ids are out (the sampler's `apply_logit_edits` for
+    one row, written apart from it). The oracle knows only the explicit `stop_token_ids`, so
+    min_tokens needs `ignore_eos` (the model's EOS and chat end token are the engine's)."""
     if edits is None:
         return int(logits.argmax())
+    if edits.holds_back_stops and not edits.ignore_eos:
+        raise ValueError("the oracle's min_tokens needs ignore_eos and explicit stop_token_ids")
     presence, frequency, repetition = (
         torch.tensor(p, dtype=torch.float32)
         for p in (edits.presence_penalty, edits.frequency_penalty, edits.repetition_penalty)
@@ -234,4 +239,7 @@ def edited_greedy(
         count = torch.tensor(output.count(t), dtype=torch.float32)
         logits[t] = logits[t] - frequency * count
         logits[t] = logits[t] - presence
+    if len(output) < edits.min_tokens:
+        for t in edits.stop_token_ids or ():
+            logits[t] = -math.inf
     return int(logits.argmax())

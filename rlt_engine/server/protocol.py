@@ -7,7 +7,7 @@ client asked for JSON or a tool call (vLLM refuses tools likewise without a tool
 
 Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, `priority`; every choice
 returns its per-token exit depths as `exit_depths`. vLLM's: `top_k`, `ignore_eos`,
-`stop_token_ids`, `repetition_penalty`.
+`stop_token_ids`, `repetition_penalty`, `min_tokens`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
@@ -100,8 +101,13 @@ class _Common(BaseModel):
         """The engine parameters of choice `choice` (of n): seeded choices get seed + choice, so
         n > 1 with one seed gives n different, reproducible samples."""
         seed = None if self.seed is None else (self.seed + choice) % 2**63
+        if self.min_tokens > max_tokens:
+            raise ParamError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})"
+            )
         return SamplingParams(
             max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
             temperature=self.temperature,
             top_k=max(self.top_k, 0),
             top_p=self.top_p,

@@ -31,6 +31,7 @@ near-tie between two candidates.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +60,15 @@ class SamplingTensors:
 
 @dataclass
 class LogitEdits:
-    """Per-row logit biases and penalties (SamplingParams') and what each row has seen, on the
-    logits' device.
+    """Per-row logit biases, penalties and min_tokens (SamplingParams') and what each row has
+    seen, on the logits' device.
 
     `seen` int32 [rows, vocab] packs, per token, 2 x its count in the row's output plus 1 if it
     is in the prompt: one tensor keeps both what repetition asks (seen at all: > 0) and what
     frequency and presence ask (the output count: >> 1). `bias_ids` / `bias_values` [rows,
-    MAX_LOGIT_BIAS]: each row's biased tokens, padded with token 0 and a bias of 0."""
+    MAX_LOGIT_BIAS]: each row's biased tokens, padded with token 0 and a bias of 0.
+    `stop_ids` [rows, MAX_STOP_IDS] (padded with -1) are held back while `generated` [rows],
+    the index of the token being drawn, is below `min_tokens` [rows]."""
 
     presence: torch.Tensor  # fp32 [rows]; 0 = off
     frequency: torch.Tensor  # fp32 [rows]; 0 = off
@@ -73,6 +76,9 @@ class LogitEdits:
     seen: torch.Tensor  # int32 [rows, vocab]
     bias_ids: torch.Tensor  # int64 [rows, MAX_LOGIT_BIAS]
     bias_values: torch.Tensor  # fp32 [rows, MAX_LOGIT_BIAS]
+    stop_ids: torch.Tensor  # int64 [rows, MAX_STOP_IDS]
+    min_tokens: torch.Tensor  # int64 [rows]; 0 = off
+    generated: torch.Tensor  # int64 [rows]
 
 
 SEEN_OUTPUT = 2  # what one output token adds to its `seen` entry (the prompt bit is 1)
@@ -82,15 +88,20 @@ def apply_logit_edits(logits: torch.Tensor, e: LogitEdits) -> torch.Tensor:
     """fp32 logits [rows, vocab] with the edits applied in vLLM's order: the logit bias added,
     then repetition over the tokens seen in the prompt or the output (a positive logit divided,
     a negative one multiplied), then frequency x count and presence x (count > 0) over the
-    output's. A row with every edit off comes back unchanged (x + 0, x * 1, x / 1 and x - 0
-    are exact; only a -0.0 logit comes back +0.0)."""
+    output's; last, a row short of its min_tokens gets -inf on its stop ids (whatever came
+    before, as -inf stays -inf through the others). A row with every edit off comes back
+    unchanged (x + 0, x * 1, x / 1 and x - 0 are exact; only a -0.0 logit comes back +0.0)."""
     logits = logits.scatter_add(1, e.bias_ids, e.bias_values)
     seen = e.seen
     count = (seen >> 1).to(torch.float32)
     repetition = torch.where(seen > 0, e.repetition[:, None], 1.0)
     logits = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = logits - e.frequency[:, None] * count
-    return logits - e.presence[:, None] * (count > 0).to(torch.float32)
+    logits = logits - e.presence[:, None] * (count > 0).to(torch.float32)
+    # added, not written: the padding's -1 become token 0, which may be a held-back stop id too
+    held = (e.generated < e.min_tokens)[:, None] & (e.stop_ids >= 0)
+    minus_inf = torch.zeros(held.shape, dtype=logits.dtype, device=logits.device)
+    return logits.scatter_add(1, e.stop_ids.clamp(min=0), minus_inf.masked_fill_(held, -math.inf))
 
 
 @dataclass

@@ -185,8 +185,9 @@ class DecodeTraversal:
             # advance reduces each exiting row's itself (kernels/small_gemm, kernels/argmax)
             drawn = self.model.coda(hidden, gate=gate, greedy=True)
         else:
+            index = s.generated[:b]  # of the token each row draws
             sampling = SamplingTensors(
-                s.temperature[:b], s.top_k[:b], s.top_p[:b], s.seed[:b], s.generated[:b]
+                s.temperature[:b], s.top_k[:b], s.top_p[:b], s.seed[:b], index
             )
             drawn = sample(
                 self.model.coda(hidden, gate=gate),
@@ -194,7 +195,7 @@ class DecodeTraversal:
                 any_random=flags.any_random,
                 any_filter=flags.any_filter,
                 num_logprobs=flags.num_logprobs,
-                edits=s.logit_edits(slice(0, b)) if flags.logit_edits else None,
+                edits=s.logit_edits(slice(0, b), index) if flags.logit_edits else None,
             )
             self._record_logprobs(b, drawn)
             drawn = drawn.token
@@ -245,18 +246,18 @@ class DecodeTraversal:
         s, step, slots = self.s, self.ev.step, wave.first_slots
         last = (step == self.depth - 1) & wave.armed  # [1]: the wave's last loop
         gate = last.int()
+        first = torch.zeros_like(slots)  # the first output token has index 0
         drawn = sample(
             self.model.coda(hidden[wave.first_rows], gate=gate),
             SamplingTensors(
-                s.temperature[slots], s.top_k[slots], s.top_p[slots], s.seed[slots],
-                torch.zeros_like(slots),  # the first output token has index 0
+                s.temperature[slots], s.top_k[slots], s.top_p[slots], s.seed[slots], first
             ),
             any_random=flags.any_random,
             any_filter=flags.any_filter,
             num_logprobs=flags.num_logprobs,
             gate=gate if self.fused else None,
-            edits=s.logit_edits(slots) if flags.logit_edits else None,
-        )  # fmt: skip
+            edits=s.logit_edits(slots, first) if flags.logit_edits else None,
+        )
         if flags.logit_edits:
             s.count_output(slots, drawn.token, last.expand_as(slots))
         s.start_decode(slots, drawn.token, wave.prompt_lens, self.refill, when=last)

@@ -258,19 +258,16 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, slots: list[int]) -> SampleOutput:
         s = self.slots
         any_random, any_filter, num_logprobs = s.sampling_flags(slots)
+        first = torch.zeros_like(index)  # the first output token has index 0
         return sample(
             logits,
             SamplingTensors(
-                s.temperature[index],
-                s.top_k[index],
-                s.top_p[index],
-                s.seed[index],
-                torch.zeros_like(index),  # the first output token has index 0
+                s.temperature[index], s.top_k[index], s.top_p[index], s.seed[index], first
             ),
             any_random=any_random,
             any_filter=any_filter,
             num_logprobs=num_logprobs,
-            edits=s.logit_edits(index) if s.any_logit_edits(slots) else None,
+            edits=s.logit_edits(index, first) if s.any_logit_edits(slots) else None,
         )
 
     def _rider(self, wave: tuple[PrefillChunk, ...], layout: WaveLayout) -> RidingWave:

@@ -44,6 +44,7 @@ class SlotBatch:
         "max_loops",
         "threshold",
         "max_tokens",
+        "min_tokens",
         "stop_ids",
         "temperature",
         "top_k",
@@ -82,6 +83,7 @@ class SlotBatch:
         self.max_loops = zeros(n)
         self.threshold = torch.ones(n, dtype=torch.float32, device=device)
         self.max_tokens = zeros(n)
+        self.min_tokens = zeros(n)  # stop ids held back while fewer tokens were generated
         self.stop_ids = torch.full((n, MAX_STOP_IDS), -1, dtype=torch.long, device=device)
         self.temperature = zeros(n, dt=torch.float32)
         self.top_k = zeros(n)
@@ -125,6 +127,7 @@ class SlotBatch:
             # fixed depth as an unreachable threshold, so the device needs no `< 1` test
             threshold=c.exit_threshold if c.exit_threshold < 1.0 else 2.0,
             max_tokens=p.max_tokens,
+            min_tokens=p.min_tokens,
             stop_ids=stop + [-1] * (MAX_STOP_IDS - len(stop)),
             temperature=0.0 if p.greedy else p.temperature,
             top_k=p.top_k,
@@ -291,9 +294,9 @@ class SlotBatch:
         slots = list(self.host) if slots is None else slots
         return any(self.host[i].params.edits_logits for i in slots)
 
-    def logit_edits(self, rows: slice | torch.Tensor) -> LogitEdits:
+    def logit_edits(self, rows: slice | torch.Tensor, generated: torch.Tensor) -> LogitEdits:
         """The sampler's logit edits of `rows` (a slice keeps the fixed addresses a graph
-        needs)."""
+        needs) drawing their tokens of index `generated` [rows]."""
         return LogitEdits(
             self.presence[rows],
             self.frequency[rows],
@@ -301,6 +304,9 @@ class SlotBatch:
             self._seen()[rows],
             self.bias_ids[rows],
             self.bias_values[rows],
+            self.stop_ids[rows],
+            self.min_tokens[rows],
+            generated,
         )
 
     def count_output(

@@ -166,6 +166,7 @@ def test_json_stdout_is_only_json(tiny_ouro_dir: Path) -> None:
         (("--max-tokens", "abc"), "--max-tokens"),
         (("--no-such-flag",), "--no-such-flag"),
         (("--stop", ""), "--stop must not hold an empty string"),
+        (("--max-tokens", "4", "--min-tokens", "9"), "--min-tokens must be an integer in [0, --"),
         (("--max-model-len", "0"), "--max-model-len must be a positive integer, got 0"),
         (("--max-model-len", "9999"), "--max-model-len 9999 exceeds the model's context of 2048"),
         (("--max-model-len", "2", "--max-tokens", "5"), "(5) exceeds --max-model-len 2"),

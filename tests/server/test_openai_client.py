@@ -87,6 +87,22 @@ def test_logit_bias_equals_in_process(client, demo_llm) -> None:
     assert (forced.choices[0].model_extra or {})["token_ids"] == [300, 300, 300]
 
 
+def test_min_tokens_equals_in_process(client, demo_llm) -> None:
+    """vLLM's min_tokens (in the body) carries the answer past its end-of-turn token, to the
+    in-process engine's tokens with the same min_tokens."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    (plain,) = demo_llm.chat(messages, SamplingParams(max_tokens=80))
+    assert plain.finish_reason == "stop"
+    n = len(plain.token_ids) + 5
+    got = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=80, temperature=0, extra_body={"min_tokens": n}
+    )
+    (want,) = demo_llm.chat(messages, SamplingParams(max_tokens=80, min_tokens=n))
+    ids = (got.choices[0].model_extra or {})["token_ids"]
+    assert ids == want.token_ids and len(ids) >= n
+    assert got.choices[0].message.content == want.text
+
+
 def test_token_id_prompts_and_loop_controls(client, demo_llm) -> None:
     ids = demo_llm.tokenizer.encode(PROMPTS[1])
     controls = {"max_loops": 2, "exit_threshold": 1.0}

@@ -21,6 +21,7 @@ from rlt_engine.worker.batched_sampler import (
     sampling_tensors_for,
     uniform_noise,
 )
+from rlt_engine.worker.slot_batch import MAX_STOP_IDS
 
 try:
     from scipy.stats import chi2 as _scipy_chi2
@@ -458,10 +459,15 @@ def _seen(prompts: list[list[int]], outputs: list[list[int]], vocab: int = VOCAB
 
 
 def _edits(
-    per_row: list[SamplingParams], seen: torch.Tensor | None = None, vocab: int = VOCAB
+    per_row: list[SamplingParams],
+    seen: torch.Tensor | None = None,
+    vocab: int = VOCAB,
+    generated: list[int] | None = None,
 ) -> LogitEdits:
-    """The sampler's edits of these rows' params, padded as SlotBatch pads them."""
+    """The sampler's edits of these rows' params, padded as SlotBatch pads them, drawing the
+    tokens of index `generated` (default 0)."""
     rows = len(per_row)
+    stops = [list(p.stop_token_ids or ()) for p in per_row]
 
     def column(name: str) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in per_row], dtype=torch.float32)
@@ -476,6 +482,9 @@ def _edits(
         torch.zeros(rows, vocab, dtype=torch.int32) if seen is None else seen,
         torch.tensor(ids),
         torch.tensor(values, dtype=torch.float32),
+        torch.tensor([t + [-1] * (MAX_STOP_IDS - len(t)) for t in stops]),
+        torch.tensor([p.min_tokens for p in per_row]),
+        torch.tensor(generated or [0] * rows),
     )
 
 
@@ -501,11 +510,15 @@ def test_edits_agree_with_the_oracles_token_by_token_form(case):
             frequency_penalty=frequency,
             repetition_penalty=float(np.float32(rng.uniform(0.3, 2.5))),
             logit_bias={int(t): float(np.float32(rng.uniform(-3, 3))) for t in biased},
+            min_tokens=int(rng.integers(0, 14)),
+            ignore_eos=True,
+            stop_token_ids=[int(t) for t in rng.choice(VOCAB, rng.integers(0, 6), replace=False)],
         )
 
     per_row = [params() for _ in range(rows)]
     logits = _logits(rows, seed=case) / 4  # near ties: the edits decide
-    got = apply_logit_edits(logits, _edits(per_row, _seen(prompts, outputs))).argmax(-1)
+    edits = _edits(per_row, _seen(prompts, outputs), generated=[len(o) for o in outputs])
+    got = apply_logit_edits(logits, edits).argmax(-1)
     want = [edited_greedy(logits[r], prompts[r], outputs[r], per_row[r]) for r in range(rows)]
     assert got.tolist() == want
 
@@ -522,6 +535,23 @@ def test_edits_act_as_documented():
     assert edit(logit_bias={3: 4.0, 0: -1.0}) == [[1.0, -2.0, 1.0, 4.5]]
     # the bias first, then the penalties: (2 - 1) / 2 for token 0
     assert edit(logit_bias={0: -1.0}, repetition_penalty=2.0)[0][0] == 0.5
+
+
+def test_min_tokens_holds_back_the_stop_ids_until_enough_tokens_were_drawn():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]] * 3)
+    # token 0 is a stop id: the padding's -1 (clamped to token 0) must not undo its -inf
+    p = SamplingParams(min_tokens=2, stop_token_ids=[0, 2], logit_bias={0: 100.0})
+    edits = _edits([p] * 3, vocab=4, generated=[0, 1, 2])
+    got = apply_logit_edits(logits, edits).tolist()
+    inf = float("inf")
+    assert got[0] == got[1] == [-inf, -2.0, -inf, 0.5]  # tokens 0 and 1 of the output
+    assert got[2] == [102.0, -2.0, 1.0, 0.5]  # the third may stop: only the bias remains
+    for seed in range(20):  # sampling (filtered too) never draws a held-back stop id
+        t = _tensors(3, temperature=2.0, top_p=0.99, seed=seed)
+        drawn = sample(logits, t, any_random=True, any_filter=True, num_logprobs=1, edits=edits)
+        assert drawn.token[0] in (1, 3) and drawn.token[1] in (1, 3)
+        assert drawn.token[2] == 0  # its bias of +100 wins once it may stop
+        assert torch.isfinite(drawn.logprob).all()  # the raw logits'
 
 
 def test_sample_with_edits_draws_from_the_edited_logits_and_logs_the_raw_ones():
