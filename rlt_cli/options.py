@@ -18,8 +18,8 @@ from rlt_engine.config import CacheConfig, ExecutionConfig, ModelConfig, Schedul
 from rlt_engine.sampling_params import SamplingParams
 
 ENGINE_CLASSES: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, ExecutionConfig)
-# SamplingParams fields with no CLI flag: a queue priority, a map of token ids
-NOT_FLAGS = frozenset({"priority", "logit_bias"})
+# SamplingParams fields with no CLI flag: a queue priority, a map of token ids, a grammar
+NOT_FLAGS = frozenset({"priority", "logit_bias", "structured"})
 LOOP_FIELDS = frozenset({"min_loops", "max_loops", "exit_threshold"})
 
 HELP: dict[str, str] = {

@@ -44,6 +44,7 @@ from rlt_engine.engine_info import EngineInfo
 from rlt_engine.engine_process import PromptIds, client_pipes, engine_main
 from rlt_engine.outputs import RequestOutput
 from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.structured import GrammarError
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -438,7 +439,11 @@ class AsyncEngine:
             with self._lock:
                 add = self._pending.pop(rid, None)
             if add is not None:
-                known = {"ValueError": ValueError, "EngineDeadError": EngineDeadError}.get(kind)
+                known = {
+                    "ValueError": ValueError,
+                    "GrammarError": GrammarError,
+                    "EngineDeadError": EngineDeadError,
+                }.get(kind)
                 error = known(message) if known else RequestFailedError(f"{kind}: {message}")
                 posts.add(add.loop, add.accepted, error)
         for rid, message in turn.failed:

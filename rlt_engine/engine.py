@@ -24,6 +24,7 @@ from rlt_engine.engine_info import EngineInfo
 from rlt_engine.models.tokenizer import has_tokenizer_files, load_tokenizer, stop_token_ids
 from rlt_engine.outputs import EngineStats, RequestMetrics, RequestOutput, TokenLogprob
 from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.structured import Grammars, Matcher
 from rlt_engine.worker.decode import Flags
 from rlt_engine.worker.memory_plan import (
     DEFAULT_CUDA_RESERVE_BYTES,
@@ -53,6 +54,7 @@ class _Tracked:
 
     req: Request
     detok: IncrementalDetokenizer | None
+    grammar: Matcher | None = None  # structured output: where the output is in its grammar
     sent: int = 0  # output tokens already handed out in RequestOutputs
     error: str | None = None  # set when this request's host-side processing failed
 
@@ -81,6 +83,7 @@ class LLMEngine:
         else:
             self.tokenizer = None  # dummy weights from a bare config: token-id prompts only
             self.default_stop_ids = self.model_config.eos_token_ids
+        self._grammar_compiler: Grammars | None = None  # made by the first structured request
         depth = self.model_config.num_loops
         cache = config.cache
         self.memory_plan = resolve_memory_plan(
@@ -276,12 +279,25 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
+        grammar = None
+        if params.structured is not None:
+            grammar = self._grammars().matcher(params.structured, sorted(req.stop_token_ids))
+            req.token_mask = grammar.mask()  # the first token's, sent with its SlotInit
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
         self.scheduler.add(req)
-        self._requests[request_id] = _Tracked(req, detok)
+        self._requests[request_id] = _Tracked(req, detok, grammar)
         return request_id
+
+    def _grammars(self) -> Grammars:
+        """The grammar compiler of this model's tokenizer, made at the first structured
+        request."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer; this model directory has none")
+        if self._grammar_compiler is None:
+            self._grammar_compiler = Grammars(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_compiler
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -389,7 +405,7 @@ class LLMEngine:
         result = self._guarded(lambda: self.runner.collect(launched))
         self._launched.popleft()
         outputs = []
-        for req in self.scheduler.update(plan, result, self._hits_stop_string):
+        for req in self.scheduler.update(plan, result, self._after_token):
             entry = self._requests.get(req.request_id)
             if entry is None or entry.req is not req:
                 continue
@@ -425,16 +441,27 @@ class LLMEngine:
     def _count_decoding(self) -> int:
         return sum(r.stage is Stage.DECODE for r in self.scheduler.running)
 
-    def _hits_stop_string(self, req: Request) -> bool:
-        """Feed the newest token to the request's detokenizer: True = a stop string ended it
-        (or the detokenizer failed, which ends this request with an error)."""
+    def _after_token(self, req: Request) -> bool:
+        """Feed the newest token to the request's grammar (whose next mask the next plan
+        sends) and detokenizer: True = a stop string ended it (or either failed, which ends
+        this request with an error)."""
         entry = self._requests.get(req.request_id)
-        if entry is None or entry.req is not req or entry.detok is None:
+        if entry is None or entry.req is not req:
             return False
         if entry.error is not None:
             return True
+        token = req.output_token_ids[-1]
+        if entry.grammar is not None and not req.finished:
+            try:
+                entry.grammar.accept(token)
+                req.token_mask = entry.grammar.mask()
+            except Exception as exc:
+                entry.error = f"structured output failed: {type(exc).__name__}: {exc}"
+                return True
+        if entry.detok is None:
+            return False
         try:
-            return entry.detok.push(req.output_token_ids[-1])
+            return entry.detok.push(token)
         except Exception as exc:
             entry.error = f"stop-string matching failed: {type(exc).__name__}: {exc}"
             return True

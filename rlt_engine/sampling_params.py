@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to a grammar: exactly one of a JSON schema (`json`, a dict or its
+    JSON text), any JSON object (`json_object`), a regular expression, a choice among strings,
+    or an EBNF grammar (xgrammar's dialect, root rule `root`). vLLM's `structured_outputs`."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # kept as canonical text: the params stay hashable
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured output takes exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k))
 
 
 @dataclass(frozen=True)
@@ -32,6 +67,9 @@ class SamplingParams:
     # token id -> added to its logit before the penalties, in [-100, 100] (OpenAI's): given as
     # a dict, kept as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the output follows this grammar: each token is drawn from those it allows (a bitmask
+    # the host computes after the previous one); None = free text
+    structured: StructuredOutput | None = None
     # Loop controls; None = model defaults (1, depth, config's early_exit_threshold).
     min_loops: int | None = None
     max_loops: int | None = None
@@ -79,6 +117,8 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {t}: {b}"
                 )
+        if isinstance(self.structured, dict):
+            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
         if any(not s for s in self.stop):
             raise ValueError("stop must not hold an empty string (it would match at once)")
         if self.min_loops is not None and self.min_loops < 1:
@@ -94,9 +134,14 @@ class SamplingParams:
 
     @property
     def edits_logits(self) -> bool:
-        """Whether a penalty, a logit bias or min_tokens changes the logits (the sampler's
-        `logit_edits` variant)."""
-        return self.penalized or bool(self.logit_bias) or self.holds_back_stops
+        """Whether a penalty, a logit bias, min_tokens or a grammar changes the logits (the
+        sampler's `logit_edits` variant)."""
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.holds_back_stops
+            or self.structured is not None
+        )
 
     @property
     def holds_back_stops(self) -> bool:

@@ -12,8 +12,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlt_engine import LLM, SamplingParams
-from rlt_engine.oracle.reference import reference_greedy
+from rlt_engine.oracle.reference import Constrain, reference_greedy
 from rlt_engine.oracle.reference_shared import shared_greedy
 
 DEPTH = 4  # the tiny Ouro's total_ut_steps
@@ -83,6 +85,7 @@ def oracle_greedy(
         p.logit_bias,
         p.min_tokens,
         p.stop_token_ids,
+        p.structured,
     )
     if key not in _ORACLE:
         decode = shared_greedy if layout == "shared" else reference_greedy
@@ -97,8 +100,46 @@ def oracle_greedy(
                 model.config.early_exit_threshold if p.exit_threshold is None else p.exit_threshold
             ),
             edits=p,
+            constrain=grammar_constrain(llm, p),
         )
     return _ORACLE[key]
+
+
+def grammar_constrain(llm: LLM, p: SamplingParams) -> Constrain | None:
+    """The oracle's side of structured output: a fresh xgrammar matcher replayed over the
+    output so far, its mask applied by xgrammar's own function (not the engine's masks,
+    holds and bit unpacking). The grammar is compiled as the engine compiles it."""
+    if p.structured is None:
+        return None
+    import xgrammar as xgr
+
+    engine = llm.engine
+    compiled = engine._grammars()._compile(p.structured)
+    vocab, stops = engine.model_config.vocab_size, sorted(engine._stop_ids(p))
+
+    def constrain(logits: torch.Tensor, output: list[int]) -> torch.Tensor:
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops)
+        for token in output:
+            if matcher.is_terminated():  # past its stop token: until_stop cuts the rest
+                return logits
+            assert matcher.accept_token(token), f"the grammar refuses token {token}"
+        if matcher.is_terminated():
+            return logits
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        matcher.fill_next_token_bitmask(bitmask)
+        masked = logits[None].clone()
+        xgr.apply_token_bitmask_inplace(masked, bitmask)
+        return masked[0]
+
+    return constrain
+
+
+def until_stop(tokens: list[int], depths: list[int], stops) -> tuple:  # type: ignore[no-untyped-def]
+    """(tokens, depths, finish reason) of an oracle run cut after its first stop id."""
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
+    if cut is None:
+        return tokens, depths, "length"
+    return tokens[:cut], depths[:cut], "stop"
 
 
 serial = oracle_greedy  # the name the equivalence and lifecycle tests use

@@ -24,6 +24,7 @@ from engine_helpers import (
     make_llm,
     oracle_greedy,
     params_for,
+    until_stop,
 )
 
 from rlt_engine import LLM, SamplingParams
@@ -340,14 +341,6 @@ def _ten(i: int, **extra) -> SamplingParams:
     return dataclasses.replace(params_for(i), max_tokens=10, **extra)
 
 
-def _stopped(tokens: list[int], depths: list[int], stops: tuple[int, ...]) -> tuple:
-    """(tokens, depths, finish reason) of an oracle run cut after its first stop id."""
-    cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
-    if cut is None:
-        return tokens, depths, "length"
-    return tokens[:cut], depths[:cut], "stop"
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -374,7 +367,7 @@ def test_min_tokens_greedy_equals_the_dense_oracle(ckpt, options):
     outs = llm.generate(prompts, params)
     held = 0
     for out, prompt, p in zip(outs, prompts, params, strict=True):
-        want = _stopped(
+        want = until_stop(
             *oracle_greedy(llm, prompt, p, options.get("kv_layout", "last_exited")),
             p.stop_token_ids,
         )

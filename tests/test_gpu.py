@@ -99,6 +99,27 @@ def test_cuda_penalized_greedy_matches_cpu_in_a_tight_pool(tiny_ouro_dir):
     assert run("cuda") == cpu
 
 
+def test_cuda_structured_output_matches_cpu():
+    """Grammar masks in the graphs' `logit_edits` variant, rows held after each token until
+    the host's next mask, asynchronous scheduling: the CPU's tokens, beside free rows."""
+    from rlt_engine.sampling_params import StructuredOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    specs = [
+        StructuredOutput(choice=("yes", "no")), None, StructuredOutput(regex="[a-z ]+"),
+        StructuredOutput(json=schema), StructuredOutput(json_object=True), None,
+    ]  # fmt: skip
+
+    def run(device: str) -> list:
+        llm = LLM("demo", dtype="float32", device=device, max_num_seqs=4, block_size=4)
+        prompts = [f"Q: {i} + {i} =" for i in range(6)]
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=24, structured=s) for s in specs])
+        assert llm.engine.blocks.num_used == 0
+        return [(o.token_ids, o.exit_depths, o.finish_reason) for o in outs]
+
+    assert run("cuda") == run("cpu")
+
+
 def test_cuda_graph_captures_are_counted(tiny_ouro_dir):
     """Start-up captures the common graphs; a new variant (top-k sampling) is captured on
     first use, and the engine's stats count both, with the host time they took."""

@@ -204,8 +204,10 @@ class Admission:
                 cand.prompt_len,
                 _frozen(tables),
                 tuple(cand.prompt_token_ids) if cand.params.repetition_penalty != 1.0 else (),
+                cand.token_mask,
             )
         )
+        cand.token_mask = b""  # sent
         self.running.append(cand)
         return True
 

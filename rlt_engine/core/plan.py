@@ -43,6 +43,17 @@ class SlotInit:
     # the prompt's token ids where the repetition penalty needs them (otherwise none: a plan
     # carries diffs, not every prompt)
     prompt_token_ids: tuple[int, ...] = ()
+    # structured output: the bitmask of its first token (rlt_engine/structured.py); b"" = free
+    token_mask: bytes = b""
+
+
+@dataclass(frozen=True)
+class MaskUpdate:
+    """Structured output: the bitmask of the next token of the constrained request in `slot`,
+    whose row the device holds since its last token; the row runs again with it."""
+
+    slot: int
+    mask: bytes
 
 
 @dataclass(frozen=True)
@@ -92,10 +103,11 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class StepPlan:
     """Worker order: swap_outs, slot_frees, snapshot_drops, slot_inits, swap_ins,
-    block_appends, then the prefill waves (each wave one batch, waves in order), then the
-    decode window over every decoding slot. `wave_rides`: the one wave runs inside the first
-    `depth` traversals of the window instead (its first tokens come back as the window's
-    events of traversal depth - 1); the window then has at least `depth` traversals."""
+    block_appends, mask_updates, then the prefill waves (each wave one batch, waves in
+    order), then the decode window over every decoding slot. `wave_rides`: the one wave
+    runs inside the first `depth` traversals of the window instead (its first tokens come
+    back as the window's events of traversal depth - 1); the window then has at least
+    `depth` traversals."""
 
     swap_outs: tuple[SwapOut, ...] = ()
     slot_frees: tuple[int, ...] = ()
@@ -103,6 +115,7 @@ class StepPlan:
     slot_inits: tuple[SlotInit, ...] = ()
     swap_ins: tuple[SwapIn, ...] = ()
     block_appends: tuple[BlockAppend, ...] = ()
+    mask_updates: tuple[MaskUpdate, ...] = ()
     prefill: tuple[tuple[PrefillChunk, ...], ...] = ()
     decode_traversals: int = 0
     wave_rides: bool = False

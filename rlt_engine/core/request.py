@@ -38,6 +38,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    # structured output: the bitmask of its next token, computed by the host after its last
+    # one and not yet sent to the device (the next plan's SlotInit or MaskUpdate carries it)
+    token_mask: bytes = b""
     # the windows whose results are in: traversals its slot decoded in, and the loops its
     # decode tokens took (their exit depths); the difference is the loops into the current one
     decode_traversals: int = 0
@@ -59,6 +62,12 @@ class Request:
     def decode_position(self) -> int:
         """Position of the newest sampled token, the one travelling through the loops."""
         return self.prompt_len + len(self.output_token_ids) - 1
+
+    @property
+    def constrained(self) -> bool:
+        """Structured output: the device holds its row after each token until the next
+        mask."""
+        return self.params.structured is not None
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,7 @@ from rlt_engine.core.admission import Admission
 from rlt_engine.core.block_manager import BlockManager
 from rlt_engine.core.plan import (
     BlockAppend,
+    MaskUpdate,
     PrefillChunk,
     Sample,
     Stage,
@@ -160,6 +161,11 @@ class Scheduler(Admission):
             traversals = self._traversals_needed(traversals, rides, ran)
             if not (traversals or waves):
                 return None  # every row ends in the windows in flight: see their results first
+        if traversals and self.running and all(r.constrained for r in self.running):
+            # each row emits at most one token a window (then waits for its next mask): a
+            # window no longer than a token's loops wastes no traversal on held rows
+            longest = max(r.controls.max_loops for r in self.running)
+            traversals = min(traversals, max(longest, self.depth if rides else 0))
         plan = self._finish_plan(waves, traversals, planned, rides=rides)
         if self.trace is not None:
             self.trace.append(plan)
@@ -184,7 +190,8 @@ class Scheduler(Admission):
         if not (self.waiting or self.swapped):
             return  # nobody would take the slot: keep the row until its results are in
         for req in list(self.running):
-            certain = req.stage is Stage.DECODE and req.snapshot is None
+            # (a constrained row may wait for its masks: never certain to end in time)
+            certain = req.stage is Stage.DECODE and req.snapshot is None and not req.constrained
             if certain and self._traversals_left(req, ran) <= 0:
                 self.release(req)
                 req.slot, req.block_tables = None, None  # both may belong to others now
@@ -200,7 +207,12 @@ class Scheduler(Admission):
 
     def _traversals_left(self, req: Request, ran: dict[int, int], late: int = 0) -> int:
         """The most traversals decode row `req` may still need beyond the windows in flight
-        (`late`: traversals before it starts decoding); see `_traversals_needed`."""
+        (`late`: traversals before it starts decoding); see `_traversals_needed`. A
+        constrained row may also wait up to two windows for each token's mask (it runs again
+        in the plan after the one that sees its token): its windows are never cut."""
+        if req.constrained:
+            left = req.params.max_tokens - len(req.output_token_ids)
+            return late + left * (req.controls.max_loops + 2 * self.decode_window)
         if req.stage is Stage.DECODE:
             left = req.params.max_tokens - len(req.output_token_ids)
             into = req.decode_traversals - req.decode_loops  # loops into the current token
@@ -347,6 +359,7 @@ class Scheduler(Admission):
             slot_inits=tuple(self._slot_inits),
             swap_ins=tuple(self._swap_ins),
             block_appends=self._block_appends(),
+            mask_updates=self._mask_updates(),
             prefill=waves,
             decode_traversals=traversals,
             wave_rides=rides,
@@ -379,6 +392,16 @@ class Scheduler(Admission):
             for req in decoding
             if req.snapshot is None and req.params.max_tokens > 1
         ]
+
+    def _mask_updates(self) -> tuple[MaskUpdate, ...]:
+        """The masks the host computed since the last plan, for constrained rows in a slot (a
+        preempted request keeps its mask until it resumes: after its SwapIn)."""
+        updates = []
+        for req in self.running:
+            if req.token_mask and req.slot is not None:
+                updates.append(MaskUpdate(req.slot, req.token_mask))
+                req.token_mask = b""
+        return tuple(updates)
 
     def _block_appends(self) -> tuple[BlockAppend, ...]:
         """Blocks grown since the worker last heard about each running request's tables."""

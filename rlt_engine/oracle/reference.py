@@ -9,7 +9,7 @@ that exited at depth e lends its loop e-1 K/V to every deeper loop).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -186,17 +186,18 @@ def reference_greedy(
     max_loops: int | None = None,
     exit_threshold: float = 1.0,
     edits: SamplingParams | None = None,
+    constrain: Constrain | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy decoding by full recomputation; returns (tokens, the depth each came from).
     `edits`: params whose logit bias, penalties and min_tokens apply (`edited_greedy`; None:
-    none)."""
+    none); `constrain`: a grammar's mask, applied after them."""
     depth = cfg.num_loops
     max_loops = depth if max_loops is None else max_loops
     tokens = [int(t) for t in torch.as_tensor(prompt_ids).flatten().tolist()]
     prompt = list(tokens)
     kv_depths = [depth] * len(tokens)  # prompt tokens always run full depth
     out = reference_forward(state_dict, cfg, tokens, kv_depths)
-    generated = [edited_greedy(out.logits[depth - 1, -1], prompt, [], edits)]
+    generated = [edited_greedy(out.logits[depth - 1, -1], prompt, [], edits, constrain)]
     out_depths = [depth]
     while len(generated) < max_new_tokens:
         tokens.append(generated[-1])
@@ -207,13 +208,22 @@ def reference_greedy(
             hazards, min_loops=min_loops, max_loops=max_loops, exit_threshold=exit_threshold
         )
         kv_depths.append(e)
-        generated.append(edited_greedy(out.logits[e - 1, -1], prompt, generated, edits))
+        generated.append(edited_greedy(out.logits[e - 1, -1], prompt, generated, edits, constrain))
         out_depths.append(e)
     return generated[:max_new_tokens], out_depths[:max_new_tokens]
 
 
+# structured output in the oracles: (fp32 logits of the next token, the output so far) -> the
+# logits with the tokens its grammar leaves out at -inf (the tests drive a grammar matcher)
+Constrain = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
 def edited_greedy(
-    logits: torch.Tensor, prompt: list[int], output: list[int], edits: SamplingParams | None
+    logits: torch.Tensor,
+    prompt: list[int],
+    output: list[int],
+    edits: SamplingParams | None,
+    constrain: Constrain | None = None,
 ) -> int:
     """The greedy token of fp32 `logits` after the logit bias, the penalties and min_tokens,
     token by token: each bias added, then repetition on each token seen in the prompt or the
@@ -221,6 +231,8 @@ def edited_greedy(
     shorter than min_tokens, its stop token ids are out (the sampler's `apply_logit_edits` for
     one row, written apart from it). The oracle knows only the explicit `stop_token_ids`, so
     min_tokens needs `ignore_eos` (the model's EOS and chat end token are the engine's)."""
+    if constrain is not None:
+        logits = constrain(logits.to(torch.float32).clone(), output)
     if edits is None:
         return int(logits.argmax())
     if edits.holds_back_stops and not edits.ignore_eos:

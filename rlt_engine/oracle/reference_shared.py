@@ -28,6 +28,7 @@ import torch
 
 from rlt_engine.models.configs import LoopedLMConfig
 from rlt_engine.oracle.reference import (
+    Constrain,
     ReferenceOutput,
     StateDict,
     _mlp,
@@ -193,6 +194,7 @@ def shared_greedy(
     max_loops: int | None = None,
     exit_threshold: float = 1.0,
     edits: SamplingParams | None = None,
+    constrain: Constrain | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy decoding under SHARED semantics; returns (tokens, the depth each came from).
 
@@ -212,13 +214,13 @@ def shared_greedy(
     for token in prompt:
         out = _run_position(sd, cfg, token, rope, plane)
         plane.commit(out, depth)
-    tokens, depths = [edited_greedy(out.logits[depth - 1], prompt, [], edits)], [depth]
+    tokens, depths = [edited_greedy(out.logits[depth - 1], prompt, [], edits, constrain)], [depth]
     while len(tokens) < max_new_tokens:
         out = _run_position(sd, cfg, tokens[-1], rope, plane)
         e = reference_exit_depth(
             out.hazards, min_loops=min_loops, max_loops=max_loops, exit_threshold=exit_threshold
         )
         plane.commit(out, e)
-        tokens.append(edited_greedy(out.logits[e - 1], prompt, tokens, edits))
+        tokens.append(edited_greedy(out.logits[e - 1], prompt, tokens, edits, constrain))
         depths.append(e)
     return tokens, depths

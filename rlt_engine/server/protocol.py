@@ -1,9 +1,13 @@
 """Request bodies of the OpenAI-compatible API, as pydantic models, and their mapping onto
 `SamplingParams`. Unknown fields are ignored (as OpenAI-compatible servers do); fields we know
 but cannot honour with the value given are refused with a 400 naming the field. Among those:
-structured output (`response_format` other than text) and tool calling (`tools`
-unless `tool_choice` is "none", `functions`): ignoring them would answer free text where the
-client asked for JSON or a tool call (vLLM refuses tools likewise without a tool parser).
+tool calling (`tools` unless `tool_choice` is "none", `functions`): ignoring it would answer
+free text where the client asked for a tool call (vLLM refuses tools likewise without a tool
+parser).
+
+Structured output: OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
+`structured_outputs` (`json`, `json_object`, `regex`, `choice`, `grammar`) and its older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; one of them per request.
 
 Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, `priority`; every choice
 returns its per-token exit depths as `exit_depths`. vLLM's: `top_k`, `ignore_eos`,
@@ -16,7 +20,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlt_engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from rlt_engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -55,6 +59,11 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     response_format: dict[str, object] | None = None
+    structured_outputs: dict[str, object] | None = None  # vLLM's
+    guided_json: dict[str, object] | str | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     # looped-model extensions
     min_loops: int | None = Field(default=None, ge=1)
@@ -64,10 +73,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)  # vLLM's
 
     def _check_common(self) -> None:
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ParamError(
-                "response_format", 'response_format is not supported (only {"type": "text"})'
-            )
+        self.structured()
         self.token_biases()
         stops = self.stop_strings()
         if any(not s for s in stops):
@@ -91,6 +97,39 @@ class _Common(BaseModel):
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in ids.items()):
             raise ParamError("logit_bias", "logit_bias maps token ids to biases in [-100, 100]")
         return ids
+
+    def structured(self) -> tuple[str, StructuredOutput] | None:
+        """(the field it came from, the grammar) of a request for structured output."""
+        given: list[tuple[str, dict[str, object]]] = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            given.append(("response_format", _response_format(rf)))
+        if self.structured_outputs:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        field = given[0][0]
+        if len(given) > 1:
+            fields = ", ".join(f for f, _ in given)
+            raise ParamError(field, f"structured output is asked for more than once ({fields})")
+        spec = given[0][1]
+        unknown = set(spec) - {"json", "json_object", "regex", "choice", "grammar"}
+        if unknown:
+            raise ParamError(field, f"{field} has unknown keys: {', '.join(sorted(unknown))}")
+        try:
+            return field, StructuredOutput(**spec)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ParamError(field, f"{field}: {exc}") from None
+
+    @property
+    def grammar_field(self) -> str | None:
+        """The field that asked for structured output, if one did."""
+        structured = self.structured()
+        return structured[0] if structured else None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -120,6 +159,7 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.token_biases(),
+            structured=structured[1] if (structured := self.structured()) else None,
             min_loops=self.min_loops,
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,
@@ -129,6 +169,24 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _response_format(rf: dict[str, object]) -> dict[str, object]:
+    """OpenAI's response_format as StructuredOutput's fields."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ParamError(
+                "response_format", "response_format.json_schema.schema must be an object"
+            )
+        return {"json": schema}
+    raise ParamError(
+        "response_format", "response_format.type must be text, json_object or json_schema"
+    )
 
 
 Prompt = str | list[str] | list[NonNegativeInt] | list[list[NonNegativeInt]]

@@ -31,6 +31,7 @@ from rlt_engine.sampling_params import SamplingParams
 from rlt_engine.server.config import ServerConfig
 from rlt_engine.server.errors import APIError, error_body
 from rlt_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ParamError
+from rlt_engine.structured import GrammarError
 
 DISCONNECT_POLL_S = 0.25
 
@@ -110,7 +111,7 @@ class Serving:
             for prompt in prompts:
                 for choice in range(body.n):
                     work.append((prompt, body.sampling_params(max_tokens, body.logprobs, choice)))
-            job = await self._start(body.model, "cmpl", work, body.stream)
+            job = await self._start(body.model, "cmpl", work, body.stream, body.grammar_field)
         except BaseException:
             self.in_flight.leave()
             raise
@@ -131,7 +132,7 @@ class Serving:
                 (ids, body.sampling_params(limit, body.logprobs_count, choice))
                 for choice in range(body.n)
             ]
-            job = await self._start(body.model, "chatcmpl", work, body.stream)
+            job = await self._start(body.model, "chatcmpl", work, body.stream, body.grammar_field)
         except BaseException:
             self.in_flight.leave()
             raise
@@ -178,7 +179,10 @@ class Serving:
         kind: str,
         work: list[tuple[str | list[int], SamplingParams]],
         stream: bool,
+        grammar_field: str | None = None,
     ) -> _Job:
+        """`grammar_field`: the body's field that asked for structured output (named by the
+        400 of a grammar that does not compile)."""
         assert self.engine.info is not None
         vocab = self.engine.info.vocab_size  # (the engine checks it too, naming no field)
         if any(t >= vocab for _, params in work for t, _ in params.logit_bias):
@@ -191,6 +195,8 @@ class Serving:
             job.streams = await self.engine.add_all(requests, final_only=not stream)
         except BaseException as exc:
             job.abort()
+            if isinstance(exc, GrammarError) and grammar_field is not None:
+                raise ParamError(grammar_field, str(exc)) from None
             if isinstance(exc, ValueError):
                 raise ParamError("prompt" if kind == "cmpl" else "messages", str(exc)) from None
             if isinstance(exc, EngineNotReadyError | EngineDeadError):

@@ -68,7 +68,8 @@ class LogitEdits:
     frequency and presence ask (the output count: >> 1). `bias_ids` / `bias_values` [rows,
     MAX_LOGIT_BIAS]: each row's biased tokens, padded with token 0 and a bias of 0.
     `stop_ids` [rows, MAX_STOP_IDS] (padded with -1) are held back while `generated` [rows],
-    the index of the token being drawn, is below `min_tokens` [rows]."""
+    the index of the token being drawn, is below `min_tokens` [rows]. A `constrained` row
+    draws from the tokens its `allowed` bitmask sets."""
 
     presence: torch.Tensor  # fp32 [rows]; 0 = off
     frequency: torch.Tensor  # fp32 [rows]; 0 = off
@@ -79,6 +80,8 @@ class LogitEdits:
     stop_ids: torch.Tensor  # int64 [rows, MAX_STOP_IDS]
     min_tokens: torch.Tensor  # int64 [rows]; 0 = off
     generated: torch.Tensor  # int64 [rows]
+    constrained: torch.Tensor  # bool [rows]: structured output
+    allowed: torch.Tensor  # int32 [rows, ceil(vocab / 32)]: its bitmask (rlt_engine/structured)
 
 
 SEEN_OUTPUT = 2  # what one output token adds to its `seen` entry (the prompt bit is 1)
@@ -88,8 +91,9 @@ def apply_logit_edits(logits: torch.Tensor, e: LogitEdits) -> torch.Tensor:
     """fp32 logits [rows, vocab] with the edits applied in vLLM's order: the logit bias added,
     then repetition over the tokens seen in the prompt or the output (a positive logit divided,
     a negative one multiplied), then frequency x count and presence x (count > 0) over the
-    output's; last, a row short of its min_tokens gets -inf on its stop ids (whatever came
-    before, as -inf stays -inf through the others). A row with every edit off comes back
+    output's; last, a row short of its min_tokens gets -inf on its stop ids and a constrained
+    row on the tokens its grammar's mask leaves out (whatever came before, as -inf stays -inf
+    through the others). A row with every edit off comes back
     unchanged (x + 0, x * 1, x / 1 and x - 0 are exact; only a -0.0 logit comes back +0.0)."""
     logits = logits.scatter_add(1, e.bias_ids, e.bias_values)
     seen = e.seen
@@ -101,7 +105,10 @@ def apply_logit_edits(logits: torch.Tensor, e: LogitEdits) -> torch.Tensor:
     # added, not written: the padding's -1 become token 0, which may be a held-back stop id too
     held = (e.generated < e.min_tokens)[:, None] & (e.stop_ids >= 0)
     minus_inf = torch.zeros(held.shape, dtype=logits.dtype, device=logits.device)
-    return logits.scatter_add(1, e.stop_ids.clamp(min=0), minus_inf.masked_fill_(held, -math.inf))
+    logits = logits.scatter_add(1, e.stop_ids.clamp(min=0), minus_inf.masked_fill_(held, -math.inf))
+    token = torch.arange(logits.shape[1], device=logits.device)
+    bit = (e.allowed[:, token // 32] >> (token % 32).to(torch.int32)) & 1
+    return logits.masked_fill(e.constrained[:, None] & (bit == 0), -math.inf)
 
 
 @dataclass

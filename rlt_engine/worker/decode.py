@@ -210,6 +210,8 @@ class DecodeTraversal:
         # the next traversal writes the next row of the event buffers: the advance moves the
         # row on, unless a riding wave still writes this one
         self._advance(b, exits, drawn, hazard, hidden, step_up=wave is None)
+        if flags.logit_edits:  # (structured output is among the edits)
+            s.hold_constrained(b, exits)
         if wave is not None:
             self._wave_done(wave, out.hidden[b:], flags)
             self.ev.step.add_(1)

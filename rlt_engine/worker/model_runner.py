@@ -177,6 +177,8 @@ class ModelRunner:
             self._swap_in(swap_in)
         for append in plan.block_appends:
             self.slots.append(append.slot, append.blocks)
+        for update in plan.mask_updates:
+            self.slots.release(update.slot, update.mask)
         self.slots.flush()
         waves, rider, layout = plan.prefill, None, None
         if plan.wave_rides:

@@ -15,6 +15,7 @@ import torch
 
 from rlt_engine.core.plan import SlotInit, Tables
 from rlt_engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from rlt_engine.structured import mask_words
 from rlt_engine.worker.batched_sampler import SEEN_OUTPUT, LogitEdits
 
 MAX_STOP_IDS = 32  # stop token ids per request the device checks
@@ -53,6 +54,8 @@ class SlotBatch:
         "presence",
         "frequency",
         "repetition",
+        "constrained",
+        "allowed",
     )
 
     def __init__(
@@ -102,6 +105,12 @@ class SlotBatch:
         # 4 bytes x slots x vocab: 50 MB at 256 slots of Ouro's vocabulary) and kept: only
         # penalized rows' entries are kept true (for the others they change nothing)
         self.seen: torch.Tensor | None = None
+        # structured output: a constrained row draws from `allowed` (the bitmask of
+        # rlt_engine/structured.py) and is held (inactive) after each token until the host
+        # sends the next one (`release`)
+        self.constrained = zeros(n, dt=torch.bool)
+        self.allowed = zeros(n, mask_words(vocab_size), dt=torch.int32)
+        self._masks: dict[int, bytes] = {}  # slot -> mask, until flush
         self.block_tables = zeros(n, num_planes, max_blocks, dt=torch.int32)
         self.host: dict[int, SlotHost] = {}
         self._rows: dict[str, dict[int, object]] = {}  # field -> slot -> value, until flush
@@ -136,7 +145,10 @@ class SlotBatch:
             presence=p.presence_penalty,
             frequency=p.frequency_penalty,
             repetition=p.repetition_penalty,
+            constrained=bool(op.token_mask),
         )
+        if op.token_mask:
+            self._masks[s] = op.token_mask
         self._set_bias(s, p.logit_bias)
         if p.edits_logits:
             self._seen()
@@ -148,6 +160,11 @@ class SlotBatch:
                 seen.index_fill_(0, ids, 1)
         self.host[s] = SlotHost(p, c.may_exit_early(depth), 0)
         self.append(s, op.block_tables)
+
+    def release(self, slot: int, mask: bytes) -> None:
+        """A held constrained row runs again, its next token drawn from `mask`."""
+        self._masks[slot] = mask
+        self._write(slot, active=True)
 
     def _set_bias(self, slot: int, bias: tuple[tuple[int, float], ...]) -> None:
         if not bias and slot not in self._biased:
@@ -214,6 +231,11 @@ class SlotBatch:
             for name, column in zip(names, columns, strict=True):
                 getattr(self, name).index_copy_(0, index, column)
         self._rows.clear()
+        if self._masks:
+            index = upload(torch.tensor(list(self._masks)), self.device)
+            words = torch.frombuffer(bytearray(b"".join(self._masks.values())), dtype=torch.int32)
+            self.allowed.index_copy_(0, index, upload(words.view(len(index), -1), self.device))
+            self._masks.clear()
         if self._tables:
             entries = torch.tensor([list(self._tables), list(self._tables.values())])
             index, blocks = upload(entries, self.device)
@@ -247,7 +269,8 @@ class SlotBatch:
         put(self.loop, 0)
         put(self.remaining, 1.0)
         put(self.generated, ones)
-        put(self.active, ~self.finishes(slots, tokens, ones))
+        # a constrained row waits for its second token's mask
+        put(self.active, ~self.finishes(slots, tokens, ones) & ~self.constrained[slots])
         put(self.parked, not refill)
 
     def finishes(
@@ -307,7 +330,14 @@ class SlotBatch:
             self.stop_ids[rows],
             self.min_tokens[rows],
             generated,
+            self.constrained[rows],
+            self.allowed[rows],
         )
+
+    def hold_constrained(self, b: int, exits: torch.Tensor) -> None:
+        """Constrained rows among slots [0, b) that emitted a token (`exits`) wait for the
+        host's next mask."""
+        self.active[:b].logical_and_(~(exits & self.constrained[:b]))
 
     def count_output(
         self, rows: slice | torch.Tensor, tokens: torch.Tensor, committed: torch.Tensor

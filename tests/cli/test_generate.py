@@ -235,7 +235,7 @@ def test_flags_are_exactly_the_engine_options_and_sampling_fields() -> None:
     from dataclasses import fields
 
     params = generate_flags()
-    sampling = {f.name for f in fields(SamplingParams)} - {"priority", "logit_bias"}
+    sampling = {f.name for f in fields(SamplingParams)} - {"priority", "logit_bias", "structured"}
     front_end = {"prompts", "prompt_file", "chat", "json_output", "verbose"}
     assert set(params) - front_end == set(engine_option_names()) | sampling
     for name in set(params) - front_end:

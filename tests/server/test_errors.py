@@ -41,10 +41,29 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
         ({"model": "demo", "prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"model": "demo", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"model": "demo", "prompt": "x", "min_tokens": 17}, "min_tokens"),  # default max: 16
+        ({"model": "demo", "prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
         (
-            {"model": "demo", "prompt": "x", "response_format": {"type": "json_object"}},
+            {"model": "demo", "prompt": "x", "response_format": {"type": "json_schema"}},
             "response_format",
         ),
+        ({"model": "demo", "prompt": "x", "guided_regex": "(("}, "guided_regex"),  # compiles not
+        (
+            {"model": "demo", "prompt": "x", "structured_outputs": {"json": {"type": "nonsense"}}},
+            "structured_outputs",
+        ),
+        (
+            {"model": "demo", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs",
+        ),
+        (
+            {"model": "demo", "prompt": "x", "structured_outputs": {"xml": "a"}},
+            "structured_outputs",
+        ),
+        (
+            {"model": "demo", "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+            "guided_regex",
+        ),
+        ({"model": "demo", "prompt": "x", "guided_regex": "a", "ignore_eos": True}, "prompt"),
         ({"model": "demo", "prompt": "x", "logit_bias": {"50": 101}}, "logit_bias"),
         ({"model": "demo", "prompt": "x", "logit_bias": {"fifty": 5}}, "logit_bias"),
         ({"model": "demo", "prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
@@ -71,18 +90,16 @@ def test_chat_400(server) -> None:
     _error(_post(server, "/v1/chat/completions", {**no_logprobs, "top_logprobs": 2}), 400)
 
 
-def test_chat_refuses_tools_and_structured_output_it_cannot_honour(server) -> None:
-    """Asked for a tool call or JSON, the server says it cannot instead of answering free
-    text; the forms that ask for nothing it lacks still answer."""
+def test_chat_refuses_tools_it_cannot_honour(server) -> None:
+    """Asked for a tool call, the server says it cannot instead of answering free text; the
+    forms that ask for nothing it lacks still answer."""
     chat = {"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}
     for extra, param in (
         ({"tools": [tool]}, "tools"),
         ({"tools": [tool], "tool_choice": "auto"}, "tools"),
         ({"tools": [tool], "tool_choice": "required"}, "tools"),
         ({"functions": [tool["function"]]}, "functions"),
-        ({"response_format": schema}, "response_format"),
     ):
         _error(_post(server, "/v1/chat/completions", {**chat, **extra}), 400, param)
     for extra in (

@@ -5,12 +5,15 @@ looped-model extensions — and greedy outputs equal to the in-process `LLM` tok
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import httpx
 import openai
 import pytest
 
 from rlt_engine import SamplingParams
+from rlt_engine.sampling_params import StructuredOutput
 
 PROMPTS = ["Q: Tom has 3 apples and buys 4 more. How many apples?\nA:", "Q: 12 - 5 =\nA:"]
 
@@ -101,6 +104,66 @@ def test_min_tokens_equals_in_process(client, demo_llm) -> None:
     ids = (got.choices[0].model_extra or {})["token_ids"]
     assert ids == want.token_ids and len(ids) >= n
     assert got.choices[0].message.content == want.text
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer", "maximum": 100}, "unit": {"enum": ["a", "b"]}},
+    "required": ["answer", "unit"],
+}
+
+
+def test_json_schema_response_format_equals_in_process(client, demo_llm) -> None:
+    """OpenAI's response_format json_schema: the content parses and follows the schema, and
+    its tokens are the in-process engine's with the same grammar."""
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    got = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+    )
+    content = got.choices[0].message.content
+    answer = json.loads(content)
+    assert set(answer) == {"answer", "unit"} and answer["unit"] in ("a", "b")
+    params = SamplingParams(max_tokens=40, structured=StructuredOutput(json=SCHEMA))
+    (want,) = demo_llm.chat(messages, params)
+    assert (got.choices[0].model_extra or {})["token_ids"] == want.token_ids
+    assert content == want.text and got.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"structured_outputs": {"choice": ["yes", "no"]}},  # vLLM's
+        {"guided_choice": ["yes", "no"]},  # vLLM's older name
+    ],
+)
+def test_vllm_structured_outputs_stream_a_choice(client, body) -> None:
+    stream = client.completions.create(
+        model="demo", prompt=PROMPTS[1], max_tokens=8, temperature=0.7, seed=3, stream=True,
+        extra_body=body,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) in ("yes", "no")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_json_object_and_regex(client) -> None:
+    got = client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=30, temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{1,3} apples"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{1,3} apples", got.choices[0].text)
+    got = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Give me JSON."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_object"},
+    )  # fmt: skip
+    content = got.choices[0].message.content
+    assert content.startswith("{")
+    if got.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
 
 
 def test_token_id_prompts_and_loop_controls(client, demo_llm) -> None:

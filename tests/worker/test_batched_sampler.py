@@ -8,6 +8,7 @@ import torch
 
 from rlt_engine.oracle.reference import edited_greedy
 from rlt_engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from rlt_engine.structured import mask_words
 from rlt_engine.worker.batched_sampler import (
     SEEN_OUTPUT,
     LogitEdits,
@@ -463,10 +464,17 @@ def _edits(
     seen: torch.Tensor | None = None,
     vocab: int = VOCAB,
     generated: list[int] | None = None,
+    allowed: list[list[int] | None] | None = None,
 ) -> LogitEdits:
     """The sampler's edits of these rows' params, padded as SlotBatch pads them, drawing the
-    tokens of index `generated` (default 0)."""
+    tokens of index `generated` (default 0); `allowed`: each row's grammar's tokens (None:
+    unconstrained)."""
     rows = len(per_row)
+    allowed = allowed or [None] * rows
+    words = np.zeros((rows, mask_words(vocab)), dtype=np.uint32)  # bit t % 32 of word t // 32
+    for row, tokens in enumerate(allowed):
+        for t in tokens or []:
+            words[row, t // 32] |= np.uint32(1 << (t % 32))
     stops = [list(p.stop_token_ids or ()) for p in per_row]
 
     def column(name: str) -> torch.Tensor:
@@ -485,6 +493,8 @@ def _edits(
         torch.tensor([t + [-1] * (MAX_STOP_IDS - len(t)) for t in stops]),
         torch.tensor([p.min_tokens for p in per_row]),
         torch.tensor(generated or [0] * rows),
+        torch.tensor([t is not None for t in allowed]),
+        torch.from_numpy(words.view(np.int32)),
     )
 
 
@@ -552,6 +562,25 @@ def test_min_tokens_holds_back_the_stop_ids_until_enough_tokens_were_drawn():
         assert drawn.token[0] in (1, 3) and drawn.token[1] in (1, 3)
         assert drawn.token[2] == 0  # its bias of +100 wins once it may stop
         assert torch.isfinite(drawn.logprob).all()  # the raw logits'
+
+
+def test_a_grammars_mask_leaves_only_its_tokens():
+    """Bit t % 32 of word t // 32 allows token t, bit 31 (a negative word) included; rows
+    without a grammar and other edits are untouched."""
+    vocab = 70
+    logits = _logits(3, seed=5, vocab=vocab)
+    keep = [[0, 31, 32, 63, 69], None, [5]]
+    p = [SamplingParams(), SamplingParams(logit_bias={3: 1.0}), SamplingParams()]
+    edited = apply_logit_edits(logits, _edits(p, vocab=vocab, allowed=keep))
+    assert torch.isfinite(edited[0]).nonzero().flatten().tolist() == keep[0]
+    assert torch.equal(edited[0, keep[0]], logits[0, keep[0]])
+    assert torch.equal(edited[1], apply_logit_edits(logits, _edits(p, vocab=vocab))[1])
+    assert torch.isfinite(edited[2]).nonzero().flatten().tolist() == [5]
+    for seed in range(10):  # sampling draws only allowed tokens
+        t = _tensors(3, temperature=1.5, seed=seed)
+        drawn = sample(logits, t, any_random=True, any_filter=False, num_logprobs=None,
+                       edits=_edits(p, vocab=vocab, allowed=keep))  # fmt: skip
+        assert drawn.token[0] in keep[0] and drawn.token[2] == 5
 
 
 def test_sample_with_edits_draws_from_the_edited_logits_and_logs_the_raw_ones():
