@@ -7,6 +7,7 @@ chunks, decode windows with the real exit rule) and checks every KV read.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -23,8 +24,9 @@ from scheduler_helpers import (
     token_for,
 )
 
-from rlt_engine.core.plan import Sample, Stage, StepResult, TokenEvent
+from rlt_engine.core.plan import MaskUpdate, Sample, Stage, StepResult, TokenEvent
 from rlt_engine.core.request import Request
+from rlt_engine.sampling_params import StructuredOutput
 
 # -- stage transitions --------------------------------------------------------------------
 
@@ -506,3 +508,49 @@ def test_no_refill_a_late_prefill_joins_at_the_next_cohort():
     assert joined % DEPTH == 0  # at a cohort boundary
     check_outputs(worker, [first, second])
     assert_clean(worker)
+
+
+# -- structured output -----------------------------------------------------------------------
+
+
+def test_a_constrained_requests_masks_travel_in_its_slot_init_then_one_update_per_token():
+    """The first mask rides the SlotInit; each later one goes out once, in the next plan, to
+    the slot the request holds; windows are cut to a token's loops when every running row
+    is constrained (each emits at most one token a window); a constrained row is never
+    handed on early (it may wait for its masks), where a free one would be."""
+    for constrained in (True, False):
+        sched = make_scheduler(decode_window=8, lookahead=2)
+        req = make_request("c", 3, 2)
+        if constrained:
+            spec = StructuredOutput(regex="[a-z]+")
+            req.params = dataclasses.replace(req.params, structured=spec)
+            req.token_mask = b"first"
+        sched.add(req)
+        plan = sched.schedule()
+        assert plan.slot_inits[0].token_mask == (b"first" if constrained else b"")
+        assert req.token_mask == b"" and plan.mask_updates == ()
+        first = TokenEvent(req.slot, Sample(token_for("c", 2)), DEPTH)
+        sched.update(plan, StepResult((first,)))
+        if constrained:
+            req.token_mask = b"second"  # what the engine's grammar does after a token
+        plan = sched.schedule()
+        want = (MaskUpdate(req.slot, b"second"),) if constrained else ()
+        assert plan.mask_updates == want and req.token_mask == b""
+        assert plan.decode_traversals == DEPTH  # (one token left: both windows are cut)
+        sched.add(make_request("q", 3, 2))  # queued: someone to hand the slot on to
+        sched.schedule()
+        assert (req in sched.retiring) is not constrained
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_windows_are_a_tokens_loops_when_every_row_is_constrained(constrained):
+    sched = make_scheduler(decode_window=8)
+    req = make_request("c", 3, 6, max_loops=3)
+    if constrained:
+        spec = StructuredOutput(choice=("a", "b"))
+        req.params = dataclasses.replace(req.params, structured=spec)
+    sched.add(req)
+    plan = sched.schedule()
+    assert plan.wave_rides and plan.decode_traversals == (DEPTH if constrained else 8)
+    sched.update(plan, StepResult((TokenEvent(req.slot, Sample(token_for("c", 2)), DEPTH),)))
+    assert sched.schedule().decode_traversals == (3 if constrained else 8)
