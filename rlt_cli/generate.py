@@ -298,6 +298,8 @@ def _summary(
         table.add_column(name, justify="left" if name == "finish" else "right")
     if params.logprobs is not None:
         table.add_column("logprob", justify="right")
+    if params.prompt_logprobs is not None:
+        table.add_column("prompt logprob", justify="right")
     for d in range(1, depth + 1):
         table.add_column(f"d{d}", justify="right")
     for i, out in enumerate(outputs, start=1):
@@ -306,7 +308,7 @@ def _summary(
         total_out = sum(len(o.token_ids) for o in outputs)
         cells = ["all", str(sum(len(o.prompt_token_ids) for o in outputs)), str(total_out)]
         cells += ["", f"{total_out / wall:.1f}" if wall > 0 else "-", ""]
-        cells += [""] * (params.logprobs is not None)
+        cells += [""] * ((params.logprobs is not None) + (params.prompt_logprobs is not None))
         table.add_row(*cells, *_histogram(outputs, depth), style="bold")
     return table
 
@@ -321,6 +323,9 @@ def _summary_row(label: str, out: RequestOutput, params: SamplingParams) -> list
     if params.logprobs is not None:
         chosen = [lp.logprob for lp in out.logprobs or ()]
         row.append(f"{sum(chosen) / len(chosen):.3f}" if chosen else "-")
+    if params.prompt_logprobs is not None:  # the mean over the prompt's scored tokens
+        scored = [lp.logprob for lp in out.prompt_logprobs or () if lp is not None]
+        row.append(f"{sum(scored) / len(scored):.3f}" if scored else "-")
     return row
 
 
@@ -357,4 +362,6 @@ def _json_output(prompt: str, out: RequestOutput) -> dict[str, Any]:
     }
     if out.logprobs is not None:
         result["logprobs"] = [asdict(lp) for lp in out.logprobs]
+    if out.prompt_logprobs is not None:
+        result["prompt_logprobs"] = [lp and asdict(lp) for lp in out.prompt_logprobs]
     return result

@@ -72,6 +72,8 @@ HELP: dict[str, str] = {
     "stop": "Stop at this string, which is left out of the text (repeatable).",
     "stop_token_ids": "Also stop at this token id (repeatable).",
     "logprobs": "Record the chosen token's logprob plus the top N (0 to 20).",
+    "prompt_logprobs": "Record each prompt token's logprob (given the tokens before it, at full "
+    "depth) plus the top N (0 to 20).",
     "presence_penalty": "Subtract this from the logit of every token already in the output, "
     "in [-2, 2]; 0 = off.",
     "frequency_penalty": "Subtract this times its count in the output from each token's logit, "

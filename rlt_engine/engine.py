@@ -497,6 +497,8 @@ class LLMEngine:
             metrics=RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time),
             error=entry.error,
         )
+        if req.params.prompt_logprobs is not None and (finished or (start == 0 < entry.sent)):
+            out.prompt_logprobs = [None, *_logprobs(req.prompt_samples)]
         if finished:
             out.token_ids = list(req.output_token_ids)
             out.exit_depths = list(req.exit_depths)

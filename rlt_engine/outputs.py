@@ -50,12 +50,15 @@ class RequestOutput:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # finish_reason "error": what failed (this request alone)
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first, which has no
+    # context), on the first output that carries tokens and on the final one
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @staticmethod
     def merged(deltas: list[RequestOutput]) -> RequestOutput:
         """Consecutive deltas of one request as one: the new tokens, depths, text and logprobs
-        of all of them, everything else (finished, the cumulative fields of a final output)
-        from the last."""
+        of all of them, the prompt logprobs of the first that has them, everything else
+        (finished, the cumulative fields of a final output) from the last."""
         last = deltas[-1]
         if len(deltas) == 1:
             return last
@@ -65,8 +68,10 @@ class RequestOutput:
         logprobs = None
         if any(d.new_logprobs is not None for d in deltas):
             logprobs = [lp for d in deltas for lp in d.new_logprobs or ()]
+        prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
         return dataclasses.replace(
             last,
+            prompt_logprobs=prompt,
             new_token_ids=[t for d in deltas for t in d.new_token_ids],
             new_exit_depths=[e for d in deltas for e in d.new_exit_depths],
             new_text="".join(d.new_text for d in deltas),

@@ -57,6 +57,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS + chat end token
     logprobs: int | None = None  # None = off; n = chosen token + top-n
+    # vLLM's: each prompt token's logprob given the tokens before it (the first has none),
+    # + top-n, from the model's full depth; None = off. Its prompt is computed, never a
+    # prefix-cache hit, and its prefill never rides a decode window.
+    prompt_logprobs: int | None = None
     # OpenAI's and vLLM's penalties, applied to the logits before temperature and the
     # filters (logprobs stay those of the raw logits): repetition divides a positive logit
     # (multiplies a negative one) of every token seen in the prompt or the output; then
@@ -98,6 +102,8 @@ class SamplingParams:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must lie in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must lie in [0, 20], got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")

@@ -160,6 +160,8 @@ def sampling(draw: st.DrawFn, sampled: bool, priority: bool, late: bool) -> Samp
         frequency_penalty=frequency,
         repetition_penalty=repetition,
         logit_bias=bias,
+        # (no riding wave and no prefix hit for its prompt; it changes no token)
+        prompt_logprobs=draw(st.sampled_from([None, None, None, 2])),
     )
 
 
@@ -589,6 +591,9 @@ def check_outputs(ckpt: Path, w: Workload, run: Run, sampled_ref=None) -> None:
         out = run.finals[rid]
         assert out.finish_reason == "length", rid
         assert list(out.prompt_token_ids) == list(s.prompt)
+        if s.params.prompt_logprobs is not None:  # every prompt token scored, in order
+            assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+            assert [lp.token_id for lp in out.prompt_logprobs[1:]] == list(s.prompt)[1:], rid
         if s.params.temperature == 0.0:
             want = oracle(ckpt, layout, s.prompt, s.params, s.params.max_tokens)
         else:

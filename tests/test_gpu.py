@@ -120,6 +120,28 @@ def test_cuda_structured_output_matches_cpu():
     assert run("cuda") == run("cpu")
 
 
+def test_cuda_prompt_logprobs_match_cpu(tiny_ouro_dir):
+    """Prompt logprobs on the prefill path beside decoding rows (graphs, async): the CPU's
+    values, and the same tokens."""
+
+    def run(device: str) -> list:
+        llm = LLM(str(tiny_ouro_dir), dtype="float32", device=device, block_size=4)
+        prompts = [[(5 * i + j) % 700 + 3 for j in range(9 + 7 * i)] for i in range(4)]
+        params = [
+            SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=(2, None)[i % 2])
+            for i in range(4)
+        ]
+        return llm.generate(prompts, params)
+
+    cuda, cpu = run("cuda"), run("cpu")
+    for a, b in zip(cuda, cpu, strict=True):
+        assert a.token_ids == b.token_ids
+        if b.prompt_logprobs is None:
+            continue
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+
+
 def test_cuda_graph_captures_are_counted(tiny_ouro_dir):
     """Start-up captures the common graphs; a new variant (top-k sampling) is captured on
     first use, and the engine's stats count both, with the host time they took."""

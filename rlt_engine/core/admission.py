@@ -184,7 +184,9 @@ class Admission:
             reserve = int(self.cache.watermark * self.blocks.num_blocks) if self.running else 0
             if self.blocks.blocks_needed(tokens) + reserve > self.blocks.num_free:
                 return False
-        prompt = cand.prompt_token_ids if self.blocks.prefix_caching else None
+        # (prompt logprobs need every prompt position computed: no prefix-cache hit)
+        hits_allowed = self.blocks.prefix_caching and cand.params.prompt_logprobs is None
+        prompt = cand.prompt_token_ids if hits_allowed else None
         try:
             tables, cached = self.blocks.allocate(cand.request_id, tokens, prompt)
         except RuntimeError:

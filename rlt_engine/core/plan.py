@@ -98,6 +98,9 @@ class PrefillChunk:
     start: int
     token_ids: tuple[int, ...]
     last: bool
+    # prompt logprobs: the prompt tokens its rows predict (the one after each), those it has
+    # (the last chunk's last row predicts the output); () = none asked for
+    logprob_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,18 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The logprobs of a chunk's `logprob_targets`, in order: prompt tokens start + 1, ..."""
+
+    slot: int
+    start: int
+    samples: tuple[Sample, ...]
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """Token events in emission order (prefill first tokens, then traversal by traversal)."""
+    """Token events in emission order (prefill first tokens, then traversal by traversal),
+    and the prompt logprobs of the step's chunks that asked for them."""
 
     events: tuple[TokenEvent, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()

@@ -38,6 +38,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
+    # prompt logprobs (params.prompt_logprobs): one per prompt token after the first, in order
+    prompt_samples: list[Sample] = field(default_factory=list)
     # structured output: the bitmask of its next token, computed by the host after its last
     # one and not yet sent to the device (the next plan's SlotInit or MaskUpdate carries it)
     token_mask: bytes = b""

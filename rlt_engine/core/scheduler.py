@@ -133,6 +133,7 @@ class Scheduler(Admission):
         rides = (
             self.ride_waves
             and self.config.refill
+            and not any(c.logprob_targets for _, c in self._chunks)  # scored on the prefill path
             and decoding
             and (self.lookahead == 1 or self._others_decode(planned))
             and len(waves) == 1
@@ -310,6 +311,7 @@ class Scheduler(Admission):
             if not self.ensure_capacity(req, need, planned=planned):
                 continue
             step = 1 if self.shared else size
+            scored = req.params.prompt_logprobs is not None
             chunks = [
                 PrefillChunk(
                     req.request_id,
@@ -317,6 +319,9 @@ class Scheduler(Admission):
                     start,
                     tuple(req.prompt_token_ids[start : start + step]),
                     last=start + step == req.prompt_len,
+                    logprob_targets=(
+                        tuple(req.prompt_token_ids[start + 1 : start + step + 1]) if scored else ()
+                    ),
                 )
                 for start in range(req.num_prefilled, end, step)
             ]
@@ -445,6 +450,10 @@ class Scheduler(Admission):
             if not req.finished and kept:
                 end = chunk.start + len(chunk.token_ids)
                 self.blocks.commit_prefix(req.request_id, req.prompt_token_ids, end)
+        for scored in result.prompt_logprobs:
+            req = ctx.owners.get(scored.slot)
+            if req is not None and not req.finished:
+                req.prompt_samples.extend(scored.samples)
         got_token: dict[str, Request] = {}
         for event in result.events:
             # the owner when the plan was made: it may have moved (preempted) since, and its

@@ -136,7 +136,9 @@ class _Common(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, choice: int, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine parameters of choice `choice` (of n): seeded choices get seed + choice, so
         n > 1 with one seed gives n different, reproducible samples."""
         seed = None if self.seed is None else (self.seed + choice) % 2**63
@@ -155,6 +157,7 @@ class _Common(BaseModel):
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -206,8 +209,11 @@ class CompletionRequest(_Common):
             raise ParamError("best_of", "best_of is not supported (leave it unset or equal to n)")
         if self.suffix:
             raise ParamError("suffix", "suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo", "echo with logprobs is not supported (no prompt logprobs)")
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the echoed prompt's tokens come with their logprobs too."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

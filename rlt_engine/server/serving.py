@@ -110,7 +110,10 @@ class Serving:
             work: list[tuple[str | list[int], SamplingParams]] = []
             for prompt in prompts:
                 for choice in range(body.n):
-                    work.append((prompt, body.sampling_params(max_tokens, body.logprobs, choice)))
+                    params = body.sampling_params(
+                        max_tokens, body.logprobs, choice, body.prompt_logprobs
+                    )
+                    work.append((prompt, params))
             job = await self._start(body.model, "cmpl", work, body.stream, body.grammar_field)
         except BaseException:
             self.in_flight.leave()
@@ -445,12 +448,22 @@ class _CompletionRender(_Render):
     def _choice(self, index: int, text: str, out: RequestOutput, new: bool) -> dict[str, Any]:
         lps = out.new_logprobs if new else out.logprobs
         start = self.offsets.get(index, 0)
+        logprobs = None
+        if lps is not None:
+            entries: list[tuple[int, TokenLogprob | None]] = [(lp.token_id, lp) for lp in lps]
+            if self.echo is not None and index not in self.offsets:  # the text opens with it
+                assert out.prompt_logprobs is not None  # echo with logprobs asks for them
+                prompt = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
+                echoed = len(self.echo[index // self.n])
+                logprobs = _completion_logprobs(self.tokenizer, prompt, 0)
+                rest = _completion_logprobs(self.tokenizer, entries, start + echoed)
+                logprobs = {key: logprobs[key] + rest[key] for key in logprobs}
+            else:
+                logprobs = _completion_logprobs(self.tokenizer, entries, start)
         choice = {
             "index": index,
             "text": text,
-            "logprobs": _completion_logprobs(self.tokenizer, lps, start)
-            if lps is not None
-            else None,
+            "logprobs": logprobs,
             "finish_reason": out.finish_reason if out.finished else None,
             "exit_depths": out.new_exit_depths if new else out.exit_depths,
             "token_ids": out.new_token_ids if new else out.token_ids,
@@ -554,16 +567,22 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], start: int) -> dict[str, Any]:
-    tokens = [_token_text(tokenizer, lp.token_id) for lp in lps]
+def _completion_logprobs(
+    tokenizer: Any, entries: list[tuple[int, TokenLogprob | None]], start: int
+) -> dict[str, Any]:
+    """OpenAI's completion logprobs of (token id, its logprob) entries, text offsets from
+    `start`; an echoed prompt's first token has no logprob (null, as OpenAI's)."""
+    tokens = [_token_text(tokenizer, token_id) for token_id, _ in entries]
     offsets, at = [], start
     for token in tokens:
         offsets.append(at)
         at += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in lps],
+        "token_logprobs": [lp.logprob if lp else None for _, lp in entries],
+        "top_logprobs": [
+            {_token_text(tokenizer, t): v for t, v in lp.top} if lp else None for _, lp in entries
+        ],
         "text_offset": offsets,
     }
 

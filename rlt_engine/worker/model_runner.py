@@ -28,6 +28,7 @@ import torch
 from rlt_engine.config import ExecutionConfig
 from rlt_engine.core.plan import (
     PrefillChunk,
+    PromptLogprobs,
     Sample,
     StepPlan,
     StepResult,
@@ -66,6 +67,23 @@ class _FirstTokens:
     drawn: SampleOutput
 
 
+@dataclass
+class _Scored:
+    """A chunk's prompt logprobs (PrefillChunk.logprob_targets), on the device until read."""
+
+    slot: int
+    start: int
+    targets: tuple[int, ...]
+    logprob: torch.Tensor  # fp32 [n]
+    top_ids: torch.Tensor  # int64 [n, k]
+    top_logprobs: torch.Tensor  # fp32 [n, k]
+
+
+# prompt logprobs: rows through the lm_head at once, so that their fp32 logits take at most
+# this (a few such tensors live at once: well inside the CUDA memory reserve)
+SCORE_BYTES = 32 << 20
+
+
 @dataclass(frozen=True)
 class _Window:
     """A decode window as launched."""
@@ -82,6 +100,7 @@ class Launched:
 
     firsts: list[_FirstTokens]
     window: _Window | None
+    scored: list[_Scored]
     host: list[torch.Tensor]
     done: torch.cuda.Event | None  # None on the CPU: everything already ran
     logprobs_wanted: dict[int, int | None]  # slot -> logprobs its request asked for, at launch
@@ -189,13 +208,14 @@ class ModelRunner:
                 )
             layout = WaveLayout.of(waves[0])
             rider, waves = self._rider(waves[0], layout), ()
-        firsts = [self._prefill(wave) for wave in waves]
+        scored: list[_Scored] = []
+        firsts = [self._prefill(wave, scored) for wave in waves]
         window = (
             self._decode(plan.decode_traversals, plan.decode_keys, rider, layout)
             if plan.decode_traversals
             else None
         )
-        return self._start_read_back([f for f in firsts if f is not None], window)
+        return self._start_read_back([f for f in firsts if f is not None], window, scored)
 
     @property
     def max_ride_rows(self) -> int | None:
@@ -237,13 +257,19 @@ class ModelRunner:
         return sorted(self.slots.host)
 
     # -- prefill -------------------------------------------------------------------------
-    def _prefill(self, wave: tuple[PrefillChunk, ...]) -> _FirstTokens | None:
+    def _prefill(
+        self, wave: tuple[PrefillChunk, ...], scored: list[_Scored]
+    ) -> _FirstTokens | None:
         """Chunks of several requests through every loop; the chunks that end their prompt
-        sample the first token and start their slots decoding."""
+        sample the first token and start their slots decoding. Chunks with logprob targets
+        add their prompt logprobs to `scored`."""
         dev, s = self.device, self.slots
         layout = WaveLayout.of(wave)
         hidden = self.prefill(layout)
         counts, firsts = layout.counts, layout.firsts
+        for i, chunk in enumerate(wave):
+            if chunk.logprob_targets:
+                scored.append(self._score(chunk, hidden[firsts[i] : firsts[i + 1]]))
         last = [i for i, c in enumerate(wave) if c.last]
         if not last:
             return None
@@ -256,6 +282,23 @@ class ModelRunner:
         positions = upload(torch.tensor([wave[i].start + counts[i] for i in last]), dev)
         s.start_decode(index, drawn.token, positions, self.refill)
         return _FirstTokens(slots, drawn)
+
+    def _score(self, chunk: PrefillChunk, hidden: torch.Tensor) -> _Scored:
+        """The logprobs of the chunk's targets from its rows' final hidden states (the full
+        depth), and the top k (the request's prompt_logprobs) of each row: the raw fp32
+        logits' log_softmax, as the sampler's logprobs, a few rows at a time."""
+        k = self.slots.host[chunk.slot].params.prompt_logprobs or 0
+        n = len(chunk.logprob_targets)
+        targets = upload(torch.tensor(chunk.logprob_targets), self.device)
+        piece = max(1, SCORE_BYTES // (4 * self.model.config.vocab_size))
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for a in range(0, n, piece):
+            logits = self.model.coda(hidden[a : min(n, a + piece)])
+            logp = logits.float().log_softmax(-1)
+            top = logp.topk(k, dim=-1)
+            parts.append((logp.gather(1, targets[a : a + piece, None])[:, 0], *top))
+        logprob, top_values, top_ids = (torch.cat(p) for p in zip(*parts, strict=True))
+        return _Scored(chunk.slot, chunk.start, chunk.logprob_targets, logprob, top_ids, top_values)
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, slots: list[int]) -> SampleOutput:
         s = self.slots
@@ -364,7 +407,9 @@ class ModelRunner:
         return isinstance(self.kv, TritonPagedAttention)
 
     # -- the one read back ---------------------------------------------------------------
-    def _start_read_back(self, firsts: list[_FirstTokens], window: _Window | None) -> Launched:
+    def _start_read_back(
+        self, firsts: list[_FirstTokens], window: _Window | None, scored: list[_Scored]
+    ) -> Launched:
         """Enqueue the step's device-to-host copies (pinned, non-blocking) behind its work, on
         the read back stream (CUDA). The tensors stay alive until `collect` has waited for
         them: the first tokens' in `Launched.firsts`, the window's in the event buffers, whose
@@ -382,11 +427,13 @@ class ModelRunner:
                 k, b = window.flags.num_logprobs, window.b
                 tensors += [ev.logprob[rows, :b], ev.top_ids[rows, :b, :k]]
                 tensors.append(ev.top_logprobs[rows, :b, :k])
+        for sc in scored:
+            tensors += [sc.logprob, sc.top_ids, sc.top_logprobs]
         wanted = {slot: h.params.logprobs for slot, h in self.slots.host.items()}
         if self._read_back_stream is None:
             # the CPU: copies now (the event buffers are reused by a later launch, which may
             # come before this plan is collected)
-            return Launched(firsts, window, [t.clone() for t in tensors], None, wanted)
+            return Launched(firsts, window, scored, [t.clone() for t in tensors], None, wanted)
         stream = self._read_back_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -395,7 +442,7 @@ class ModelRunner:
             done.record(stream)
         if window is not None:
             ev.read(done)
-        return Launched(firsts, window, host, done, wanted)
+        return Launched(firsts, window, scored, host, done, wanted)
 
     def collect(self, launched: Launched) -> StepResult:
         """Wait for a launched plan and turn its read back into token events."""
@@ -423,7 +470,17 @@ class ModelRunner:
                     if token >= 0:
                         smp = _as_sample(wanted.get(slot), token, extra, (t, slot))
                         events.append(TokenEvent(slot, smp, row_depths[slot]))
-        return StepResult(tuple(events))
+        prompt = []
+        for sc in launched.scored:
+            lp, ids, tops = next(it).tolist(), next(it).tolist(), next(it).tolist()
+            samples = (
+                Sample(target, logprob, tuple(zip(row_ids, row_tops, strict=True)))
+                for target, logprob, row_ids, row_tops in zip(
+                    sc.targets, lp, ids, tops, strict=True
+                )
+            )
+            prompt.append(PromptLogprobs(sc.slot, sc.start, tuple(samples)))
+        return StepResult(tuple(events), tuple(prompt))
 
     # -- preemption: every plane's pages and the slot's device state, exactly -----------
     def _block_slots(self, blocks: tuple[int, ...]) -> torch.Tensor:

@@ -114,7 +114,13 @@ def test_json_flags_reach_sampling_params(tiny_ouro_dir: Path) -> None:
     (out,) = data["outputs"]
     assert len(out["logprobs"]) == len(out["token_ids"])
     assert all(len(lp["top"]) == 2 for lp in out["logprobs"])
-    first = out["token_ids"][0]
+    assert "prompt_logprobs" not in out
+    scored = run_json(tiny_ouro_dir, "Hi there", "--max-tokens", "1", "--prompt-logprobs", "1")
+    (out,) = scored["outputs"]
+    prompt_lps = out["prompt_logprobs"]
+    assert len(prompt_lps) == len(out["prompt_token_ids"]) and prompt_lps[0] is None
+    assert [lp["token_id"] for lp in prompt_lps[1:]] == out["prompt_token_ids"][1:]
+    first = data["outputs"][0]["token_ids"][0]
     stopped = run_json(tiny_ouro_dir, "Hi", "--max-tokens", "3", "--stop-token-ids", str(first))
     assert stopped["outputs"][0]["finish_reason"] == "stop"
     assert stopped["outputs"][0]["token_ids"] == [first]

@@ -68,7 +68,6 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
         ({"model": "demo", "prompt": "x", "logit_bias": {"fifty": 5}}, "logit_bias"),
         ({"model": "demo", "prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
         ({"model": "demo", "prompt": "x", "logit_bias": {str(10**9): 5}}, "logit_bias"),  # vocab
-        ({"model": "demo", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"model": "demo", "prompt": []}, "prompt"),
         ({"model": "demo", "prompt": [-1, 2]}, None),
         ({"model": "demo", "prompt": [10**9]}, "prompt"),  # outside the vocabulary

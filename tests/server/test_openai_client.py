@@ -166,6 +166,41 @@ def test_json_object_and_regex(client) -> None:
         assert isinstance(json.loads(content), dict)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, demo_llm) -> None:
+    """lm-eval-harness's loglikelihood request (echo, logprobs=1, max_tokens=1, temperature
+    0): the prompt's tokens with their logprobs (the first null) then the generated one's,
+    text offsets through the echoed text; the values are the in-process engine's."""
+    got = client.completions.create(
+        model="demo", prompt=PROMPTS, max_tokens=1, logprobs=1, echo=True, temperature=0
+    )
+    want = demo_llm.generate(PROMPTS, SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1))
+    for choice, out, prompt in zip(got.choices, want, PROMPTS, strict=True):
+        lp = choice.logprobs
+        n = len(out.prompt_token_ids)
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for got_lp, want_lp in zip(lp.token_logprobs[1:n], out.prompt_logprobs[1:], strict=True):
+            assert got_lp == pytest.approx(want_lp.logprob, abs=1e-5)
+        assert lp.token_logprobs[n] == pytest.approx(out.logprobs[0].logprob, abs=1e-5)
+        assert choice.text == prompt + out.text
+        assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(prompt)
+        assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    # streamed: the first chunk opens with the prompt's entries
+    stream = client.completions.create(
+        model="demo", prompt=PROMPTS[0], max_tokens=3, logprobs=1, echo=True, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    entries = [
+        value
+        for chunk in stream
+        for choice in chunk.choices
+        for value in (choice.logprobs.token_logprobs if choice.logprobs else [])
+    ]
+    n = len(want[0].prompt_token_ids)
+    assert len(entries) == n + 3 and entries[0] is None
+    assert entries[1:n] == pytest.approx([p.logprob for p in want[0].prompt_logprobs[1:]], abs=1e-5)
+
+
 def test_token_id_prompts_and_loop_controls(client, demo_llm) -> None:
     ids = demo_llm.tokenizer.encode(PROMPTS[1])
     controls = {"max_loops": 2, "exit_threshold": 1.0}
