@@ -25,7 +25,13 @@ from rlt_engine.async_engine import AsyncEngine
 from rlt_engine.server.config import ServerConfig
 from rlt_engine.server.errors import APIError, error_response
 from rlt_engine.server.metrics import CONTENT_TYPE, ServerMetrics
-from rlt_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ParamError
+from rlt_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ParamError,
+    TokenizeRequest,
+)
 from rlt_engine.server.serving import InFlight, Serving
 
 
@@ -111,6 +117,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         return await serving.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return serving.detokenize(body)
 
     app.add_middleware(_BodyLimit, limit=config.max_request_bytes)
     if config.api_key is not None:

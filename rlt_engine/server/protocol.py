@@ -273,3 +273,27 @@ class ChatCompletionRequest(_Common):
     @property
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt and messages")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    tokens: list[NonNegativeInt]

@@ -30,7 +30,13 @@ from rlt_engine.outputs import RequestOutput, TokenLogprob
 from rlt_engine.sampling_params import SamplingParams
 from rlt_engine.server.config import ServerConfig
 from rlt_engine.server.errors import APIError, error_body
-from rlt_engine.server.protocol import ChatCompletionRequest, CompletionRequest, ParamError
+from rlt_engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ParamError,
+    TokenizeRequest,
+)
 from rlt_engine.structured import GrammarError
 
 DISCONNECT_POLL_S = 0.25
@@ -142,14 +148,50 @@ class Serving:
         render = _ChatRender(self.tokenizer)
         return await self._respond(job, body.stream, body.include_usage, render, request)
 
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """The token ids of a prompt, or of chat messages rendered by the model's template, as
+        a completion or a chat request would send them to the engine."""
+        self._known(body.model)
+        body.check()
+        if body.messages is not None:
+            chat = ChatCompletionRequest(
+                model=body.model,
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+            ids = self._render_chat(chat)
+        else:
+            assert body.prompt is not None
+            ids = self._tokenizer_for("prompt").encode(body.prompt)
+        assert self.engine.info is not None
+        return {"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self._known(body.model)
+        tokenizer = self._tokenizer_for("tokens")
+        assert self.engine.info is not None
+        vocab = self.engine.info.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise ParamError("tokens", f"token ids must lie in [0, {vocab})")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def _tokenizer_for(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise ParamError(field, "this model has no tokenizer")
+        return self.tokenizer
+
     # -- shared steps -------------------------------------------------------------------
-    def _admit(self, model: str) -> None:
+    def _known(self, model: str) -> None:
+        """A ready engine serving `model`."""
         if self.engine.status == "loading":
             raise APIError(503, "the model is still loading; retry when /health is 200")
         if self.engine.status != "ready":
             raise APIError(503, self.engine.error or "the engine is not running")
         if model not in self.names:
             raise APIError(404, f"the model {model!r} does not exist", "model")
+
+    def _admit(self, model: str) -> None:
+        self._known(model)
         if not self.in_flight.enter():
             raise APIError(
                 429,
