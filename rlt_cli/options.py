@@ -71,6 +71,9 @@ HELP: dict[str, str] = {
     "ignore_eos": "Keep generating past EOS and the chat end token.",
     "stop": "Stop at this string, which is left out of the text (repeatable).",
     "stop_token_ids": "Also stop at this token id (repeatable).",
+    "include_stop_str_in_output": "Keep the stop string that ended the text in it.",
+    "skip_special_tokens": "Leave special tokens out of the text (--no-skip-special-tokens: "
+    "keep them).",
     "logprobs": "Record the chosen token's logprob plus the top N (0 to 20).",
     "prompt_logprobs": "Record each prompt token's logprob (given the tokens before it, at full "
     "depth) plus the top N (0 to 20).",

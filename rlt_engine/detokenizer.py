@@ -18,15 +18,16 @@ _WINDOW = 8  # most tokens decoded per push
 _ANCHOR = 4  # tokens kept as context when the window is re-anchored
 
 
-def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`ids -> text` without special tokens. A tokenizers-backed transformers tokenizer that
-    does no clean-up decodes through its Rust tokenizer directly: the same text as its
-    `decode`, without the Python wrapper that costs about half of each call (the host decodes
-    every output token, so at 256 running requests this is on the critical path)."""
+def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`ids -> text`, without special tokens unless asked. A tokenizers-backed transformers
+    tokenizer that does no clean-up decodes through its Rust tokenizer directly: the same text
+    as its `decode`, without the Python wrapper that costs about half of each call (the host
+    decodes every output token, so at 256 running requests this is on the critical path)."""
+    skip = skip_special_tokens
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 @dataclass
@@ -34,6 +35,8 @@ class IncrementalDetokenizer:
     tokenizer: Any
     stop: tuple[str, ...] = ()
     min_tokens: int = 0
+    include_stop: bool = False  # the text keeps the stop string that ended it (vLLM's)
+    skip_special_tokens: bool = True
     text: str = ""
     _ids: list[int] = field(default_factory=list)
     _prefix: int = 0  # tokens before this index are already final text
@@ -41,7 +44,7 @@ class IncrementalDetokenizer:
     _emitted: int = 0  # characters of `text` already handed out
 
     def __post_init__(self) -> None:
-        self._decode = text_decoder(self.tokenizer)
+        self._decode = text_decoder(self.tokenizer, self.skip_special_tokens)
 
     def push(self, token_id: int) -> bool:
         """Add one token; True when the text now contains a stop string (it is cut there)."""
@@ -66,9 +69,10 @@ class IncrementalDetokenizer:
             return False
         # a stop string may straddle the previous text and the new piece
         search_from = max(0, before - max(len(s) for s in self.stop) + 1)
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, len(s)) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)  # the first to start (of those, the shortest)
+            self.text = self.text[: at + length if self.include_stop else at]
             return True
         return False
 

@@ -285,7 +285,13 @@ class LLMEngine:
             req.token_mask = grammar.mask()  # the first token's, sent with its SlotInit
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                params.stop,
+                params.min_tokens,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            )
         self.scheduler.add(req)
         self._requests[request_id] = _Tracked(req, detok, grammar)
         return request_id
@@ -460,6 +466,8 @@ class LLMEngine:
                 return True
         if entry.detok is None:
             return False
+        if token in req.stop_token_ids and not req.params.include_stop_str_in_output:
+            return False  # a stop token's text is left out (vLLM's), special or not
         try:
             return entry.detok.push(token)
         except Exception as exc:

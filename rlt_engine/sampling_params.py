@@ -56,6 +56,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None  # None = the model's EOS + chat end token
+    include_stop_str_in_output: bool = False  # the text keeps the stop string (vLLM's)
+    skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's)
     logprobs: int | None = None  # None = off; n = chosen token + top-n
     # vLLM's: each prompt token's logprob given the tokens before it (the first has none),
     # + top-n, from the model's full depth; None = off. Its prompt is computed, never a

@@ -148,3 +148,17 @@ def test_min_tokens_skips_stop_strings_in_the_first_tokens(tokenizer):
     # min_tokens past every stop string: none ends it
     detok = IncrementalDetokenizer(tokenizer, (".",), min_tokens=len(ids))
     assert _push_all(detok, ids)[1] is None and detok.text == text
+
+
+def test_include_stop_keeps_the_stop_string_and_special_tokens_can_stay(tokenizer):
+    ids = tokenizer.encode("one. two. three")
+    detok = IncrementalDetokenizer(tokenizer, (". t", "."), include_stop=True)
+    pieces, _ = _push_all(detok, ids)
+    assert "".join(pieces) == detok.text == "one."  # the first stop to start, the shortest
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    plain = IncrementalDetokenizer(tokenizer)
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    for t in [*ids, special]:
+        plain.push(t)
+        kept.push(t)
+    assert plain.text == "one. two. three" and kept.text == "one. two. three<|im_end|>"

@@ -11,7 +11,8 @@ Structured output: OpenAI's `response_format` (`json_object`, `json_schema`), vL
 
 Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, `priority`; every choice
 returns its per-token exit depths as `exit_depths`. vLLM's: `top_k`, `ignore_eos`,
-`stop_token_ids`, `repetition_penalty`, `min_tokens`.
+`stop_token_ids`, `repetition_penalty`, `min_tokens`, `include_stop_str_in_output`,
+`skip_special_tokens`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     response_format: dict[str, object] | None = None
@@ -155,6 +158,8 @@ class _Common(BaseModel):
             seed=seed,
             ignore_eos=self.ignore_eos,
             stop=self.stop_strings(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

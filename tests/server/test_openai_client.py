@@ -201,6 +201,24 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, demo_llm) 
     assert entries[1:n] == pytest.approx([p.logprob for p in want[0].prompt_logprobs[1:]], abs=1e-5)
 
 
+def test_include_stop_str_and_special_tokens(client, demo_llm) -> None:
+    """vLLM's include_stop_str_in_output keeps the stop string; skip_special_tokens false
+    with it keeps the end-of-turn token's text, which is otherwise left out."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    args = dict(model="demo", messages=messages, max_tokens=60, temperature=0)
+    cut = client.chat.completions.create(**args, stop=["="])
+    kept = client.chat.completions.create(
+        **args, stop=["="], extra_body={"include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].message.content == cut.choices[0].message.content + "="
+    ended = client.chat.completions.create(
+        **args, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}
+    )
+    (want,) = demo_llm.chat(messages, SamplingParams(max_tokens=60))
+    assert want.finish_reason == "stop"
+    assert ended.choices[0].message.content == want.text + "<|im_end|>"
+
+
 def test_token_id_prompts_and_loop_controls(client, demo_llm) -> None:
     ids = demo_llm.tokenizer.encode(PROMPTS[1])
     controls = {"max_loops": 2, "exit_threshold": 1.0}
