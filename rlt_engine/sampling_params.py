@@ -127,6 +127,10 @@ class SamplingParams:
                 )
         if isinstance(self.structured, dict):
             object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+        if self.structured is not None and self.min_tokens:
+            # a grammar that is complete lets only stop tokens through, which min_tokens holds
+            # back: nothing would be left to draw
+            raise ValueError("min_tokens cannot be combined with structured output")
         if any(not s for s in self.stop):
             raise ValueError("stop must not hold an empty string (it would match at once)")
         if self.min_loops is not None and self.min_loops < 1:

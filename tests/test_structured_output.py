@@ -197,3 +197,5 @@ def test_structured_output_needs_a_stop_token_and_one_kind():
         StructuredOutput()
     with pytest.raises(ValueError, match="non-empty strings"):
         StructuredOutput(choice=["a", ""])
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured={"regex": "a+"})

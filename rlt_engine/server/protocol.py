@@ -145,6 +145,8 @@ class _Common(BaseModel):
         """The engine parameters of choice `choice` (of n): seeded choices get seed + choice, so
         n > 1 with one seed gives n different, reproducible samples."""
         seed = None if self.seed is None else (self.seed + choice) % 2**63
+        if self.min_tokens and self.structured():
+            raise ParamError("min_tokens", "min_tokens cannot be combined with structured output")
         if self.min_tokens > max_tokens:
             raise ParamError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})"

@@ -64,6 +64,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
             "guided_regex",
         ),
         ({"model": "demo", "prompt": "x", "guided_regex": "a", "ignore_eos": True}, "prompt"),
+        ({"model": "demo", "prompt": "x", "guided_regex": "a", "min_tokens": 2}, "min_tokens"),
         ({"model": "demo", "prompt": "x", "logit_bias": {"50": 101}}, "logit_bias"),
         ({"model": "demo", "prompt": "x", "logit_bias": {"fifty": 5}}, "logit_bias"),
         ({"model": "demo", "prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias"),
