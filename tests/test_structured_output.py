@@ -153,6 +153,23 @@ def test_a_constrained_row_emits_one_token_a_window_and_waits_for_its_mask():
     assert sum(len(p.mask_updates) for p in engine.scheduler.trace) == have["c"] - 1
 
 
+def test_async_with_only_constrained_rows_plans_no_window_they_would_sit_out():
+    """Asynchronous, with every running row constrained, the next plan waits for the tokens
+    in flight (their masks): each window after the first tokens carries every row's mask,
+    none runs with all rows held; the tokens equal the synchronous engine's."""
+    outs = {}
+    for asynchronous in (True, False):
+        llm = _demo(async_scheduling=asynchronous, decode_window=8, block_size=4)
+        engine, prompts = llm.engine, _prompts(llm)
+        engine.scheduler.trace = []
+        spec = StructuredOutput(regex=r"[a-z ]+")
+        params = SamplingParams(max_tokens=10, ignore_eos=False, structured=spec)
+        outs[asynchronous] = llm.generate([prompts[4], prompts[2]], params)
+        decode = [p for p in engine.scheduler.trace if p.decode_traversals and not p.prefill]
+        assert decode and all(p.mask_updates for p in decode)
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+
+
 # -- the host side: compiling and masks ------------------------------------------------------
 
 

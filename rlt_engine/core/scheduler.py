@@ -100,6 +100,10 @@ class Scheduler(Admission):
         ran = self._ran_in_flight()  # the windows in flight: what each row decodes in them
         self._retire(ran)
         self.admit()
+        if self._in_flight and self.running and all(self._waits_for_mask(r) for r in self.running):
+            # every row's next token needs the mask of the token in flight: a window planned
+            # now would run them all held. See the results first (synchronous, in effect)
+            return None
         planned: list[Request] = []
         window = self.decode_window
         reach = window * self.lookahead  # traversals that may run before the next plan's view
@@ -171,6 +175,12 @@ class Scheduler(Admission):
         if self.trace is not None:
             self.trace.append(plan)
         return plan
+
+    def _waits_for_mask(self, req: Request) -> bool:
+        """A constrained row decoding or about to (its first token in flight): it emits at
+        most one token a window, then waits for the next mask."""
+        decoding = req.stage is Stage.DECODE and req.snapshot is None
+        return req.constrained and (decoding or self._first_token_in_flight(req))
 
     def _others_decode(self, planned: list[Request]) -> bool:
         """Whether the window has decode rows besides the slots this plan's wave starts."""
