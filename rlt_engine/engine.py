@@ -516,4 +516,6 @@ class LLMEngine:
 
 
 def _logprobs(samples: list[Sample]) -> list[TokenLogprob]:
-    return [TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs or ()) for s in samples]
+    return [
+        TokenLogprob(s.token_id, s.logprob or 0.0, s.top_logprobs or (), s.rank) for s in samples
+    ]

@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than this one
 
 
 @dataclass

@@ -59,6 +59,7 @@ def test_prompt_logprobs_equal_the_oracle_and_change_no_token(ckpt, options, mon
         for i, got in enumerate(out.prompt_logprobs[1:], start=1):
             assert got.token_id == prompt[i]
             assert got.logprob == pytest.approx(float(logp[i - 1, prompt[i]]), abs=ABS)
+            assert got.rank == 1 + int((logp[i - 1] > logp[i - 1, prompt[i]]).sum())
             top = logp[i - 1].topk(3)
             assert [t for t, _ in got.top] == top.indices.tolist()
             assert [v for _, v in got.top] == pytest.approx(top.values.tolist(), abs=ABS)

@@ -141,6 +141,7 @@ class Sample:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    rank: int | None = None  # prompt logprobs: 1 + the tokens more likely than this one
 
 
 @dataclass(frozen=True)

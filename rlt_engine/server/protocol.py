@@ -47,6 +47,7 @@ class _Common(BaseModel):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)  # vLLM's
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
@@ -218,9 +219,13 @@ class CompletionRequest(_Common):
             raise ParamError("suffix", "suffix is not supported")
 
     @property
-    def prompt_logprobs(self) -> int | None:
-        """echo with logprobs: the echoed prompt's tokens come with their logprobs too."""
-        return self.logprobs if self.echo else None
+    def scored_prompt(self) -> int | None:
+        """The engine's prompt_logprobs: vLLM's field, or echo with logprobs (the echoed
+        prompt's tokens come with their logprobs too); the wider where both ask."""
+        asked = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

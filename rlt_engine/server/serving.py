@@ -117,7 +117,7 @@ class Serving:
             for prompt in prompts:
                 for choice in range(body.n):
                     params = body.sampling_params(
-                        max_tokens, body.logprobs, choice, body.prompt_logprobs
+                        max_tokens, body.logprobs, choice, body.scored_prompt
                     )
                     work.append((prompt, params))
             job = await self._start(body.model, "cmpl", work, body.stream, body.grammar_field)
@@ -125,7 +125,7 @@ class Serving:
             self.in_flight.leave()
             raise
         echo = [self._prompt_text(p) for p in prompts] if body.echo else None
-        render = _CompletionRender(self.tokenizer, echo, body.n)
+        render = _CompletionRender(self.tokenizer, echo, body.n, body.prompt_logprobs is not None)
         return await self._respond(job, body.stream, body.include_usage, render, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -138,14 +138,17 @@ class Serving:
                 assert self.engine.info is not None
                 limit = max(1, self.engine.info.max_request_positions - len(ids))
             work = [
-                (ids, body.sampling_params(limit, body.logprobs_count, choice))
+                (
+                    ids,
+                    body.sampling_params(limit, body.logprobs_count, choice, body.prompt_logprobs),
+                )
                 for choice in range(body.n)
             ]
             job = await self._start(body.model, "chatcmpl", work, body.stream, body.grammar_field)
         except BaseException:
             self.in_flight.leave()
             raise
-        render = _ChatRender(self.tokenizer)
+        render = _ChatRender(self.tokenizer, body.prompt_logprobs is not None)
         return await self._respond(job, body.stream, body.include_usage, render, request)
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -474,8 +477,13 @@ class _Render:
 
 
 class _CompletionRender(_Render):
-    def __init__(self, tokenizer: Any, echo: list[str] | None, n: int) -> None:
+    def __init__(
+        self, tokenizer: Any, echo: list[str] | None, n: int, prompt_logprobs: bool
+    ) -> None:
+        """`prompt_logprobs`: vLLM's field was given (each choice carries them, the first
+        chunk of a stream)."""
         self.tokenizer, self.echo, self.n = tokenizer, echo, n
+        self.prompt_logprobs = prompt_logprobs
         self.offsets: dict[int, int] = {}  # choice -> characters of text sent so far
         self.prompts: dict[int, list[int]] = {}
 
@@ -506,6 +514,11 @@ class _CompletionRender(_Render):
             "index": index,
             "text": text,
             "logprobs": logprobs,
+            **(
+                {"prompt_logprobs": _vllm_prompt_logprobs(self.tokenizer, out)}
+                if self.prompt_logprobs and index not in self.offsets
+                else {}
+            ),
             "finish_reason": out.finish_reason if out.finished else None,
             "exit_depths": out.new_exit_depths if new else out.exit_depths,
             "token_ids": out.new_token_ids if new else out.token_ids,
@@ -537,8 +550,9 @@ class _CompletionRender(_Render):
 
 
 class _ChatRender(_Render):
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, prompt_logprobs: bool = False) -> None:
+        """`prompt_logprobs`: vLLM's field was given (the response carries them)."""
+        self.tokenizer, self.prompt_logprobs = tokenizer, prompt_logprobs
         self.prompt_len = 0
 
     def _head(self, job: _Job, chunk: bool = True) -> dict[str, Any]:
@@ -593,7 +607,10 @@ class _ChatRender(_Render):
         ]
         prompt = len(finals[0].prompt_token_ids) if finals else 0
         usage = _usage(prompt, sum(out.num_tokens for out in finals))
-        return {**self._head(job, chunk=False), "choices": choices, "usage": usage}
+        body = {**self._head(job, chunk=False), "choices": choices, "usage": usage}
+        if self.prompt_logprobs and finals:  # one prompt for every choice (vLLM's place)
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.tokenizer, finals[0])
+        return body
 
     def usage_chunk(self, job: _Job, completion_tokens: int) -> dict[str, Any]:
         return {
@@ -627,6 +644,26 @@ def _completion_logprobs(
         ],
         "text_offset": offsets,
     }
+
+
+def _vllm_prompt_logprobs(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token (None for the first) its own entry and the
+    top k's, by token id: logprob, rank, decoded text."""
+    if out.prompt_logprobs is None:
+        return []
+    entries: list[dict[str, Any] | None] = []
+    for lp in out.prompt_logprobs:
+        if lp is None:
+            entries.append(None)
+            continue
+        entry: dict[str, Any] = {}
+        for t, v, rank in [(lp.token_id, lp.logprob, lp.rank)] + [
+            (t, v, rank) for rank, (t, v) in enumerate(lp.top, start=1)
+        ]:
+            text = _token_text(tokenizer, t)
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": text})
+        entries.append(entry)
+    return entries
 
 
 def _chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:

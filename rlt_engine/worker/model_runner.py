@@ -75,6 +75,7 @@ class _Scored:
     start: int
     targets: tuple[int, ...]
     logprob: torch.Tensor  # fp32 [n]
+    rank: torch.Tensor  # int64 [n]: 1 + the tokens more likely than the target
     top_ids: torch.Tensor  # int64 [n, k]
     top_logprobs: torch.Tensor  # fp32 [n, k]
 
@@ -291,14 +292,15 @@ class ModelRunner:
         n = len(chunk.logprob_targets)
         targets = upload(torch.tensor(chunk.logprob_targets), self.device)
         piece = max(1, SCORE_BYTES // (4 * self.model.config.vocab_size))
-        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        parts: list[tuple[torch.Tensor, ...]] = []
         for a in range(0, n, piece):
             logits = self.model.coda(hidden[a : min(n, a + piece)])
             logp = logits.float().log_softmax(-1)
-            top = logp.topk(k, dim=-1)
-            parts.append((logp.gather(1, targets[a : a + piece, None])[:, 0], *top))
-        logprob, top_values, top_ids = (torch.cat(p) for p in zip(*parts, strict=True))
-        return _Scored(chunk.slot, chunk.start, chunk.logprob_targets, logprob, top_ids, top_values)
+            target = logp.gather(1, targets[a : a + piece, None])
+            rank = (logp > target).sum(-1) + 1
+            parts.append((target[:, 0], rank, *logp.topk(k, dim=-1)))
+        logprob, rank, values, ids = (torch.cat(p) for p in zip(*parts, strict=True))
+        return _Scored(chunk.slot, chunk.start, chunk.logprob_targets, logprob, rank, ids, values)
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, slots: list[int]) -> SampleOutput:
         s = self.slots
@@ -428,7 +430,7 @@ class ModelRunner:
                 tensors += [ev.logprob[rows, :b], ev.top_ids[rows, :b, :k]]
                 tensors.append(ev.top_logprobs[rows, :b, :k])
         for sc in scored:
-            tensors += [sc.logprob, sc.top_ids, sc.top_logprobs]
+            tensors += [sc.logprob, sc.rank, sc.top_ids, sc.top_logprobs]
         wanted = {slot: h.params.logprobs for slot, h in self.slots.host.items()}
         if self._read_back_stream is None:
             # the CPU: copies now (the event buffers are reused by a later launch, which may
@@ -472,11 +474,11 @@ class ModelRunner:
                         events.append(TokenEvent(slot, smp, row_depths[slot]))
         prompt = []
         for sc in launched.scored:
-            lp, ids, tops = next(it).tolist(), next(it).tolist(), next(it).tolist()
+            lp, ranks, ids, tops = (next(it).tolist() for _ in range(4))
             samples = (
-                Sample(target, logprob, tuple(zip(row_ids, row_tops, strict=True)))
-                for target, logprob, row_ids, row_tops in zip(
-                    sc.targets, lp, ids, tops, strict=True
+                Sample(target, logprob, tuple(zip(row_ids, row_tops, strict=True)), rank)
+                for target, logprob, rank, row_ids, row_tops in zip(
+                    sc.targets, lp, ranks, ids, tops, strict=True
                 )
             )
             prompt.append(PromptLogprobs(sc.slot, sc.start, tuple(samples)))

@@ -39,6 +39,7 @@ def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
         ({"model": "demo", "prompt": "x", "frequency_penalty": "hot"}, "frequency_penalty"),
         ({"model": "demo", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"model": "demo", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"model": "demo", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
         ({"model": "demo", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"model": "demo", "prompt": "x", "min_tokens": 17}, "min_tokens"),  # default max: 16
         ({"model": "demo", "prompt": "x", "response_format": {"type": "xml"}}, "response_format"),

@@ -201,6 +201,32 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, demo_llm) 
     assert entries[1:n] == pytest.approx([p.logprob for p in want[0].prompt_logprobs[1:]], abs=1e-5)
 
 
+def test_vllm_prompt_logprobs_field(client, demo_llm) -> None:
+    """vLLM's prompt_logprobs: per prompt token (null for the first) its own entry and the
+    top k's by token id, with logprob, rank and text; on completions per choice, on chat at
+    the response's top level."""
+    got = client.completions.create(
+        model="demo", prompt=PROMPTS[1], max_tokens=2, temperature=0,
+        extra_body={"prompt_logprobs": 2},
+    )  # fmt: skip
+    (want,) = demo_llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2, prompt_logprobs=2))
+    scored = (got.choices[0].model_extra or {})["prompt_logprobs"]
+    assert len(scored) == len(want.prompt_token_ids) and scored[0] is None
+    for entry, lp in zip(scored[1:], want.prompt_logprobs[1:], strict=True):
+        own = entry[str(lp.token_id)]
+        assert own["rank"] == lp.rank and own["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+        assert own["decoded_token"] == demo_llm.engine.tokenizer.decode([lp.token_id])
+        tops = sorted((v["rank"], int(t)) for t, v in entry.items() if v["rank"] <= 2)
+        assert [t for _, t in tops] == [t for t, _ in lp.top]
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    entries = (chat.model_extra or {})["prompt_logprobs"]
+    assert entries[0] is None and all(len(e) == 1 for e in entries[1:])
+    assert chat.usage.prompt_tokens == len(entries)
+
+
 def test_include_stop_str_and_special_tokens(client, demo_llm) -> None:
     """vLLM's include_stop_str_in_output keeps the stop string; skip_special_tokens false
     with it keeps the end-of-turn token's text, which is otherwise left out."""
