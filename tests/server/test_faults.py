@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
+import re
 import signal
 import threading
 from pathlib import Path
@@ -85,6 +87,58 @@ def test_200_concurrent_streams_with_random_aborts(server) -> None:
     wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
     wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
     assert server.metric("vllm:num_requests_waiting") == 0
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_concurrent_constrained_scored_and_free_streams_with_aborts(server) -> None:
+    """The features that hold rows or score prompts, side by side under load: grammars
+    (choice, regex, JSON object), prompt logprobs, min_tokens and free rows, some streams
+    closed mid-way. Finished grammars hold; every block comes back."""
+    rng = random.Random(1)
+    kinds = [
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"structured_outputs": {"regex": "[a-z ]{1,12}"}},
+        {"response_format": {"type": "json_object"}},
+        {"prompt_logprobs": 1},
+        {"min_tokens": 6},
+        {},
+    ]
+    plan = [(i, kinds[i % len(kinds)], rng.random() < 0.3) for i in range(36)]
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+        async def one(i: int, extra: dict, abort: bool) -> str:
+            stream = await client.completions.create(
+                model="demo", prompt=f"Q: {i} + {i} =\nA:", max_tokens=16, temperature=0.8,
+                seed=i, stream=True, extra_body=extra,
+            )  # fmt: skip
+            text, finish, chunks = "", None, 0
+            async for chunk in stream:
+                chunks += 1
+                for choice in chunk.choices:
+                    text += choice.text
+                    finish = choice.finish_reason or finish
+                if abort and chunks >= 2:
+                    await stream.close()
+                    return "aborted"
+            if "structured_outputs" in extra and finish == "stop":
+                spec = extra["structured_outputs"]
+                assert text in spec.get("choice", [text]), text
+                assert re.fullmatch(spec.get("regex", ".*"), text, re.S), text
+            if "response_format" in extra and finish == "stop":
+                assert isinstance(json.loads(text), dict), text
+            return "done"
+
+        try:
+            return await asyncio.gather(*(one(*p) for p in plan))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    assert results.count("done") >= 18 and set(results) <= {"done", "aborted"}
+    wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
+    wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
     assert httpx.get(server.url + "/health").status_code == 200
 
 
