@@ -93,8 +93,8 @@ def apply_logit_edits(logits: torch.Tensor, e: LogitEdits) -> torch.Tensor:
     a negative one multiplied), then frequency x count and presence x (count > 0) over the
     output's; last, a row short of its min_tokens gets -inf on its stop ids and a constrained
     row on the tokens its grammar's mask leaves out (whatever came before, as -inf stays -inf
-    through the others). A row with every edit off comes back
-    unchanged (x + 0, x * 1, x / 1 and x - 0 are exact; only a -0.0 logit comes back +0.0)."""
+    through the others). A row with every edit off comes back unchanged (x + 0, x * 1, x / 1
+    and x - 0 are exact; only a -0.0 logit comes back +0.0)."""
     logits = logits.scatter_add(1, e.bias_ids, e.bias_values)
     seen = e.seen
     count = (seen >> 1).to(torch.float32)
