@@ -77,13 +77,26 @@ class LLM:
         self,
         messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, rendered with the chat template."""
+        """One conversation (a list of messages) or several, rendered with the chat template
+        (`continue_final_message`: the last message left open, for the answer to go on with
+        it; it needs add_generation_prompt=False)."""
         from rlt_engine.models.tokenizer import render_chat
 
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [render_chat(self.tokenizer, conv) for conv in conversations]  # type: ignore[arg-type]
+        prompts = [
+            render_chat(
+                self.tokenizer,
+                conv,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for conv in conversations
+        ]
         return self.generate(prompts, params, **kwargs)

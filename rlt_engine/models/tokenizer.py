@@ -116,17 +116,27 @@ def render_chat_text(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
-    """The chat rendered by the model's own template, as text."""
+    """The chat rendered by the model's own template, as text. `continue_final_message`: the
+    last message is left open (no end-of-turn after it), for the model to go on with it."""
     if not getattr(tokenizer, "chat_template", None):
         raise TokenizerError(
             f"tokenizer {tokenizer.name_or_path!r} has no chat template: "
             "use plain prompts (completions) instead of chat messages"
         )
     _check_messages(messages)
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    if continue_final_message and add_generation_prompt:
+        raise TokenizerError("continue_final_message needs add_generation_prompt false")
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except ValueError as exc:  # e.g. the final message's text is not in the rendered chat
+        raise TokenizerError(_one_line(exc)) from None
     if not isinstance(text, str):  # defensive: some versions return a list for batched input
         raise TokenizerError(f"chat template rendered {type(text).__name__}, expected str")
     return text
@@ -137,9 +147,15 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of a chat: template -> text -> ids, adding no special tokens of our own."""
-    text = render_chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    text = render_chat_text(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

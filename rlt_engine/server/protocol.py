@@ -263,6 +263,7 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message left open, to go on with
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     functions: list[dict[str, object]] | None = None
@@ -296,6 +297,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -161,6 +161,7 @@ class Serving:
                 model=body.model,
                 messages=body.messages,
                 add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
             )
             ids = self._render_chat(chat)
         else:
@@ -211,10 +212,14 @@ class Serving:
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         try:
             return render_chat(
-                self.tokenizer, messages, add_generation_prompt=body.add_generation_prompt
+                self.tokenizer,
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
             )
         except TokenizerError as exc:
-            raise ParamError("messages", str(exc)) from None
+            field = "continue_final_message" if body.continue_final_message else "messages"
+            raise ParamError(field, str(exc)) from None
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
         if isinstance(prompt, str):

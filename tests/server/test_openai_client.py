@@ -227,6 +227,39 @@ def test_vllm_prompt_logprobs_field(client, demo_llm) -> None:
     assert chat.usage.prompt_tokens == len(entries)
 
 
+def test_continue_final_message_goes_on_with_the_assistants_text(client, demo_llm) -> None:
+    """vLLM's continue_final_message: the last (assistant) message is left open and the
+    answer continues it; the prompt is the template's text up to it, nothing after."""
+    from rlt_engine.models.tokenizer import render_chat
+
+    messages = [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "The answer is"},
+    ]
+    got = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=8, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    ids = render_chat(
+        demo_llm.engine.tokenizer, messages, add_generation_prompt=False,
+        continue_final_message=True,
+    )  # fmt: skip
+    assert demo_llm.engine.tokenizer.decode(ids).endswith("assistant\nThe answer is")
+    (want,) = demo_llm.generate([ids], SamplingParams(max_tokens=8))
+    (chat,) = demo_llm.chat(
+        messages, SamplingParams(max_tokens=8), add_generation_prompt=False,
+        continue_final_message=True,
+    )  # fmt: skip
+    assert chat.token_ids == want.token_ids
+    assert (got.choices[0].model_extra or {})["token_ids"] == want.token_ids
+    assert got.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=2,
+            extra_body={"continue_final_message": True},  # with a generation prompt
+        )  # fmt: skip
+
+
 def test_include_stop_str_and_special_tokens(client, demo_llm) -> None:
     """vLLM's include_stop_str_in_output keeps the stop string; skip_special_tokens false
     with it keeps the end-of-turn token's text, which is otherwise left out."""
