@@ -182,11 +182,13 @@ async def _serve(serving: Serving, concurrency: int, requests: int, prompt: list
             started += 1
             params = SamplingParams(max_tokens=10**6, ignore_eos=True)
             job = await serving._start("bench", "cmpl", [(prompt, params)], True)
-            render = _CompletionRender(serving.tokenizer, None, 1)
-            async for chunk in serving._events(job, False, render):
-                counts["chunks"] += 1
-                counts["bytes"] += len(chunk)
-            serving._release(job)
+            try:  # (released, so aborted, whatever happens: a request left running hangs exit)
+                render = _CompletionRender(serving.tokenizer, None, 1)
+                async for chunk in serving._events(job, False, render):
+                    counts["chunks"] += 1
+                    counts["bytes"] += len(chunk)
+            finally:
+                serving._release(job)
             counts["requests"] += 1
 
     await asyncio.gather(*(client() for _ in range(concurrency)))

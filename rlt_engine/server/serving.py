@@ -483,7 +483,7 @@ class _Render:
 
 class _CompletionRender(_Render):
     def __init__(
-        self, tokenizer: Any, echo: list[str] | None, n: int, prompt_logprobs: bool
+        self, tokenizer: Any, echo: list[str] | None, n: int, prompt_logprobs: bool = False
     ) -> None:
         """`prompt_logprobs`: vLLM's field was given (each choice carries them, the first
         chunk of a stream)."""
