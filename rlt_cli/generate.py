@@ -34,7 +34,7 @@ from rlt_cli.options import (
 )
 from rlt_cli.output import check_device, one_line, status_spinner, stderr, stdout, stream_text
 from rlt_engine.config import EngineConfig
-from rlt_engine.sampling_params import SamplingParams
+from rlt_engine.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from rlt_engine.llm import LLM
@@ -55,7 +55,14 @@ class GenerateRun:
 
 def generate_command() -> Callable[..., None]:
     """The Typer callback: its signature is built from the config dataclasses."""
-    parameters = [_PROMPTS, _PROMPT_FILE, *engine_parameters(), *sampling_parameters(), *_FRONT_END]
+    parameters = [
+        _PROMPTS,
+        _PROMPT_FILE,
+        *engine_parameters(),
+        *sampling_parameters(),
+        *_STRUCTURED,
+        *_FRONT_END,
+    ]
     return callback(lambda values: _generate(_parse(values)), parameters, HELP)
 
 
@@ -102,11 +109,58 @@ _FRONT_END = [
 ]
 
 
+def _structured_option(name: str, flag: str, kind: Any, help: str) -> Any:
+    option = typer.Option(flag, help=help, rich_help_panel="Structured output")
+    return keyword(name, Annotated[kind, option], None if kind is not bool else False)
+
+
+# SamplingParams.structured: one of these (a TEXT that starts with @ names a file to read)
+_STRUCTURED = [
+    _structured_option("json_schema", "--json-schema", str | None, "A JSON schema (or @FILE)."),
+    _structured_option("json_object", "--json-object", bool, "Any JSON object."),
+    _structured_option("regex", "--regex", str | None, "A regular expression."),
+    _structured_option("choice", "--choice", list[str] | None, "One of these (repeatable)."),
+    _structured_option("grammar", "--grammar", str | None, "An EBNF grammar, root rule `root` "
+                       "(or @FILE)."),
+]  # fmt: skip
+
+
+def _structured(values: dict[str, Any]) -> StructuredOutput | None:
+    given = {
+        name: values[name]
+        for name in ("json_schema", "json_object", "regex", "choice", "grammar")
+        if values[name]
+    }
+    if not given:
+        return None
+    if len(given) > 1:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"give one kind of structured output, got {flags}")
+    ((name, value),) = given.items()
+    if name in ("json_schema", "grammar") and value.startswith("@"):
+        try:
+            value = Path(value[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(
+                f"--{name.replace('_', '-')}: cannot read {value[1:]}: {exc}"
+            ) from None
+    if name == "json_schema":
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--json-schema is not JSON: {exc}") from None
+        return StructuredOutput(json=value)
+    return StructuredOutput(**{name: value})
+
+
 # -- parsing and validation (no torch) ----------------------------------------------------
 def _parse(values: dict[str, Any]) -> GenerateRun:
     engine_options = to_field_values(values, [f.name for f in engine_fields()])
     EngineConfig.from_options(**engine_options)  # fail fast, before torch is imported
-    params = SamplingParams(**to_field_values(values, [f.name for f in sampling_fields()]))
+    params = SamplingParams(
+        **to_field_values(values, [f.name for f in sampling_fields()]),
+        structured=_structured(values),
+    )
     lo, hi = params.min_loops, params.max_loops
     if lo is not None and hi is not None and lo > hi:
         raise ValueError(f"min_loops ({lo}) must be <= max_loops ({hi})")

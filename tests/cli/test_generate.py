@@ -126,6 +126,20 @@ def test_json_flags_reach_sampling_params(tiny_ouro_dir: Path) -> None:
     assert stopped["outputs"][0]["token_ids"] == [first]
 
 
+def test_structured_output_flags(tiny_ouro_dir: Path, tmp_path: Path) -> None:
+    """--choice, --regex and --json-schema (inline or @FILE) constrain the output."""
+    (out,) = run_json(tiny_ouro_dir, "Hi", "--choice", "yes", "--choice", "no")["outputs"]
+    assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop"
+    (out,) = run_json(tiny_ouro_dir, "Hi", "--regex", "[ab]{3}")["outputs"]
+    assert len(out["text"]) == 3 and set(out["text"]) <= {"a", "b"}
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        '{"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}'
+    )
+    (out,) = run_json(tiny_ouro_dir, "Hi", "--json-schema", f"@{schema}")["outputs"]
+    assert json.loads(out["text"])["k"] in (1, 2)
+
+
 def test_exit_threshold_records_adaptive_exit_depths(tiny_ouro_dir: Path) -> None:
     args = ("Hello world", "--max-tokens", "5", "--ignore-eos")
     fixed = run_json(tiny_ouro_dir, *args, "--exit-threshold", "1.0")["outputs"][0]
@@ -172,6 +186,10 @@ def test_json_stdout_is_only_json(tiny_ouro_dir: Path) -> None:
         (("--max-tokens", "abc"), "--max-tokens"),
         (("--no-such-flag",), "--no-such-flag"),
         (("--stop", ""), "--stop must not hold an empty string"),
+        (("--regex", "a", "--choice", "b"), "give one kind of structured output"),
+        (("--json-schema", "{bad"), "--json-schema is not JSON"),
+        (("--regex", "(("), "the regex does not compile"),
+        (("--grammar", "@/no/such/file"), "--grammar: cannot read /no/such/file"),
         (("--max-tokens", "4", "--min-tokens", "9"), "--min-tokens must be an integer in [0, --"),
         (("--max-model-len", "0"), "--max-model-len must be a positive integer, got 0"),
         (("--max-model-len", "9999"), "--max-model-len 9999 exceeds the model's context of 2048"),
@@ -243,6 +261,7 @@ def test_flags_are_exactly_the_engine_options_and_sampling_fields() -> None:
     params = generate_flags()
     sampling = {f.name for f in fields(SamplingParams)} - {"priority", "logit_bias", "structured"}
     front_end = {"prompts", "prompt_file", "chat", "json_output", "verbose"}
+    front_end |= {"json_schema", "json_object", "regex", "choice", "grammar"}  # structured
     assert set(params) - front_end == set(engine_option_names()) | sampling
     for name in set(params) - front_end:
         param = params[name]
