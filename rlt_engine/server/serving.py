@@ -507,8 +507,12 @@ class _CompletionRender(_Render):
         if lps is not None:
             entries: list[tuple[int, TokenLogprob | None]] = [(lp.token_id, lp) for lp in lps]
             if self.echo is not None and index not in self.offsets:  # the text opens with it
-                assert out.prompt_logprobs is not None  # echo with logprobs asks for them
-                prompt = list(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True))
+                # (null past what was scored: a choice that ended before its prompt was)
+                scored = out.prompt_logprobs or []
+                prompt = [
+                    (t, scored[i] if i < len(scored) else None)
+                    for i, t in enumerate(out.prompt_token_ids)
+                ]
                 echoed = len(self.echo[index // self.n])
                 logprobs = _completion_logprobs(self.tokenizer, prompt, 0)
                 rest = _completion_logprobs(self.tokenizer, entries, start + echoed)
