@@ -44,9 +44,9 @@ def test_non_streaming_disconnect_frees_blocks(server) -> None:
     wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
 
 
-def test_200_concurrent_streams_with_random_aborts(server) -> None:
-    rng = random.Random(0)
-    plan = [(i, rng.random() < 0.3, rng.randint(1, 6), rng.randint(4, 24)) for i in range(200)]
+def _streams_then_drained(server, one, plan: list[tuple]) -> list[str]:  # type: ignore[no-untyped-def]
+    """`one(client, *args)` for every args of `plan` at once through one async client; then
+    every block comes back, nothing runs or waits, and the server is healthy."""
 
     async def main() -> list[str]:
         client = openai.AsyncOpenAI(
@@ -55,39 +55,46 @@ def test_200_concurrent_streams_with_random_aborts(server) -> None:
             max_retries=0,
             http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=250), timeout=300),
         )
-
-        async def one(i: int, abort: bool, after: int, max_tokens: int) -> str:
-            stream = await client.completions.create(
-                model="demo",
-                prompt=f"Q: {i} + {i} =\nA:",
-                max_tokens=max_tokens,
-                temperature=0.8,
-                seed=i,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            tokens, finish = 0, None
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    tokens += len((choice.model_extra or {}).get("token_ids", []))
-                    finish = choice.finish_reason or finish
-                if abort and tokens >= after:
-                    await stream.close()
-                    return "aborted"
-            assert finish == "length" and tokens == max_tokens, (i, finish, tokens)
-            return "done"
-
         try:
-            return await asyncio.gather(*(one(*p) for p in plan))
+            return await asyncio.gather(*(one(client, *p) for p in plan))
         finally:
             await client.close()
 
     results = asyncio.run(main())
-    assert results.count("done") >= 100 and set(results) <= {"done", "aborted"}
     wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
     wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
     assert server.metric("vllm:num_requests_waiting") == 0
     assert httpx.get(server.url + "/health").status_code == 200
+    return results
+
+
+def test_200_concurrent_streams_with_random_aborts(server) -> None:
+    rng = random.Random(0)
+    plan = [(i, rng.random() < 0.3, rng.randint(1, 6), rng.randint(4, 24)) for i in range(200)]
+
+    async def one(client, i: int, abort: bool, after: int, max_tokens: int) -> str:  # type: ignore[no-untyped-def]
+        stream = await client.completions.create(
+            model="demo",
+            prompt=f"Q: {i} + {i} =\nA:",
+            max_tokens=max_tokens,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        tokens, finish = 0, None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                tokens += len((choice.model_extra or {}).get("token_ids", []))
+                finish = choice.finish_reason or finish
+            if abort and tokens >= after:
+                await stream.close()
+                return "aborted"
+        assert finish == "length" and tokens == max_tokens, (i, finish, tokens)
+        return "done"
+
+    results = _streams_then_drained(server, one, plan)
+    assert results.count("done") >= 100 and set(results) <= {"done", "aborted"}
 
 
 def test_concurrent_constrained_scored_and_free_streams_with_aborts(server) -> None:
@@ -105,41 +112,30 @@ def test_concurrent_constrained_scored_and_free_streams_with_aborts(server) -> N
     ]
     plan = [(i, kinds[i % len(kinds)], rng.random() < 0.3) for i in range(36)]
 
-    async def main() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    async def one(client, i: int, extra: dict, abort: bool) -> str:  # type: ignore[no-untyped-def]
+        stream = await client.completions.create(
+            model="demo", prompt=f"Q: {i} + {i} =\nA:", max_tokens=16, temperature=0.8,
+            seed=i, stream=True, extra_body=extra,
+        )  # fmt: skip
+        text, finish, chunks = "", None, 0
+        async for chunk in stream:
+            chunks += 1
+            for choice in chunk.choices:
+                text += choice.text
+                finish = choice.finish_reason or finish
+            if abort and chunks >= 2:
+                await stream.close()
+                return "aborted"
+        if "structured_outputs" in extra and finish == "stop":
+            spec = extra["structured_outputs"]
+            assert text in spec.get("choice", [text]), text
+            assert re.fullmatch(spec.get("regex", ".*"), text, re.S), text
+        if "response_format" in extra and finish == "stop":
+            assert isinstance(json.loads(text), dict), text
+        return "done"
 
-        async def one(i: int, extra: dict, abort: bool) -> str:
-            stream = await client.completions.create(
-                model="demo", prompt=f"Q: {i} + {i} =\nA:", max_tokens=16, temperature=0.8,
-                seed=i, stream=True, extra_body=extra,
-            )  # fmt: skip
-            text, finish, chunks = "", None, 0
-            async for chunk in stream:
-                chunks += 1
-                for choice in chunk.choices:
-                    text += choice.text
-                    finish = choice.finish_reason or finish
-                if abort and chunks >= 2:
-                    await stream.close()
-                    return "aborted"
-            if "structured_outputs" in extra and finish == "stop":
-                spec = extra["structured_outputs"]
-                assert text in spec.get("choice", [text]), text
-                assert re.fullmatch(spec.get("regex", ".*"), text, re.S), text
-            if "response_format" in extra and finish == "stop":
-                assert isinstance(json.loads(text), dict), text
-            return "done"
-
-        try:
-            return await asyncio.gather(*(one(*p) for p in plan))
-        finally:
-            await client.close()
-
-    results = asyncio.run(main())
+    results = _streams_then_drained(server, one, plan)
     assert results.count("done") >= 18 and set(results) <= {"done", "aborted"}
-    wait_for(lambda: server.metric("rlt:kv_blocks_used") == 0)
-    wait_for(lambda: server.metric("vllm:num_requests_running") == 0)
-    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def test_a_fault_in_one_request_fails_only_that_one() -> None:
