@@ -94,10 +94,3 @@ class Matcher:
 def _ebnf_literal(text: str) -> str:
     escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return '"' + escaped.replace("\r", "\\r").replace("\t", "\\t") + '"'
-
-
-def allowed_tokens(mask: bytes, vocab_size: int) -> list[int]:
-    """The token ids `mask` allows (tests and error messages)."""
-    words = np.frombuffer(mask, dtype="<i4").astype(np.uint32)
-    bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-    return [int(t) for t in np.flatnonzero(bits.reshape(-1)[:vocab_size])]

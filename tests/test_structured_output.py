@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 from engine_helpers import ENGINES, check_no_blocks_in_use, oracle_greedy, until_stop
 
@@ -15,7 +16,7 @@ from rlt_engine import LLM, SamplingParams
 from rlt_engine.core.plan import StepPlan
 from rlt_engine.models.tokenizer import render_chat
 from rlt_engine.sampling_params import StructuredOutput
-from rlt_engine.structured import GrammarError, Grammars, allowed_tokens
+from rlt_engine.structured import GrammarError, Grammars
 
 QUESTION = "Tom has 3 apples and buys 5 more. How many apples does he have?"
 SCHEMA = {
@@ -171,6 +172,13 @@ def test_async_with_only_constrained_rows_plans_no_window_they_would_sit_out():
 
 
 # -- the host side: compiling and masks ------------------------------------------------------
+
+
+def allowed_tokens(mask: bytes, vocab_size: int) -> list[int]:
+    """The token ids a mask allows: bit t % 32 of little-endian int32 word t // 32."""
+    words = np.frombuffer(mask, dtype="<i4").astype(np.uint32)
+    bits = (words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return [int(t) for t in np.flatnonzero(bits.reshape(-1)[:vocab_size])]
 
 
 @pytest.fixture(scope="module")

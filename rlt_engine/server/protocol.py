@@ -17,6 +17,7 @@ returns its per-token exit depths as `exit_depths`. vLLM's: `top_k`, `ignore_eos
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,7 +78,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)  # vLLM's
 
     def _check_common(self) -> None:
-        self.structured()
+        self.structured  # noqa: B018 (parsed here: a bad field is a 400 before any work)
         self.token_biases()
         stops = self.stop_strings()
         if any(not s for s in stops):
@@ -102,8 +103,10 @@ class _Common(BaseModel):
             raise ParamError("logit_bias", "logit_bias maps token ids to biases in [-100, 100]")
         return ids
 
+    @cached_property
     def structured(self) -> tuple[str, StructuredOutput] | None:
-        """(the field it came from, the grammar) of a request for structured output."""
+        """(the field it came from, the grammar) of a request for structured output; parsed
+        once per body (a refusal raises at every access)."""
         given: list[tuple[str, dict[str, object]]] = []
         rf = self.response_format
         if rf is not None and rf.get("type") != "text":
@@ -132,8 +135,7 @@ class _Common(BaseModel):
     @property
     def grammar_field(self) -> str | None:
         """The field that asked for structured output, if one did."""
-        structured = self.structured()
-        return structured[0] if structured else None
+        return self.structured[0] if self.structured else None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -146,7 +148,7 @@ class _Common(BaseModel):
         """The engine parameters of choice `choice` (of n): seeded choices get seed + choice, so
         n > 1 with one seed gives n different, reproducible samples."""
         seed = None if self.seed is None else (self.seed + choice) % 2**63
-        if self.min_tokens and self.structured():
+        if self.min_tokens and self.structured:
             raise ParamError("min_tokens", "min_tokens cannot be combined with structured output")
         if self.min_tokens > max_tokens:
             raise ParamError(
@@ -170,7 +172,7 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.token_biases(),
-            structured=structured[1] if (structured := self.structured()) else None,
+            structured=self.structured[1] if self.structured else None,
             min_loops=self.min_loops,
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,

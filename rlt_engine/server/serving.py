@@ -32,6 +32,7 @@ from rlt_engine.server.config import ServerConfig
 from rlt_engine.server.errors import APIError, error_body
 from rlt_engine.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     ParamError,
@@ -132,7 +133,9 @@ class Serving:
         self._admit(body.model)
         try:
             body.check()
-            ids = self._render_chat(body)
+            ids = self._render_chat(
+                body.messages, body.add_generation_prompt, body.continue_final_message
+            )
             limit = body.token_limit
             if limit is None:  # as vLLM: whatever context the prompt leaves, in the pool too
                 assert self.engine.info is not None
@@ -157,13 +160,9 @@ class Serving:
         self._known(body.model)
         body.check()
         if body.messages is not None:
-            chat = ChatCompletionRequest(
-                model=body.model,
-                messages=body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
+            ids = self._render_chat(
+                body.messages, body.add_generation_prompt, body.continue_final_message
             )
-            ids = self._render_chat(chat)
         else:
             assert body.prompt is not None
             ids = self._tokenizer_for("prompt").encode(body.prompt)
@@ -204,21 +203,24 @@ class Serving:
                 headers={"Retry-After": "1"},
             )
 
-    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def _render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final: bool
+    ) -> list[int]:
+        """The ids of a chat request's messages (chat completions and /tokenize)."""
         from rlt_engine.models.tokenizer import TokenizerError, render_chat
 
         if self.tokenizer is None:
             raise ParamError("messages", "this model has no tokenizer, so it has no chat template")
-        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+        plain = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
         try:
             return render_chat(
                 self.tokenizer,
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
+                plain,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final,
             )
         except TokenizerError as exc:
-            field = "continue_final_message" if body.continue_final_message else "messages"
+            field = "continue_final_message" if continue_final else "messages"
             raise ParamError(field, str(exc)) from None
 
     def _prompt_text(self, prompt: str | list[int]) -> str:
